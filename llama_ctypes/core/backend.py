@@ -1,0 +1,200 @@
+"""Process-wide llama.cpp state: backend init, log routing, versions and devices."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+from ctypes import byref, c_size_t
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import native
+from ..native import ggml_h
+
+logger = logging.getLogger("llama_ctypes")
+logger.addHandler(logging.NullHandler())  # quiet unless the application configures logging
+native_logger = logging.getLogger("llama_ctypes.llama_cpp")
+
+_LEVELS = {
+    ggml_h.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+    # llama.cpp's INFO is chatty (tensor lists, buffer sizes): DEBUG for Python.
+    ggml_h.GGML_LOG_LEVEL_INFO: logging.DEBUG,
+    ggml_h.GGML_LOG_LEVEL_WARN: logging.WARNING,
+    ggml_h.GGML_LOG_LEVEL_ERROR: logging.ERROR,
+}
+
+
+class _LogRouter:
+    """Collects llama.cpp log fragments into lines and hands them to ``logging``.
+
+    llama.cpp logs in pieces (``GGML_LOG_LEVEL_CONT`` continues the previous
+    message), from any thread. The ctypes callback object is kept on this
+    instance for the life of the process: if it were collected, C would call
+    freed memory.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer = ""
+        self._level = logging.DEBUG
+        self.callback = ggml_h.ggml_log_callback(self._on_log)
+
+    def _on_log(self, level: int, text: bytes, _user_data) -> None:
+        try:
+            piece = text.decode("utf-8", errors="replace") if text else ""
+            with self._lock:
+                if level != ggml_h.GGML_LOG_LEVEL_CONT:
+                    self._level = _LEVELS.get(level, logging.DEBUG)
+                self._buffer += piece
+                if "\n" not in self._buffer:
+                    return
+                *lines, self._buffer = self._buffer.split("\n")
+                py_level = self._level
+            if native_logger.isEnabledFor(py_level):
+                for line in lines:
+                    if line.strip():
+                        native_logger.log(py_level, "%s", line)
+        except Exception:  # an exception must never propagate into C
+            pass
+
+
+_init_lock = threading.Lock()
+_router: _LogRouter | None = None
+
+
+def init() -> native.NativeLibrary:
+    """Load the libraries, route llama.cpp logs into ``logging`` and init backends.
+
+    Idempotent and thread-safe; every public entry point calls it, so calling
+    it yourself is only needed to pay the start-up cost early.
+    """
+    global _router
+    lib = native.load()
+    if _router is not None:
+        return lib
+    with _init_lock:
+        if _router is None:
+            router = _LogRouter()
+            lib.llama_log_set(router.callback, None)
+            # Backends built as loadable modules (GGML_BACKEND_DL) live beside the libraries.
+            lib.ggml_backend_load_all_from_path(str(lib.directory).encode())
+            lib.llama_backend_init()
+            atexit.register(_quiet_at_exit, lib)
+            _router = router
+    return lib
+
+
+def _quiet_at_exit(lib: native.NativeLibrary) -> None:
+    # Static destructors in ggml may log after the interpreter is gone.
+    lib.lcx_log_set_quiet()
+
+
+def system_info() -> str:
+    """llama.cpp's description of the CPU features and backends compiled in."""
+    return init().llama_print_system_info().decode()
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """Versions of this package and of the llama.cpp build it runs on."""
+
+    package: str
+    llama_cpp: str  # llama.cpp's own version string
+    llama_cpp_source: str  # which source tree was built (the pin or a custom tree)
+    backend: str  # cpu | cuda | metal | vulkan
+    cmake_args: tuple[str, ...]
+
+
+def version_info() -> VersionInfo:
+    from .. import __version__
+
+    lib = init()
+    info = lib.build_info
+    return VersionInfo(
+        package=__version__,
+        llama_cpp=(lib.llama_version() or b"").decode(),
+        llama_cpp_source=info.get("llama_cpp_source", "unknown"),
+        backend=info.get("backend", "unknown"),
+        cmake_args=tuple(info.get("cmake_args", ())),
+    )
+
+
+DeviceType = Literal["cpu", "gpu", "igpu", "accel", "meta"]
+_DEVICE_TYPES: dict[int, DeviceType] = {
+    ggml_h.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu",
+    ggml_h.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+    ggml_h.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu",
+    ggml_h.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel",
+    ggml_h.GGML_BACKEND_DEVICE_TYPE_META: "meta",
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """One compute device known to ggml. Memory figures are in bytes, read when listed."""
+
+    index: int  # position in ggml's device list
+    name: str  # e.g. "CPU", "CUDA0"
+    description: str
+    type: DeviceType
+    backend: str  # the registering backend, e.g. "CPU", "CUDA"
+    memory_total: int
+    memory_free: int
+    # Index among GPU devices, the index space of tensor_split and main_gpu; None for others.
+    gpu_index: int | None
+
+
+def devices() -> list[Device]:
+    """List ggml's devices with their current memory (bytes)."""
+    lib = init()
+    listed = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        props = ggml_h.ggml_backend_dev_props()
+        lib.ggml_backend_dev_get_props(dev, byref(props))
+        free, total = c_size_t(), c_size_t()
+        lib.ggml_backend_dev_memory(dev, byref(free), byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        listed.append(
+            (
+                props.device_id,
+                Device(
+                    index=i,
+                    name=(props.name or b"").decode(),
+                    description=(props.description or b"").decode(),
+                    type=_DEVICE_TYPES.get(props.type, "accel"),
+                    backend=(lib.ggml_backend_reg_name(reg) or b"").decode() if reg else "",
+                    memory_total=int(total.value),
+                    memory_free=int(free.value),
+                    gpu_index=None,
+                ),
+            )
+        )
+    order = _offload_order(listed)
+    return [
+        dataclasses.replace(dev, gpu_index=order.index(dev.index)) if dev.index in order else dev
+        for _, dev in listed
+    ]
+
+
+def _offload_order(listed: list[tuple[bytes | None, Device]]) -> list[int]:
+    """Device indices in the order llama.cpp numbers offload devices (main_gpu, tensor_split).
+
+    Mirrors llama_model_load's default device list: RPC devices first, then
+    discrete GPUs (one per physical device id), and integrated GPUs only when
+    there is no discrete one.
+    """
+    rpc, gpus, igpus, seen_ids = [], [], [], set()
+    for device_id, dev in listed:
+        if dev.type == "gpu" and dev.backend == "RPC":
+            rpc.append(dev.index)
+        elif dev.type == "gpu":
+            if device_id is None or device_id not in seen_ids:
+                gpus.append(dev.index)
+            if device_id is not None:
+                seen_ids.add(device_id)
+        elif dev.type == "igpu" and (not igpus or listed[igpus[-1]][1].backend == dev.backend):
+            igpus.append(dev.index)
+    return rpc + gpus + (igpus if not gpus else [])

@@ -1,0 +1,120 @@
+"""Lifetime of native handles: close once, never use a freed pointer.
+
+Every object that owns a llama.cpp pointer (Model, Context, Sampler) derives
+from ``NativeHandle``. Its rules:
+
+* ``close()`` is idempotent; after it, every public use raises ``ClosedError``.
+* The pointer is freed only when nothing is using it: a close requested while
+  another thread is inside a call, or while dependents (a Context of a Model)
+  are alive, is deferred until the last user lets go.
+* Garbage collection calls ``close()`` as a backstop.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from ..errors import BusyError, ClosedError
+
+
+class NativeHandle:
+    """Owns one native pointer; subclasses implement ``_free()``."""
+
+    _kind = "handle"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._freed = False
+        self._users = 0  # shared users: in-flight calls and dependent handles
+        self._exclusive = False
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called (the pointer may still await its last user)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release the native resources (now, or when the last user finishes)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            free_now = self._users == 0 and not self._exclusive
+        if free_now:
+            self._do_free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not getattr(self, "_freed", True):
+                self.close()
+        except Exception:
+            pass
+
+    # ---- use tracking ------------------------------------------------------------
+    def _acquire(self) -> None:
+        """Register a shared user (a dependent handle, or a call that may overlap others)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{self._kind} is closed")
+            self._users += 1
+
+    def _release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            free_now = self._closed and self._users == 0 and not self._exclusive
+        if free_now:
+            self._do_free()
+
+    @contextmanager
+    def _shared(self) -> Iterator[None]:
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _begin_exclusive(self) -> None:
+        """Claim sole use (a decode, a generation); another concurrent claim raises BusyError."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"{self._kind} is closed")
+            if self._exclusive:
+                raise BusyError(
+                    f"this {self._kind} is in use by another call (a running generation or another thread); "
+                    f"a {self._kind} serves one caller at a time: create one per thread, or use a Server"
+                )
+            self._exclusive = True
+
+    def _end_exclusive(self) -> None:
+        with self._lock:
+            self._exclusive = False
+            free_now = self._closed and self._users == 0
+        if free_now:
+            self._do_free()
+
+    @contextmanager
+    def _exclusively(self) -> Iterator[None]:
+        self._begin_exclusive()
+        try:
+            yield
+        finally:
+            self._end_exclusive()
+
+    def _do_free(self) -> None:
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+        self._free()
+
+    def _free(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError

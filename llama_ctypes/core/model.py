@@ -1,0 +1,382 @@
+"""Model: a loaded GGUF file, shareable across threads."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from ctypes import c_float, create_string_buffer
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError
+from ..native import llama_h as L
+from .backend import init
+from .handle import NativeHandle
+from .params import ModelParams, _SPLIT, split_options
+
+logger = logging.getLogger(__name__)
+
+_GGUF_MAGIC = b"GGUF"
+
+
+def _read_string(fn, *args, initial: int = 256) -> str | None:
+    """Call a llama.cpp ``(…, char * buf, size_t size) -> length`` function, growing the buffer."""
+    size = initial
+    while True:
+        buf = create_string_buffer(size)
+        n = fn(*args, buf, size)
+        if n < 0:
+            return None
+        if n < size:
+            return buf.raw[:n].decode("utf-8", errors="replace")
+        size = n + 1
+
+
+class Model(NativeHandle):
+    """A loaded model. Thread-safe: share one Model between threads and contexts.
+
+    Create with :func:`load_model`. ``close()`` (or ``with``) frees the weights
+    once no Context or Sampler made from it is still alive; using a closed
+    Model raises :class:`~llama_ctypes.ClosedError`.
+    """
+
+    _kind = "Model"
+
+    def __init__(self, path: str | os.PathLike, params: ModelParams | None = None):
+        super().__init__()
+        self._ptr = None
+        self.path = Path(path)
+        self.params = params or ModelParams()
+        self._lib = init()
+        self._ptr = self._load()
+        self._vocab = self._lib.llama_model_get_vocab(self._ptr)
+        # Idle contexts kept for the high-level generate/stream calls, by ContextParams.
+        self._pool_lock = threading.Lock()
+        self._context_pool: dict[Any, list] = {}
+        self._contexts: weakref.WeakSet = weakref.WeakSet()
+
+    # ---- loading ---------------------------------------------------------------------
+    def _load(self):
+        path = self.path
+        if not path.exists():
+            raise FileNotFoundError(f"model file not found: {path}")
+        if path.is_dir():
+            raise IsADirectoryError(f"model path is a directory: {path}")
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic != _GGUF_MAGIC:
+            raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
+
+        lib, p = self._lib, self.params
+        native = lib.llama_model_default_params()
+        native.n_gpu_layers = p.n_gpu_layers
+        native.split_mode = _SPLIT[p.split_mode]
+        native.main_gpu = p.main_gpu
+        native.load_mode = p.load_mode
+        native.vocab_only = p.vocab_only
+        native.check_tensors = p.check_tensors
+        native.use_extra_bufts = p.use_extra_bufts
+        native.no_host = p.no_host
+        native.load_mtp = p.load_mtp
+        keep_alive = []  # buffers and callbacks that must outlive the load call
+        if p.tensor_split:
+            n_max = lib.llama_max_devices()
+            if len(p.tensor_split) > n_max:
+                raise ValueError(f"tensor_split has {len(p.tensor_split)} entries; this build supports {n_max} devices")
+            arr = (c_float * n_max)(*p.tensor_split)
+            keep_alive.append(arr)
+            native.tensor_split = ctypes.cast(arr, ctypes.POINTER(c_float))
+        if p.kv_overrides:
+            arr = (L.llama_model_kv_override * (len(p.kv_overrides) + 1))()  # zeroed sentinel at the end
+            for item, (key, value) in zip(arr, p.kv_overrides.items()):
+                item.key = key.encode()
+                if isinstance(value, bool):
+                    item.tag, item.val_bool = L.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
+                elif isinstance(value, int):
+                    item.tag, item.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, value
+                elif isinstance(value, float):
+                    item.tag, item.val_f64 = L.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value
+                else:
+                    item.tag, item.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()
+            keep_alive.append(arr)
+            native.kv_overrides = arr
+        callback_error: list[BaseException] = []
+        if p.progress_callback is not None:
+            user_cb = p.progress_callback
+
+            def on_progress(progress: float, _user_data) -> bool:
+                try:
+                    return user_cb(float(progress)) is not False
+                except BaseException as exc:  # never let an exception unwind into C
+                    callback_error.append(exc)
+                    return False
+
+            cb = L.llama_progress_callback(on_progress)
+            keep_alive.append(cb)
+            native.progress_callback = cb
+        ptr = lib.llama_model_load_from_file(os.fsencode(path), native)
+        del keep_alive
+        if callback_error:
+            if ptr:
+                lib.llama_model_free(ptr)
+            raise callback_error[0]
+        if not ptr:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path} (corrupt, truncated, or an unsupported architecture); "
+                "enable logging for 'llama_ctypes.llama_cpp' to see llama.cpp's reason"
+            )
+        return ptr
+
+    def _free(self) -> None:
+        with self._pool_lock:
+            pooled = [c for ctxs in self._context_pool.values() for c in ctxs]
+            self._context_pool.clear()
+        for ctx in pooled:
+            ctx.close()
+        if self._ptr:
+            self._lib.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def close(self) -> None:
+        """Free the model once every Context and Sampler made from it is closed.
+
+        Idle contexts kept for ``generate``/``stream`` are closed right away.
+        """
+        with self._pool_lock:
+            pooled = [c for ctxs in self._context_pool.values() for c in ctxs]
+            self._context_pool.clear()
+        for ctx in pooled:
+            ctx.close()
+        super().close()
+
+    @property
+    def ptr(self):
+        """The raw ``llama_model *`` (for the library's own layers; do not free it)."""
+        if self._closed:
+            from ..errors import ClosedError
+
+            raise ClosedError("Model is closed")
+        return self._ptr
+
+    # ---- introspection ------------------------------------------------------------------
+    def _int(self, fn) -> int:
+        with self._shared():
+            return int(fn(self._ptr))
+
+    @property
+    def desc(self) -> str:
+        """A short description, e.g. ``"gemma3 270M Q4_K - Medium"``."""
+        with self._shared():
+            return _read_string(self._lib.llama_model_desc, self._ptr) or ""
+
+    @property
+    def n_params(self) -> int:
+        """Number of parameters."""
+        return self._int(self._lib.llama_model_n_params)
+
+    @property
+    def size(self) -> int:
+        """Total size of all tensors, in bytes."""
+        return self._int(self._lib.llama_model_size)
+
+    @property
+    def n_ctx_train(self) -> int:
+        """Context length the model was trained with, in tokens."""
+        return self._int(self._lib.llama_model_n_ctx_train)
+
+    @property
+    def n_embd(self) -> int:
+        """Embedding (hidden) size."""
+        return self._int(self._lib.llama_model_n_embd)
+
+    @property
+    def n_layer(self) -> int:
+        """Number of layers."""
+        return self._int(self._lib.llama_model_n_layer)
+
+    @property
+    def n_head(self) -> int:
+        """Number of attention heads."""
+        return self._int(self._lib.llama_model_n_head)
+
+    @property
+    def n_head_kv(self) -> int:
+        """Number of key/value heads."""
+        return self._int(self._lib.llama_model_n_head_kv)
+
+    @property
+    def n_swa(self) -> int:
+        """Sliding-window size in tokens (0 when the model has no SWA layers)."""
+        return self._int(self._lib.llama_model_n_swa)
+
+    @property
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        with self._shared():
+            return int(self._lib.llama_vocab_n_tokens(self._vocab))
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` from the GGUF, e.g. ``"llama"``, ``"gemma3"``."""
+        return self.meta("general.architecture") or ""
+
+    @property
+    def name(self) -> str:
+        """``general.name`` from the GGUF, or the file name."""
+        return self.meta("general.name") or self.path.name
+
+    @property
+    def has_encoder(self) -> bool:
+        """True for encoder (BERT-like) and encoder-decoder (T5-like) models."""
+        return bool(self._int(self._lib.llama_model_has_encoder))
+
+    @property
+    def has_decoder(self) -> bool:
+        """True when the model has a decoder (every generative model)."""
+        return bool(self._int(self._lib.llama_model_has_decoder))
+
+    @property
+    def is_recurrent(self) -> bool:
+        """True for recurrent models (Mamba, RWKV)."""
+        return bool(self._int(self._lib.llama_model_is_recurrent))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True for hybrid attention/recurrent models (Jamba, Qwen3.5 GDN)."""
+        return bool(self._int(self._lib.llama_model_is_hybrid))
+
+    @property
+    def rope_type(self) -> str:
+        """RoPE variant: none, norm, neox, mrope, imrope or vision."""
+        value = self._int(self._lib.llama_model_rope_type)
+        names = {L.LLAMA_ROPE_TYPE_NONE: "none", L.LLAMA_ROPE_TYPE_NORM: "norm", L.LLAMA_ROPE_TYPE_NEOX: "neox",
+                 L.LLAMA_ROPE_TYPE_MROPE: "mrope", L.LLAMA_ROPE_TYPE_IMROPE: "imrope",
+                 L.LLAMA_ROPE_TYPE_VISION: "vision"}
+        return names.get(value, str(value))
+
+    @property
+    def ftype(self) -> str:
+        """Quantization of the file, e.g. ``"Q4_K - Medium"``."""
+        with self._shared():
+            return (self._lib.llama_ftype_name(self._lib.llama_model_ftype(self._ptr)) or b"").decode()
+
+    def chat_template_named(self, name: str | None = None) -> str | None:
+        """The chat template stored under ``tokenizer.chat_template[.name]``, or None."""
+        with self._shared():
+            raw = self._lib.llama_model_chat_template(self._ptr, name.encode() if name else None)
+        return raw.decode("utf-8", errors="replace") if raw else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template from the GGUF metadata, or None."""
+        return self.chat_template_named(None)
+
+    def meta(self, key: str) -> str | None:
+        """One GGUF metadata value as a string (arrays are not available), or None."""
+        with self._shared():
+            return _read_string(self._lib.llama_model_meta_val_str, self._ptr, key.encode())
+
+    @cached_property
+    def metadata(self) -> dict[str, str]:
+        """Every scalar GGUF metadata key/value (values as strings)."""
+        with self._shared():
+            lib, ptr = self._lib, self._ptr
+            out = {}
+            for i in range(lib.llama_model_meta_count(ptr)):
+                key = _read_string(lib.llama_model_meta_key_by_index, ptr, i)
+                if key is not None:
+                    out[key] = _read_string(lib.llama_model_meta_val_str_by_index, ptr, i) or ""
+            return out
+
+    def info(self) -> dict[str, Any]:
+        """A summary dict of the model (what ``llama-ctypes info`` prints)."""
+        return {
+            "path": str(self.path),
+            "name": self.name,
+            "architecture": self.architecture,
+            "desc": self.desc,
+            "ftype": self.ftype,
+            "n_params": self.n_params,
+            "size": self.size,
+            "n_ctx_train": self.n_ctx_train,
+            "n_embd": self.n_embd,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_head_kv": self.n_head_kv,
+            "n_vocab": self.n_vocab,
+            "rope_type": self.rope_type,
+            "has_encoder": self.has_encoder,
+            "has_decoder": self.has_decoder,
+            "is_recurrent": self.is_recurrent,
+            "is_hybrid": self.is_hybrid,
+            "has_chat_template": self.chat_template is not None,
+        }
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self.desc
+        return f"<Model {self.path.name!r} {state}>"
+
+    # ---- conveniences (thin wrappers over the generation API) ------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """Text to token ids (see :meth:`Tokenizer.encode`)."""
+        from .tokenizer import Tokenizer
+
+        return Tokenizer.encode(self, text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens, remove_special: bool = False, unparse_special: bool = False) -> str:
+        """Token ids to text (see :meth:`Tokenizer.decode`)."""
+        from .tokenizer import Tokenizer
+
+        return Tokenizer.decode(self, tokens, remove_special=remove_special, unparse_special=unparse_special)
+
+    def generate(self, prompt, **opts):
+        """See :func:`llama_ctypes.generate`."""
+        from .generation import generate
+
+        return generate(self, prompt, **opts)
+
+    def stream(self, prompt, **opts):
+        """See :func:`llama_ctypes.stream`."""
+        from .generation import stream
+
+        return stream(self, prompt, **opts)
+
+    # ---- pooled contexts for the one-call API ------------------------------------------------
+    def _checkout_context(self, cparams):
+        """An idle pooled Context with these params (memory cleared), or a new one."""
+        from .context import Context
+
+        with self._pool_lock:
+            idle = self._context_pool.get(cparams)
+            ctx = idle.pop() if idle else None
+        if ctx is not None and not ctx.closed:
+            ctx.clear()
+            return ctx
+        return Context(self, cparams)
+
+    def _return_context(self, ctx) -> None:
+        if ctx.closed or self._closed:
+            ctx.close()
+            return
+        with self._pool_lock:
+            idle = self._context_pool.setdefault(ctx.params, [])
+            if not idle:  # keep one idle context per parameter set
+                idle.append(ctx)
+                return
+        ctx.close()
+
+
+def load_model(path: str | os.PathLike, **opts: Any) -> Model:
+    """Load a GGUF model.
+
+    Options are the fields of :class:`ModelParams` (``n_gpu_layers=-1``,
+    ``use_mmap``, ``kv_overrides``, ``progress_callback``, ...). A missing file
+    raises ``FileNotFoundError``; a file llama.cpp cannot load raises
+    :class:`ModelLoadError`; an unknown option raises ``TypeError``.
+    """
+    (model_opts,) = split_options(opts, ModelParams, where="load_model: unknown")
+    return Model(path, ModelParams(**model_opts))

@@ -1,0 +1,70 @@
+"""Exception hierarchy: every error raised by llama_ctypes derives from LlamaError.
+
+Where a built-in exception says it better, the error also derives from it
+(``ModelLoadError`` is not a ``FileNotFoundError``, but a missing file raises
+the built-in one; ``ContextOverflowError`` is a ``ValueError``), so callers can
+catch either the specific class, the library base, or the usual built-in.
+"""
+
+from __future__ import annotations
+
+
+class LlamaError(Exception):
+    """Base class of every llama_ctypes error."""
+
+
+class NativeLibraryError(LlamaError, OSError):
+    """The native llama.cpp libraries could not be found, loaded or trusted."""
+
+
+class LayoutMismatchError(NativeLibraryError):
+    """A ctypes struct mirror does not match the native library's layout."""
+
+
+class ModelLoadError(LlamaError):
+    """llama.cpp refused to load a model file (corrupt, truncated, unsupported)."""
+
+
+class ContextCreationError(LlamaError):
+    """llama.cpp could not create a context (out of memory, bad parameters)."""
+
+
+class ContextOverflowError(LlamaError, ValueError):
+    """A prompt (plus what must be generated) does not fit in the context window."""
+
+    def __init__(self, message: str, *, n_tokens: int = 0, n_ctx: int = 0):
+        super().__init__(message)
+        self.n_tokens = n_tokens
+        self.n_ctx = n_ctx
+
+
+class DecodeError(LlamaError):
+    """llama_decode/llama_encode failed; ``code`` is llama.cpp's return value."""
+
+    def __init__(self, message: str, *, code: int = 0):
+        super().__init__(message)
+        self.code = code
+
+
+class TokenizationError(LlamaError, ValueError):
+    """Text could not be tokenized or tokens could not be detokenized."""
+
+
+class GrammarError(LlamaError, ValueError):
+    """A GBNF grammar was rejected by llama.cpp."""
+
+
+class SchemaError(LlamaError, ValueError):
+    """A JSON schema is invalid or uses a feature that cannot be converted to a grammar."""
+
+
+class ClosedError(LlamaError, RuntimeError):
+    """An operation was attempted on a closed Model, Context or Sampler."""
+
+
+class BusyError(LlamaError, RuntimeError):
+    """A Context is already in use by another thread."""
+
+
+class CancelledError(LlamaError):
+    """A request was cancelled before it finished."""

@@ -1,0 +1,46 @@
+"""ctypes mirror of the llama_ctypes adapter (``build_scripts/adapter/llama_ctypes_adapter.cpp``).
+
+The adapter is a thin ``extern "C"`` layer over C++-only llama.cpp pieces:
+struct layouts, JSON-schema-to-GBNF conversion (common/) and the MTP
+hidden-state calls of ``src/llama-ext.h``.
+"""
+
+from __future__ import annotations
+
+from ctypes import POINTER, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
+
+from .llama_h import llama_context_p, llama_model_p
+
+# Must equal LCX_ABI_VERSION in the adapter.
+ABI_VERSION = 1
+
+PROTOTYPES = [
+    # int32_t lcx_abi_version(void);
+    ("lcx_abi_version", [], c_int32),
+    # int32_t lcx_layout_count(void);
+    ("lcx_layout_count", [], c_int32),
+    # bool lcx_layout_get(int32_t i, const char ** type, const char ** field, size_t * offset, size_t * size);
+    ("lcx_layout_get", [c_int32, POINTER(c_char_p), POINTER(c_char_p), POINTER(c_size_t), POINTER(c_size_t)], c_bool),
+    # void lcx_log_set_quiet(void);
+    ("lcx_log_set_quiet", [], None),
+    # void lcx_string_free(char * s);   (takes the raw pointer, so restype of producers is c_void_p)
+    ("lcx_string_free", [c_void_p], None),
+    # char * lcx_json_schema_to_grammar(const char * schema_json, bool force_gbnf, char ** error);
+    ("lcx_json_schema_to_grammar", [c_char_p, c_bool, POINTER(c_void_p)], c_void_p),
+    # void lcx_set_embeddings_nextn(llama_context * ctx, bool value, bool masked);
+    ("lcx_set_embeddings_nextn", [llama_context_p, c_bool, c_bool], None),
+    # void lcx_set_nextn_layer_offset(llama_context * ctx, int32_t offset);
+    ("lcx_set_nextn_layer_offset", [llama_context_p, c_int32], None),
+    # float * lcx_get_embeddings_nextn(llama_context * ctx);
+    ("lcx_get_embeddings_nextn", [llama_context_p], POINTER(c_float)),
+    # float * lcx_get_embeddings_nextn_ith(llama_context * ctx, int32_t i);
+    ("lcx_get_embeddings_nextn_ith", [llama_context_p, c_int32], POINTER(c_float)),
+    # llama_context * lcx_get_ctx_other(llama_context * ctx);
+    ("lcx_get_ctx_other", [llama_context_p], llama_context_p),
+    # int32_t lcx_model_n_expert(const llama_model * model);
+    ("lcx_model_n_expert", [llama_model_p], c_int32),
+    # int32_t lcx_model_n_devices(const llama_model * model);
+    ("lcx_model_n_devices", [llama_model_p], c_int32),
+    # ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32_t i);
+    ("lcx_model_get_device", [llama_model_p, c_int32], c_void_p),
+]

@@ -1,0 +1,56 @@
+"""Build hook: compile (or reuse) llama.cpp's shared libraries before packaging.
+
+All metadata lives in pyproject.toml. This file only wires the native build
+(build_scripts/build_llama.py) into ``build_py`` and marks the wheel as
+platform-specific (it carries shared libraries, but no CPython extension, so
+one wheel serves every Python 3 version of a platform).
+"""
+
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "build_scripts"))
+
+import build_llama  # noqa: E402
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class BuildPyWithNative(build_py):
+    def run(self):
+        try:
+            cached = build_llama.build()
+        except (build_llama.BuildError, build_llama.llama_source.SourceError) as exc:
+            sys.exit(f"llama_ctypes: native build failed: {exc}")
+        # Into the source tree too: editable installs and tests run from a checkout use it.
+        build_llama.install_into(cached, ROOT / "llama_ctypes" / "lib")
+        super().run()
+
+
+class PlatformWheel(bdist_wheel):
+    def finalize_options(self):
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self):
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self):
+        return True
+
+
+setup(
+    cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel},
+    distclass=BinaryDistribution,
+)
