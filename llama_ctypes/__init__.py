@@ -1,2 +1,48 @@
-"""llama_ctypes: local LLM inference over llama.cpp, from pure Python."""
+"""llama_ctypes: local LLM inference over llama.cpp, from pure Python (ctypes).
+
+Layers, lowest first (a layer imports only those below it):
+
+* ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
+* ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
+* ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
+"""
+
 from ._version import __version__
+from .core.backend import Device, VersionInfo, devices, init, system_info, version_info
+from .core.batch import Batch
+from .core.context import Context
+from .core.generation import Completion, GenerationParams, TextStream, Timings, generate, stream
+from .core.model import Model, load_model
+from .core.params import ContextParams, ModelParams
+from .core.sampler import Sampler, SamplingParams
+from .core.tokenizer import StreamDecoder, Tokenizer
+from .errors import (
+    BusyError,
+    CancelledError,
+    ClosedError,
+    ContextCreationError,
+    ContextOverflowError,
+    DecodeError,
+    GrammarError,
+    LayoutMismatchError,
+    LlamaError,
+    ModelLoadError,
+    NativeLibraryError,
+    SchemaError,
+    TokenizationError,
+)
+
+__all__ = [
+    "__version__",
+    # backend
+    "init", "system_info", "version_info", "devices", "Device", "VersionInfo",
+    # core objects
+    "Model", "load_model", "ModelParams", "Context", "ContextParams", "Batch",
+    "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
+    # generation
+    "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings",
+    # errors
+    "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
+    "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
+    "ClosedError", "BusyError", "CancelledError",
+]

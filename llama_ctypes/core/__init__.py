@@ -1,0 +1,1 @@
+"""Core objects: Model, Context, Batch, Sampler, Tokenizer, and single-sequence generation."""

@@ -1,0 +1,270 @@
+"""Sampling: validated parameters and the llama.cpp sampler chain built from them."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ..errors import GrammarError
+from ..native import llama_h as L
+from .handle import NativeHandle
+from .params import split_options
+
+if TYPE_CHECKING:
+    from .model import Model
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is picked. Defaults follow llama.cpp's ``common`` defaults.
+
+    ``temp <= 0`` means greedy decoding (argmax after penalties, bias and grammar).
+    """
+
+    temp: float = 0.8
+    """Temperature; <= 0 is greedy."""
+    top_k: int = 40
+    """Keep the k most likely tokens; <= 0 disables."""
+    top_p: float = 0.95
+    """Nucleus sampling threshold; 1.0 disables."""
+    min_p: float = 0.05
+    """Drop tokens below min_p x the top probability; 0 disables."""
+    typical_p: float = 1.0
+    """Locally typical sampling; 1.0 disables."""
+    top_n_sigma: float = -1.0
+    """Keep tokens within n standard deviations of the top logit; <= 0 disables."""
+    xtc_probability: float = 0.0
+    """Exclude-top-choices: chance per step to drop the top tokens; 0 disables."""
+    xtc_threshold: float = 0.1
+    """XTC: tokens above this probability are candidates for exclusion."""
+    dynatemp_range: float = 0.0
+    """Dynamic temperature range (temp +- range); 0 disables."""
+    dynatemp_exponent: float = 1.0
+    """Dynamic temperature exponent."""
+    mirostat: int = 0
+    """Mirostat: 0 = off, 1 = v1, 2 = v2 (replaces top-k/p/min-p)."""
+    mirostat_tau: float = 5.0
+    """Mirostat target entropy."""
+    mirostat_eta: float = 0.1
+    """Mirostat learning rate."""
+    penalty_last_n: int = 64
+    """Tokens of history the penalties look at; 0 disables, -1 = the whole context."""
+    penalty_repeat: float = 1.0
+    """Repetition penalty; 1.0 disables."""
+    penalty_freq: float = 0.0
+    """Frequency penalty; 0 disables."""
+    penalty_present: float = 0.0
+    """Presence penalty; 0 disables."""
+    dry_multiplier: float = 0.0
+    """DRY repetition penalty strength; 0 disables."""
+    dry_base: float = 1.75
+    """DRY exponential base."""
+    dry_allowed_length: int = 2
+    """DRY: repeats up to this length are free."""
+    dry_penalty_last_n: int = -1
+    """DRY look-back in tokens; -1 = the whole context."""
+    dry_sequence_breakers: Sequence[str] = ("\n", ":", '"', "*")
+    """DRY: strings that end a repeated sequence."""
+    logit_bias: Mapping[int, float] | None = None
+    """Added to the logits of the given token ids (-inf bans a token)."""
+    seed: int | None = None
+    """RNG seed; None draws a fresh one."""
+    min_keep: int = 0
+    """Candidates every truncating sampler keeps at least."""
+    grammar: str | None = None
+    """GBNF grammar constraining the output."""
+    grammar_root: str = "root"
+    """Start rule of the grammar."""
+    grammar_lazy_triggers: Sequence[str] = field(default=())
+    """Regex patterns; when given, the grammar applies only after one matches (lazy grammar)."""
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, name: str, expect: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected {expect}")
+
+        for name in ("temp", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                     "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "penalty_repeat",
+                     "penalty_freq", "penalty_present", "dry_multiplier", "dry_base"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                  name, "a finite number")
+        for name in ("top_k", "mirostat", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "min_keep"):
+            check(isinstance(getattr(self, name), int), name, "an integer")
+        check(0.0 <= self.top_p <= 1.0, "top_p", "a value in [0, 1]")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "a value in [0, 1]")
+        check(0.0 < self.typical_p <= 1.0, "typical_p", "a value in (0, 1]")
+        check(0.0 <= self.xtc_probability <= 1.0, "xtc_probability", "a value in [0, 1]")
+        check(0.0 <= self.xtc_threshold <= 1.0, "xtc_threshold", "a value in [0, 1]")
+        check(self.mirostat in (0, 1, 2), "mirostat", "0, 1 or 2")
+        check(self.mirostat_tau > 0 and self.mirostat_eta > 0 or self.mirostat == 0, "mirostat_tau",
+              "positive mirostat_tau and mirostat_eta")
+        check(self.penalty_repeat > 0, "penalty_repeat", "a value > 0 (1.0 disables)")
+        check(self.penalty_last_n >= -1, "penalty_last_n", "-1, 0 or a positive integer")
+        check(self.dry_penalty_last_n >= -1, "dry_penalty_last_n", "-1, 0 or a positive integer")
+        check(self.dry_multiplier >= 0, "dry_multiplier", "a value >= 0")
+        check(self.dry_base >= 1.0 or self.dry_multiplier == 0, "dry_base", "a value >= 1")
+        check(self.dry_allowed_length >= 0, "dry_allowed_length", "a value >= 0")
+        check(self.min_keep >= 0, "min_keep", "a value >= 0")
+        check(self.dynatemp_range >= 0, "dynatemp_range", "a value >= 0")
+        if self.seed is not None:
+            check(isinstance(self.seed, int) and 0 <= self.seed < 0xFFFFFFFF, "seed", "an integer in [0, 2**32 - 1)")
+        if self.logit_bias is not None:
+            bias = {}
+            for tok, value in dict(self.logit_bias).items():
+                if not isinstance(tok, int) or tok < 0:
+                    raise ValueError(f"logit_bias key {tok!r}: expected a token id (int >= 0)")
+                if not isinstance(value, (int, float)) or math.isnan(value):
+                    raise ValueError(f"logit_bias[{tok}]={value!r}: expected a number")
+                bias[tok] = float(value)
+            object.__setattr__(self, "logit_bias", bias)
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise TypeError("grammar must be a GBNF string")
+        object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
+        object.__setattr__(self, "grammar_lazy_triggers", tuple(self.grammar_lazy_triggers))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0
+
+
+class Sampler(NativeHandle):
+    """A llama.cpp sampler chain built from :class:`SamplingParams`.
+
+    Holds its own state (RNG, penalty history, grammar position), so it is not
+    thread-safe: use one per generation. ``reset()`` clears that state.
+    """
+
+    _kind = "Sampler"
+
+    def __init__(self, model: "Model", params: SamplingParams | None = None):
+        super().__init__()
+        self._ptr = None
+        self.params = params or SamplingParams()
+        self.model = model
+        self._lib = model._lib
+        model._acquire()  # the chain may point into the model's vocabulary
+        try:
+            self._ptr = self._build()
+        except BaseException:
+            model._release()
+            raise
+
+    @classmethod
+    def create(cls, model: "Model", **opts: Any) -> "Sampler":
+        """Build a sampler from keyword options (the fields of :class:`SamplingParams`)."""
+        (sampling,) = split_options(opts, SamplingParams, where="Sampler.create: unknown")
+        return cls(model, SamplingParams(**sampling))
+
+    def _build(self):
+        lib, p, vocab = self._lib, self.params, self.model._vocab
+        n_vocab = lib.llama_vocab_n_tokens(vocab)
+        chain_params = lib.llama_sampler_chain_default_params()
+        chain_params.no_perf = True
+        chain = lib.llama_sampler_chain_init(chain_params)
+        seed = p.seed if p.seed is not None else random.getrandbits(32) % 0xFFFFFFFF
+
+        def add(smpl, what: str) -> None:
+            if not smpl:
+                lib.llama_sampler_free(chain)
+                raise ValueError(f"llama.cpp rejected the {what} sampler settings")
+            lib.llama_sampler_chain_add(chain, smpl)
+
+        try:
+            if p.logit_bias:
+                bad = [t for t in p.logit_bias if t >= n_vocab]
+                if bad:
+                    raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary (size {n_vocab})")
+                arr = (L.llama_logit_bias * len(p.logit_bias))(*[L.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
+                add(lib.llama_sampler_init_logit_bias(n_vocab, len(arr), arr), "logit_bias")
+            if p.grammar is not None:
+                add(self._grammar_sampler(vocab), "grammar")
+            if p.penalty_last_n != 0 and (p.penalty_repeat != 1.0 or p.penalty_freq != 0 or p.penalty_present != 0):
+                add(lib.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
+                                                     p.penalty_present), "penalties")
+            if p.dry_multiplier > 0:
+                breakers = [s.encode() for s in p.dry_sequence_breakers]
+                arr = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+                add(lib.llama_sampler_init_dry(vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                               p.dry_penalty_last_n, arr, len(breakers)), "dry")
+            if p.greedy:
+                add(lib.llama_sampler_init_greedy(), "greedy")
+            elif p.mirostat == 1:
+                add(lib.llama_sampler_init_temp(p.temp), "temp")
+                add(lib.llama_sampler_init_mirostat(n_vocab, seed, p.mirostat_tau, p.mirostat_eta, 100), "mirostat")
+            elif p.mirostat == 2:
+                add(lib.llama_sampler_init_temp(p.temp), "temp")
+                add(lib.llama_sampler_init_mirostat_v2(seed, p.mirostat_tau, p.mirostat_eta), "mirostat_v2")
+            else:
+                if p.top_n_sigma > 0:
+                    add(lib.llama_sampler_init_top_n_sigma(p.top_n_sigma), "top_n_sigma")
+                if p.top_k > 0:
+                    add(lib.llama_sampler_init_top_k(p.top_k), "top_k")
+                if p.typical_p < 1.0:
+                    add(lib.llama_sampler_init_typical(p.typical_p, p.min_keep), "typical_p")
+                if p.top_p < 1.0:
+                    add(lib.llama_sampler_init_top_p(p.top_p, p.min_keep), "top_p")
+                if p.min_p > 0.0:
+                    add(lib.llama_sampler_init_min_p(p.min_p, p.min_keep), "min_p")
+                if p.xtc_probability > 0:
+                    add(lib.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, seed), "xtc")
+                add(lib.llama_sampler_init_temp_ext(p.temp, p.dynatemp_range, p.dynatemp_exponent), "temp")
+                add(lib.llama_sampler_init_dist(seed), "dist")
+        except BaseException:
+            lib.llama_sampler_free(chain)
+            raise
+        # The seed actually used, so a run can be reproduced even when none was given.
+        self.seed = seed
+        return chain
+
+    def _grammar_sampler(self, vocab):
+        lib, p = self._lib, self.params
+        grammar, root = p.grammar.encode(), p.grammar_root.encode()
+        if p.grammar_lazy_triggers:
+            patterns = [t.encode() for t in p.grammar_lazy_triggers]
+            arr = (ctypes.c_char_p * len(patterns))(*patterns)
+            smpl = lib.llama_sampler_init_grammar_lazy_patterns(vocab, grammar, root, arr, len(patterns), None, 0)
+        else:
+            smpl = lib.llama_sampler_init_grammar(vocab, grammar, root)
+        if not smpl:
+            raise GrammarError(
+                "llama.cpp rejected the grammar (syntax error or undefined rule); enable logging for "
+                "'llama_ctypes.llama_cpp' to see the parser's message"
+            )
+        return smpl
+
+    def _free(self) -> None:
+        if self._ptr:
+            self._lib.llama_sampler_free(self._ptr)
+            self._ptr = None
+        self.model._release()
+
+    # ---- use ---------------------------------------------------------------------
+    def sample(self, ctx, idx: int = -1) -> int:
+        """Pick a token from the logits of row ``idx`` of ``ctx``'s last decode, and accept it."""
+        with self._exclusively():
+            return int(self._lib.llama_sampler_sample(self._ptr, ctx._ptr, idx))
+
+    def accept(self, token: int) -> None:
+        """Tell stateful samplers (penalties, grammar) that ``token`` was emitted."""
+        with self._exclusively():
+            self._lib.llama_sampler_accept(self._ptr, token)
+
+    def reset(self) -> None:
+        """Clear history (penalties, grammar state, mirostat); the RNG is not re-seeded."""
+        with self._exclusively():
+            self._lib.llama_sampler_reset(self._ptr)
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the samplers in the chain, in order."""
+        with self._exclusively():
+            lib = self._lib
+            return [(lib.llama_sampler_name(lib.llama_sampler_chain_get(self._ptr, i)) or b"").decode()
+                    for i in range(lib.llama_sampler_chain_n(self._ptr))]
+
+    def __repr__(self) -> str:
+        return f"<Sampler {'closed' if self._closed else ' -> '.join(self.names)}>"
