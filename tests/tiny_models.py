@@ -1,0 +1,76 @@
+"""Write tiny random-weight GGUF models with the ``gguf`` package.
+
+The vocabulary is copied from one of llama.cpp's ``models/ggml-vocab-*.gguf``
+files, so tokenization is real; the weights are random, so any output is valid
+and tests assert invariants (determinism, equality of two paths), not text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: Path) -> int:
+    """Copy every ``tokenizer.*`` key of a vocab-only GGUF; return the vocabulary size."""
+    reader = gguf.GGUFReader(str(vocab_path))
+    n_vocab = 0
+    for name, fld in reader.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        value = fld.contents()
+        vtype = fld.types[0]
+        sub_type = fld.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type)
+        if name == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+    if not n_vocab:
+        raise ValueError(f"{vocab_path} has no tokenizer.ggml.tokens")
+    return n_vocab
+
+
+def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                     n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
+                     chat_template: str | None = None) -> Path:
+    """A 2-layer ``llama`` model with random f32 weights (about 2 x n_vocab x n_embd floats)."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    head_dim = n_embd // n_head
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    for i in range(n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
