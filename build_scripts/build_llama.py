@@ -5,7 +5,8 @@ Run by ``setup.py`` during ``pip install`` and runnable by hand::
     python build_scripts/build_llama.py [--backend cpu] [--tools] [--force]
 
 Environment:
-    LLAMA_BACKEND        auto (default) | cpu | cuda | metal | vulkan
+    LLAMA_BACKEND        auto (default: Metal on macOS, CUDA when nvcc and an NVIDIA GPU
+                         are present, else CPU) | cpu | cuda | metal | vulkan
     LLAMA_CMAKE_ARGS     extra CMake arguments, split like a shell would
     LLAMA_CPP_DIR        build this llama.cpp tree instead of the pinned one
     LLAMA_CTYPES_CACHE_DIR  cache root (default: the user cache dir, "llama_ctypes")
@@ -72,9 +73,28 @@ def resolve_backend(requested: str) -> str:
         return requested
     if sys.platform == "darwin":
         return "metal"
-    if shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc"):
+    if _has_nvcc() and _has_nvidia_gpu():
         return "cuda"
     return "cpu"
+
+
+def _has_nvcc() -> bool:
+    return bool(shutil.which("nvcc")) or os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+def _has_nvidia_gpu() -> bool:
+    # A toolkit alone is not enough: CI machines carry nvcc without a GPU (or cuBLAS),
+    # and a CUDA build there fails or runs on nothing.
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/gpus"):
+        return True
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+            return out.returncode == 0 and "GPU" in out.stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+    return False
 
 
 def _is_x86() -> bool:
@@ -136,7 +156,7 @@ def check_toolchain(backend: str) -> None:
     cxx = os.environ.get("CXX")
     if not (cxx and shutil.which(cxx)) and not any(shutil.which(c) for c in ("c++", "g++", "clang++", "cl")):
         missing.append("a C++17 compiler (gcc/g++, clang or MSVC)")
-    if backend == "cuda" and not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
+    if backend == "cuda" and not _has_nvcc():
         missing.append("the CUDA toolkit (nvcc) for LLAMA_BACKEND=cuda")
     if missing:
         raise BuildError("cannot build llama.cpp; missing: " + "; ".join(missing))

@@ -39,6 +39,7 @@ class _LogRouter:
         self._lock = threading.Lock()
         self._buffer = ""
         self._level = logging.DEBUG
+        self.errors = threading.local()  # last error line logged by each thread
         self.callback = ggml_h.ggml_log_callback(self._on_log)
 
     def _on_log(self, level: int, text: bytes, _user_data) -> None:
@@ -52,6 +53,10 @@ class _LogRouter:
                     return
                 *lines, self._buffer = self._buffer.split("\n")
                 py_level = self._level
+            if py_level >= logging.ERROR:
+                for line in lines:
+                    if line.strip():
+                        self.errors.last = line.strip()
             if native_logger.isEnabledFor(py_level):
                 for line in lines:
                     if line.strip():
@@ -84,6 +89,18 @@ def init() -> native.NativeLibrary:
             atexit.register(_quiet_at_exit, lib)
             _router = router
     return lib
+
+
+def clear_native_error() -> None:
+    """Forget the last llama.cpp error logged by this thread (call before a native call)."""
+    if _router is not None:
+        _router.errors.last = None
+
+
+def native_error(default: str = "") -> str:
+    """The last error line llama.cpp logged in this thread, for exception messages."""
+    last = getattr(_router.errors, "last", None) if _router is not None else None
+    return f"llama.cpp: {last}" if last else default
 
 
 def _quiet_at_exit(lib: native.NativeLibrary) -> None:

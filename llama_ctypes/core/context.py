@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import ContextCreationError, DecodeError
+from .backend import clear_native_error, native_error
 from .batch import Batch
 from .handle import NativeHandle
 from .params import ContextParams, split_options
@@ -44,18 +45,21 @@ class Context(NativeHandle):
         self.params = params or ContextParams()
         self._lib = model._lib
         if model.params.vocab_only:
+            self._mark_dead()
             raise ContextCreationError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to run")
         model._acquire()
         try:
             native = self.params.to_native()
+            clear_native_error()
             ptr = self._lib.llama_init_from_model(model._ptr, native)
             if not ptr:
+                reason = native_error("out of memory, or options the model or backend does not support")
                 raise ContextCreationError(
-                    f"llama.cpp could not create a context with n_ctx={self.params.n_ctx}, "
-                    f"n_batch={self.params.n_batch}, type_k={self.params.type_k}, type_v={self.params.type_v} "
-                    "(out of memory, or options the model or backend does not support)"
+                    f"could not create a context with n_ctx={self.params.n_ctx}, n_batch={self.params.n_batch}, "
+                    f"type_k={self.params.type_k}, type_v={self.params.type_v}: {reason}"
                 )
         except BaseException:
+            self._mark_dead()
             model._release()
             raise
         self._ptr = ptr

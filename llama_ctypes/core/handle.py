@@ -59,6 +59,11 @@ class NativeHandle:
         except Exception:
             pass
 
+    def _mark_dead(self) -> None:
+        """For a constructor that failed: nothing to free, and every use raises ClosedError."""
+        self._closed = True
+        self._freed = True
+
     # ---- use tracking ------------------------------------------------------------
     def _acquire(self) -> None:
         """Register a shared user (a dependent handle, or a call that may overlap others)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import ModelLoadError
 from ..native import llama_h as L
-from .backend import init
+from .backend import clear_native_error, init, native_error
 from .handle import NativeHandle
 from .params import ModelParams, _SPLIT, split_options
 
@@ -52,7 +52,11 @@ class Model(NativeHandle):
         self.path = Path(path)
         self.params = params or ModelParams()
         self._lib = init()
-        self._ptr = self._load()
+        try:
+            self._ptr = self._load()
+        except BaseException:
+            self._mark_dead()
+            raise
         self._vocab = self._lib.llama_model_get_vocab(self._ptr)
         # Idle contexts kept for the high-level generate/stream calls, by ContextParams.
         self._pool_lock = threading.Lock()
@@ -118,6 +122,7 @@ class Model(NativeHandle):
             cb = L.llama_progress_callback(on_progress)
             keep_alive.append(cb)
             native.progress_callback = cb
+        clear_native_error()
         ptr = lib.llama_model_load_from_file(os.fsencode(path), native)
         del keep_alive
         if callback_error:
@@ -125,10 +130,8 @@ class Model(NativeHandle):
                 lib.llama_model_free(ptr)
             raise callback_error[0]
         if not ptr:
-            raise ModelLoadError(
-                f"llama.cpp could not load {path} (corrupt, truncated, or an unsupported architecture); "
-                "enable logging for 'llama_ctypes.llama_cpp' to see llama.cpp's reason"
-            )
+            reason = native_error("corrupt, truncated, or an unsupported architecture")
+            raise ModelLoadError(f"could not load {path}: {reason}")
         return ptr
 
     def _free(self) -> None:

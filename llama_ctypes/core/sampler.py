@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import GrammarError
 from ..native import llama_h as L
+from .backend import clear_native_error, native_error
 from .handle import NativeHandle
 from .params import split_options
 
@@ -150,6 +151,7 @@ class Sampler(NativeHandle):
         try:
             self._ptr = self._build()
         except BaseException:
+            self._mark_dead()
             model._release()
             raise
 
@@ -168,8 +170,7 @@ class Sampler(NativeHandle):
         seed = p.seed if p.seed is not None else random.getrandbits(32) % 0xFFFFFFFF
 
         def add(smpl, what: str) -> None:
-            if not smpl:
-                lib.llama_sampler_free(chain)
+            if not smpl:  # the chain is freed by the handler below
                 raise ValueError(f"llama.cpp rejected the {what} sampler settings")
             lib.llama_sampler_chain_add(chain, smpl)
 
@@ -223,6 +224,7 @@ class Sampler(NativeHandle):
     def _grammar_sampler(self, vocab):
         lib, p = self._lib, self.params
         grammar, root = p.grammar.encode(), p.grammar_root.encode()
+        clear_native_error()
         if p.grammar_lazy_triggers:
             patterns = [t.encode() for t in p.grammar_lazy_triggers]
             arr = (ctypes.c_char_p * len(patterns))(*patterns)
@@ -230,10 +232,7 @@ class Sampler(NativeHandle):
         else:
             smpl = lib.llama_sampler_init_grammar(vocab, grammar, root)
         if not smpl:
-            raise GrammarError(
-                "llama.cpp rejected the grammar (syntax error or undefined rule); enable logging for "
-                "'llama_ctypes.llama_cpp' to see the parser's message"
-            )
+            raise GrammarError("invalid GBNF grammar: " + native_error("syntax error or undefined rule"))
         return smpl
 
     def _free(self) -> None:
@@ -267,4 +266,6 @@ class Sampler(NativeHandle):
                     for i in range(lib.llama_sampler_chain_n(self._ptr))]
 
     def __repr__(self) -> str:
-        return f"<Sampler {'closed' if self._closed else ' -> '.join(self.names)}>"
+        if self._closed or not self._ptr:
+            return "<Sampler closed>"
+        return f"<Sampler {' -> '.join(self.names)}>"
