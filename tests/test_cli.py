@@ -1,0 +1,44 @@
+"""The llama-ctypes command, run as a subprocess like a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llama_ctypes", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_streams_to_stdout(tiny_model_path):
+    out = run("generate", "Hello", "--model", str(tiny_model_path), "--max-tokens", "8", "--temp", "0", "-v")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    assert "tok/s" in out.stderr and "llama_model_loader" not in out.stderr  # quiet by default
+
+
+def test_info_and_devices(tiny_model_path):
+    info = run("info", str(tiny_model_path))
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["architecture"] == "llama" and data["n_layer"] == 2
+    devices = run("devices", "--json")
+    assert devices.returncode == 0
+    assert any(d["type"] == "cpu" for d in json.loads(devices.stdout))
+
+
+def test_errors_are_one_line_not_tracebacks(tmp_path):
+    out = run("generate", "Hi", "--model", str(tmp_path / "missing.gguf"))
+    assert out.returncode == 1
+    assert "model file not found" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.gemma
+def test_generate_uses_the_demo_model_by_default():
+    out = run("generate", "The capital of France is", "--max-tokens", "8", "--temp", "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
