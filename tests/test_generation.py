@@ -119,6 +119,8 @@ def test_prompt_longer_than_context_raises_overflow(tiny_model):
     # llama.cpp may round the window up (to 256 here): the message names the real one
     assert str(err.value.n_ctx) in message and str(err.value.n_tokens) in message
     assert 128 <= err.value.n_ctx < err.value.n_tokens
+    with pytest.raises(lc.ContextOverflowError):
+        lc.stream(tiny_model, long_prompt, max_tokens=4, n_ctx=128)  # at the call, before iterating
     assert lc.generate(tiny_model, "still fine", max_tokens=2, n_ctx=128).tokens
 
 
@@ -192,3 +194,20 @@ def test_timings_are_reported(model):
     assert t.ttft_ms > 0 and t.prompt_ms > 0
     assert t.tokens_per_s > 0 and t.decode_ms > 0
     assert t.python_us_per_token >= 0
+
+
+def test_unstarted_and_dropped_streams_release_their_context(tiny_model):
+    import gc
+
+    unstarted = lc.stream(tiny_model, PROMPT, max_tokens=5)
+    sampler = unstarted._sampler
+    unstarted.close()
+    assert sampler.closed
+    dropped = lc.stream(tiny_model, PROMPT, max_tokens=500, temp=0, ignore_eos=True)
+    next(dropped)
+    ctx = dropped._ctx
+    del dropped
+    gc.collect()
+    # the context is free again (a busy one would raise BusyError) and back in the pool
+    ctx.seq_pos_max(0)
+    assert ctx in tiny_model._context_pool[ctx.params]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflowError
+from ..errors import ContextOverflowError, DecodeError
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
@@ -132,8 +132,8 @@ class _Run:
         self.tokens: list[int] = []
 
 
-def _prefill(ctx: "Context", prompt: list[int], run: _Run) -> None:
-    """Bring the KV cache of sequence 0 to ``prompt``, reusing the common prefix."""
+def check_prompt(ctx: "Context", prompt: Sequence[int]) -> None:
+    """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
     n_ctx = ctx.n_ctx_seq
     if not prompt:
         raise ValueError("the prompt is empty (no tokens)")
@@ -146,6 +146,11 @@ def _prefill(ctx: "Context", prompt: list[int], run: _Run) -> None:
     bad = [t for t in prompt if not 0 <= t < ctx.n_vocab]
     if bad:
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {ctx.n_vocab}): {bad[:5]}")
+
+
+def _prefill(ctx: "Context", prompt: list[int], run: _Run) -> None:
+    """Bring the KV cache of sequence 0 to ``prompt``, reusing the common prefix."""
+    check_prompt(ctx, prompt)
     lib, mem = ctx._lib, ctx._mem
     common = _common_prefix(ctx.tokens, prompt)
     if common == len(prompt):
@@ -223,8 +228,6 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
             decode_s += clock() - ts
             if rc != 0:
                 ctx._clear()
-                from ..errors import DecodeError
-
                 raise DecodeError(f"llama_decode failed with {rc} during generation", code=rc)
             ctx_tokens.append(tok)
     finally:
@@ -288,6 +291,11 @@ class TextStream:
         self._run = _Run()
         self._pieces: list[str] = []
         self._gen = self._generate()
+        try:
+            check_prompt(ctx, prompt)  # fail at the call, not at the first next()
+        except BaseException:
+            self.close()
+            raise
 
     # results
     @property
@@ -320,6 +328,12 @@ class TextStream:
     def close(self) -> None:
         """Stop generating and release the context (idempotent)."""
         self._gen.close()
+        self._release()
+
+    def _release(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> "TextStream":
         return self
@@ -329,7 +343,7 @@ class TextStream:
 
     def __del__(self) -> None:
         try:
-            self._gen.close()
+            self.close()
         except Exception:
             pass
 
@@ -374,9 +388,7 @@ class TextStream:
                 yield pending
         finally:
             ctx._end_exclusive()
-            if self._on_close is not None:
-                self._on_close()
-                self._on_close = None
+            self._release()
 
 
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:
