@@ -8,7 +8,9 @@ Without --model it uses the Gemma 3 270M demo model. When llama.cpp's own
 --llama-bench PATH), it runs the same shapes (``-p N_PROMPT -n N_GEN``, same
 threads) and prints the ratios. Decode is measured the way llama-bench does it:
 N_GEN single-token decodes from an empty context; ours also samples (greedy)
-and detokenizes every token, which llama-bench does not.
+and detokenizes every token, which llama-bench does not. The two are
+alternated (--rounds) and medians reported, since one run on a shared machine
+is noisy.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def main() -> int:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--n-gen", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="alternate ours/llama-bench this many times")
     ap.add_argument("--threads", type=int, default=_threads_default())
     ap.add_argument("--llama-bench", type=Path, default=None)
     args = ap.parse_args()
@@ -102,9 +105,15 @@ def main() -> int:
     model = lc.load_model(args.model)
     print(f"model: {model.desc} ({args.model.name}), threads={args.threads}, "
           f"p={args.n_prompt} n={args.n_gen} reps={args.reps}")
-    ours = bench_ours(model, args.n_prompt, args.n_gen, args.reps, args.threads)
     exe = args.llama_bench or find_llama_bench()
-    theirs = bench_llama_cpp(exe, args.model, args.n_prompt, args.n_gen, args.reps, args.threads) if exe else {}
+    # This machine is noisy: alternate the two, then take the median of each.
+    runs_ours, runs_theirs = [], []
+    for _ in range(args.rounds):
+        runs_ours.append(bench_ours(model, args.n_prompt, args.n_gen, args.reps, args.threads))
+        if exe:
+            runs_theirs.append(bench_llama_cpp(exe, args.model, args.n_prompt, args.n_gen, args.reps, args.threads))
+    ours = {k: statistics.median(r[k] for r in runs_ours) for k in runs_ours[0]}
+    theirs = {k: statistics.median(r[k] for r in runs_theirs) for k in runs_theirs[0]} if runs_theirs else {}
     print(f"{'metric':<34}{'llama_ctypes':>14}{'llama-bench':>14}{'ratio':>8}")
     for key, label in (("pp", f"prefill tok/s (pp{args.n_prompt})"), ("tg", f"decode tok/s (tg{args.n_gen})")):
         mine, ref = ours[key], theirs.get(key)
@@ -120,5 +129,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_WAIT_POLICY", "")
     raise SystemExit(main())

@@ -190,7 +190,9 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
     timings = run.timings
     timings.prompt_ms = (time.perf_counter() - t0) * 1e3
     lib, ctx_ptr, smpl, vocab = ctx._lib, ctx._ptr, sampler._ptr, ctx.model._vocab
-    decode, is_eog = lib.llama_decode, lib.llama_vocab_is_eog
+    decode, native_is_eog = lib.llama_decode, lib.llama_vocab_is_eog
+    eog_cache = ctx.model._eog_cache  # token id -> bool, so the hot loop skips a ctypes call
+    eog_get = eog_cache.get
     sample = _argmax_sampler(ctx) if sampler.params.plain_greedy else lib.llama_sampler_sample
     batch = ctx._batch
     native_batch = batch.native
@@ -209,9 +211,13 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
                 t_first = te
                 timings.ttft_ms = (te - t0) * 1e3
                 sample_s = 0.0  # count generation from the first token on
-            if not ignore_eos and is_eog(vocab, tok):
-                run.finish_reason = "eog"
-                return
+            if not ignore_eos:
+                eog = eog_get(tok)
+                if eog is None:
+                    eog = eog_cache[tok] = bool(native_is_eog(vocab, tok))
+                if eog:
+                    run.finish_reason = "eog"
+                    return
             tokens.append(tok)
             timings.generated_tokens = len(tokens)
             yield tok
@@ -349,7 +355,7 @@ class TextStream:
 
     def completion(self) -> Completion:
         """Run to the end (if not done) and return the :class:`Completion`."""
-        for _ in self:
+        for _ in self._gen:
             pass
         return Completion(self.text, list(self.tokens), self.finish_reason or "length", len(self._prompt),
                           self.timings)

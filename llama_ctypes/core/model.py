@@ -62,6 +62,9 @@ class Model(NativeHandle):
         self._pool_lock = threading.Lock()
         self._context_pool: dict[Any, list] = {}
         self._contexts: weakref.WeakSet = weakref.WeakSet()
+        # token id -> bytes, filled lazily by StreamDecoder (plain and special renderings)
+        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
+        self._eog_cache: dict[int, bool] = {}  # token id -> is end-of-generation, filled lazily
 
     # ---- loading ---------------------------------------------------------------------
     def _load(self):
@@ -348,6 +351,11 @@ class Model(NativeHandle):
         from .generation import stream
 
         return stream(self, prompt, **opts)
+
+    def _piece_cache(self, special: bool) -> dict[int, bytes]:
+        # Filled from any thread: a dict item assignment is atomic, and a race only
+        # computes the same bytes twice.
+        return self._pieces[bool(special)]
 
     # ---- pooled contexts for the one-call API ------------------------------------------------
     def _checkout_context(self, cparams):

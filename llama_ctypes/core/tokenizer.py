@@ -165,12 +165,14 @@ class StreamDecoder:
         self._vocab = model._vocab
         self._special = special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._buf = create_string_buffer(_PIECE_BUF)
+        # Token bytes never change: the model keeps one cache per rendering of special tokens.
+        self._pieces = model._piece_cache(special)
 
     def push(self, token: int) -> str:
         """Add one token; return the text it completes (possibly "")."""
-        n = self._lib.llama_token_to_piece(self._vocab, token, self._buf, _PIECE_BUF, 0, self._special)
-        data = self._buf.raw[:n] if n >= 0 else _piece(self._lib, self._vocab, token, self._special)
+        data = self._pieces.get(token)
+        if data is None:
+            data = self._pieces[token] = _piece(self._lib, self._vocab, token, self._special)
         return self._utf8.decode(data)
 
     def flush(self) -> str:
