@@ -1,7 +1,7 @@
 """Where llama.cpp comes from: the one place that holds the pin.
 
 The pinned archive is a published source distribution whose ``vendor/llama.cpp``
-is a complete llama.cpp tree. It is fetched with ``pip download`` (so it goes
+is a complete llama.cpp tree. It is fetched with ``pip download --no-binary`` (so it goes
 through whatever package index pip is configured for), checked against its
 sha256, and only ``vendor/llama.cpp`` is extracted.
 
@@ -53,7 +53,9 @@ def _download_archive(dest_dir: Path) -> Path:
         return target
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+            # Only the pinned package as source: its build requirements (needed to read its
+            # metadata) come as wheels, never compiled.
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", PIN_PACKAGE,
             "--disable-pip-version-check", "-d", tmp,
             f"{PIN_PACKAGE}=={PIN_VERSION}",
         ]

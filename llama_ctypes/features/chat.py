@@ -1,0 +1,384 @@
+"""Chat over a Model: template → tokens → stream, with reasoning separated from the answer.
+
+``chat``/``stream_chat`` return text; ``chat_completion``/``stream_chat_completion``
+return the OpenAI chat-completion shapes (plain dicts that serialise to exactly
+that JSON).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence, TypedDict
+
+from ..core.context import Context  # noqa: F401  (re-exported for typing users)
+from ..core.generation import FinishReason, GenerationParams, TextStream, Timings, stream
+from ..core.model import Model
+from ..core.params import ContextParams, split_options
+from ..core.sampler import SamplingParams
+from ..core.tokenizer import Tokenizer
+from ..native import llama_h as L
+from .chat_template import ChatTemplate, ChatTemplateError
+from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    """How a conversation becomes a prompt."""
+
+    chat_template: str | None = None
+    """Jinja template source, or a llama.cpp built-in format name (``"chatml"``, ``"gemma"``, ...);
+    None = the model's own template."""
+    template_name: str | None = None
+    """A named template variant stored in the GGUF (e.g. ``"tool_use"``)."""
+    system: str | None = None
+    """A system prompt put before the messages (unless they start with one)."""
+    tools: Sequence[Mapping[str, Any]] | None = None
+    """Tool (function) definitions, in the OpenAI format, passed to the template."""
+    enable_thinking: bool | None = None
+    """Ask a thinking model to think (True) or not (False); None = the template's default."""
+    add_generation_prompt: bool = True
+    """End the prompt with the assistant turn's opening."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """More variables for the template (``reasoning_effort="low"``, ...)."""
+    parse_reasoning: bool = True
+    """Separate thinking from the answer for templates that think."""
+
+    def __post_init__(self) -> None:
+        if self.tools is not None and not all(isinstance(t, Mapping) for t in self.tools):
+            raise ValueError("tools must be a list of tool definitions (dicts)")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise ValueError("template_kwargs must be a mapping")
+
+
+class BuiltinChatTemplate:
+    """One of llama.cpp's built-in chat formats, rendered by ``llama_chat_apply_template``."""
+
+    source = ""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @staticmethod
+    def names() -> list[str]:
+        from ..core.backend import init
+
+        lib = init()
+        n = lib.llama_chat_builtin_templates(None, 0)
+        arr = (ctypes.c_char_p * n)()
+        lib.llama_chat_builtin_templates(arr, n)
+        return [x.decode() for x in arr]
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True, tools=None,
+               **kwargs: Any) -> str:
+        from ..core.backend import init
+
+        if tools:
+            raise ChatTemplateError(f"the built-in {self.name!r} format does not support tools")
+        lib = init()
+        keep = [(str(m.get("role", "")).encode(), _text(m.get("content")).encode()) for m in messages]
+        arr = (L.llama_chat_message * len(keep))(*[L.llama_chat_message(r, c) for r, c in keep])
+        size = 4096 + 2 * sum(len(c) + len(r) for r, c in keep)
+        buf = ctypes.create_string_buffer(size)
+        n = lib.llama_chat_apply_template(self.name.encode(), arr, len(keep), add_generation_prompt, buf, size)
+        if n > size:
+            buf = ctypes.create_string_buffer(n + 1)
+            n = lib.llama_chat_apply_template(self.name.encode(), arr, len(keep), add_generation_prompt, buf, n + 1)
+        if n < 0:
+            raise ChatTemplateError(f"llama.cpp could not apply the built-in {self.name!r} format")
+        return buf.raw[:n].decode("utf-8", errors="replace")
+
+
+def _text(content: Any) -> str:
+    """Message content as text: a string, or the text parts of an OpenAI content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+    return str(content)
+
+
+_templates_lock = threading.Lock()
+
+
+def template_for(model: Model, params: ChatParams) -> ChatTemplate | BuiltinChatTemplate:
+    """The template a chat call uses: given, built-in by name, or the model's own (cached on the model)."""
+    src = params.chat_template
+    if src is not None and "{" not in src:
+        if src in BuiltinChatTemplate.names():
+            return BuiltinChatTemplate(src)
+        raise ChatTemplateError(
+            f"chat_template={src!r} is neither Jinja source nor a built-in format; built-in formats: "
+            + ", ".join(BuiltinChatTemplate.names()))
+    bos = Tokenizer.bos(model)
+    eos = Tokenizer.eos(model)
+    bos_text = Tokenizer.token_to_piece(model, bos, special=True) if bos is not None else ""
+    eos_text = Tokenizer.token_to_piece(model, eos, special=True) if eos is not None else ""
+    if src is not None:
+        return ChatTemplate(src, bos_token=bos_text, eos_token=eos_text)
+    key = params.template_name or ""
+    with _templates_lock:
+        cache = model.__dict__.setdefault("_chat_templates", {})
+        if key not in cache:
+            source = model.chat_template_named(params.template_name)
+            if source is None:
+                what = f"a {params.template_name!r} chat template" if params.template_name else "a chat template"
+                raise ChatTemplateError(
+                    f"{model.path.name} has no {what} in its metadata; pass chat_template=<Jinja source> or "
+                    f"a built-in format name ({', '.join(BuiltinChatTemplate.names()[:8])}, ...)")
+            cache[key] = ChatTemplate(source, bos_token=bos_text, eos_token=eos_text)
+        return cache[key]
+
+
+def render_prompt(model: Model, messages: Sequence[Message], params: ChatParams) -> tuple[str, Any]:
+    """Render ``messages`` with the chat template; returns (prompt text, template)."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+    msgs = list(messages)
+    if params.system is not None and not (msgs and msgs[0].get("role") == "system"):
+        msgs.insert(0, {"role": "system", "content": params.system})
+    template = template_for(model, params)
+    kwargs = dict(params.template_kwargs)
+    if params.enable_thinking is not None:
+        kwargs["enable_thinking"] = params.enable_thinking
+    text = template.render(msgs, add_generation_prompt=params.add_generation_prompt, tools=params.tools, **kwargs)
+    return text, template
+
+
+def prompt_tokens(model: Model, text: str) -> list[int]:
+    """Tokenize a rendered prompt without doubling or dropping the template's special tokens.
+
+    Specials written by the template are parsed as tokens; BOS is added only
+    when the model wants one and the template did not write it; a trailing EOS
+    added by the tokenizer is removed (the assistant must be free to answer).
+    """
+    ids = Tokenizer.encode(model, text, add_special=True, parse_special=True)
+    bos, eos = Tokenizer.bos(model), Tokenizer.eos(model)
+    if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+        ids = ids[1:]
+    if eos is not None and len(ids) >= 2 and ids[-1] == eos and not text.endswith(
+            Tokenizer.token_to_piece(model, eos, special=True)):
+        ids = ids[:-1]
+    return ids
+
+
+class ChatReply(str):
+    """The assistant's answer (a ``str``), with ``reasoning``, ``finish_reason``, ``usage`` and ``timings``."""
+
+    reasoning: str
+    finish_reason: FinishReason
+    tokens: list[int]
+    prompt_tokens: int
+    timings: Timings
+
+    def __new__(cls, content: str, reasoning: str, finish_reason: FinishReason, tokens: list[int],
+                prompt_tokens: int, timings: Timings) -> "ChatReply":
+        self = super().__new__(cls, content)
+        self.reasoning = reasoning
+        self.finish_reason = finish_reason
+        self.tokens = tokens
+        self.prompt_tokens = prompt_tokens
+        self.timings = timings
+        return self
+
+    @property
+    def content(self) -> str:
+        return str.__str__(self)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
+                "total_tokens": self.prompt_tokens + len(self.tokens)}
+
+
+class ChatStream:
+    """A lazy chat response. Iterating yields the answer's text pieces.
+
+    ``deltas()`` yields ``(kind, text)`` with kind ``"reasoning"`` or
+    ``"content"``, for callers that show thinking. ``close()`` (or breaking out
+    and dropping the stream) stops generation. After the end, ``content``,
+    ``reasoning``, ``finish_reason`` and ``reply()`` describe the result.
+    """
+
+    def __init__(self, text_stream: TextStream, splitter: ReasoningSplitter | None):
+        self._stream = text_stream
+        self._splitter = splitter
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._deltas = self._generate()
+
+    def _generate(self) -> Iterator[tuple[str, str]]:
+        splitter = self._splitter
+        for piece in self._stream:
+            parts = splitter.feed(piece) if splitter is not None else [("content", piece)]
+            for kind, text in parts:
+                (self._reasoning if kind == "reasoning" else self._content).append(text)
+                yield kind, text
+        if splitter is not None:
+            for kind, text in splitter.flush():
+                (self._reasoning if kind == "reasoning" else self._content).append(text)
+                yield kind, text
+
+    def deltas(self) -> Iterator[tuple[str, str]]:
+        return self._deltas
+
+    def __iter__(self) -> Iterator[str]:
+        for kind, text in self._deltas:
+            if kind == "content":
+                yield text
+
+    def close(self) -> None:
+        self._deltas.close()
+        self._stream.close()
+
+    def __enter__(self) -> "ChatStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self._stream.finish_reason
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True when the output so far ends inside an unfinished thinking block."""
+        return self._splitter is not None and self._splitter.in_reasoning
+
+    def reply(self) -> ChatReply:
+        """Run to the end and return the :class:`ChatReply`."""
+        for _ in self._deltas:
+            pass
+        s = self._stream
+        return ChatReply(self.content, self.reasoning, s.finish_reason or "length", list(s.tokens),
+                         s.prompt_tokens, s.timings)
+
+
+def _split_chat_options(opts: Mapping[str, Any]):
+    chat_opts, gen_opts, sampling_opts, ctx_opts = split_options(
+        opts, ChatParams, GenerationParams, SamplingParams, ContextParams, where="unknown")
+    return ChatParams(**chat_opts), {**gen_opts, **sampling_opts, **ctx_opts}
+
+
+def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatStream:
+    """Stream the assistant's answer to ``messages``; see :class:`ChatStream`.
+
+    Options: :class:`ChatParams` (chat_template, system, tools, enable_thinking,
+    template_kwargs, ...) plus everything :func:`llama_ctypes.stream` takes.
+    """
+    params, rest = _split_chat_options(opts)
+    text, template = render_prompt(model, messages, params)
+    formats = formats_for_template(template.source) if params.parse_reasoning else ()
+    splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
+    if formats:
+        rest.setdefault("special", True)  # reasoning markers are often special tokens
+    return ChatStream(stream(model, prompt_tokens(model, text), **rest), splitter)
+
+
+def chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatReply:
+    """The assistant's answer to ``messages`` (a ``str``; ``.reasoning`` holds any thinking)."""
+    return stream_chat(model, messages, **opts).reply()
+
+
+# ---- OpenAI shapes -------------------------------------------------------------------------
+
+class ChatCompletionMessage(TypedDict, total=False):
+    role: str
+    content: str | None
+    reasoning_content: str
+
+
+class ChatCompletionChoice(TypedDict):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: str | None
+
+
+class CompletionUsage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatCompletionChunk(TypedDict, total=False):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: CompletionUsage
+
+
+_OPENAI_FINISH = {"eog": "stop", "stop": "stop", "length": "length"}
+
+
+def _model_id(model: Model) -> str:
+    return model.path.stem
+
+
+def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> ChatCompletion:
+    """An OpenAI ``chat.completion`` dict for ``messages``; options as :func:`stream_chat`."""
+    reply = chat(model, messages, **opts)
+    message: ChatCompletionMessage = {"role": "assistant", "content": reply.content}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": _model_id(model),
+        "choices": [{"index": 0, "message": message, "finish_reason": _OPENAI_FINISH[reply.finish_reason]}],
+        "usage": reply.usage,  # type: ignore[typeddict-item]
+    }
+
+
+def stream_chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> Iterator[ChatCompletionChunk]:
+    """OpenAI ``chat.completion.chunk`` dicts: a role chunk, content/reasoning deltas, a finish chunk.
+
+    The last chunk carries ``usage``. Closing the iterator stops generation.
+    """
+    chat_stream = stream_chat(model, messages, **opts)
+    return _chunks(chat_stream, _model_id(model))
+
+
+def _chunks(chat_stream: ChatStream, model_id: str) -> Iterator[ChatCompletionChunk]:
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model_id}
+    try:
+        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        for kind, text in chat_stream.deltas():
+            key = "reasoning_content" if kind == "reasoning" else "content"
+            yield {**base, "choices": [{"index": 0, "delta": {key: text}, "finish_reason": None}]}
+        reply = chat_stream.reply()
+        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _OPENAI_FINISH[reply.finish_reason]}],
+               "usage": reply.usage}  # type: ignore[typeddict-item]
+    finally:
+        chat_stream.close()

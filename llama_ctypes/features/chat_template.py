@@ -1,0 +1,295 @@
+"""Chat templates: Jinja2 in a sandbox, with the helpers real templates expect.
+
+A template inside a downloaded GGUF is untrusted input. Rendering therefore
+uses jinja2's ``SandboxedEnvironment`` (no attribute walking to Python
+internals, no file or network access) over deep copies of the inputs (a
+template may build and append to its own lists, as several real ones do, but
+never touches the caller's), and three budgets: output size, total
+``range()`` length and ``*`` results, and wall time. A template that exceeds
+one raises :class:`ChatTemplateError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import SandboxedEnvironment
+
+from ..errors import LlamaError
+
+#: Most characters a rendered prompt may have.
+MAX_OUTPUT_CHARS = 4_000_000
+#: Most items ``range()`` may produce, and most elements or characters a ``*`` may produce, per render.
+MAX_ITEMS = 1_000_000
+#: Wall-time budget of one render, in seconds.
+MAX_SECONDS = 5.0
+
+_TEMPLATE_FILENAME = "<chat_template>"
+
+
+class ChatTemplateError(LlamaError, ValueError):
+    """A chat template is missing, invalid, hostile, or raised an error while rendering."""
+
+
+class _Budget:
+    def __init__(self, seconds: float, items: int, chars: int):
+        self.deadline = time.monotonic() + seconds
+        self.seconds = seconds
+        self.items_left = items
+        self.chars = chars
+
+    def spend(self, n: int, what: str) -> None:
+        self.items_left -= n
+        if self.items_left < 0:
+            raise ChatTemplateError(f"chat template exceeded its budget of {MAX_ITEMS} items ({what})")
+
+    def check_time(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise ChatTemplateError(f"chat template rendering took longer than {self.seconds:g} s")
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` (marks assistant text for training masks): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+# The budget of the render running in this thread (a template may render in several threads at once).
+_state = threading.local()
+
+
+def _budget() -> _Budget | None:
+    return getattr(_state, "budget", None)
+
+
+class _Sandbox(SandboxedEnvironment):
+    """The sandbox, with budgets on the two ways a template can allocate without bound."""
+
+    def call_binop(self, context, operator, left, right):
+        budget = _budget()
+        if operator == "*" and budget is not None:
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    budget.spend(len(seq) * max(n, 0), "sequence repetition")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
+            raise ChatTemplateError("chat template used an exponent larger than 64")
+        return super().call_binop(context, operator, left, right)
+
+
+def _json_default(value: Any) -> Any:
+    # Filters such as map() hand tojson a generator; Undefined renders as null.
+    if isinstance(value, jinja2.Undefined):
+        return None
+    if hasattr(value, "__iter__") and not isinstance(value, (str, bytes)):
+        return list(value)
+    return str(value)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # Hugging Face's tojson: no HTML escaping, and the keyword options templates pass.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
+                      default=_json_default)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template refused the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _make_env() -> _Sandbox:
+    env = _Sandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+        extensions=["jinja2.ext.loopcontrols", _GenerationTag],
+        undefined=jinja2.Undefined,
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _budgeted_range
+    return env
+
+
+def _budgeted_range(*args: int) -> range:
+    r = range(*args)
+    budget = _budget()
+    if budget is not None:
+        budget.spend(len(r), "range()")
+    return r
+
+
+def _render_traced(template: jinja2.Template, context: Mapping[str, Any], budget: _Budget) -> str:
+    """Render with a tracer that enforces the time budget inside the template's own frames."""
+
+    def local_trace(frame, event, arg):
+        if event == "line":
+            budget.check_time()
+        return local_trace
+
+    def global_trace(frame, event, arg):
+        if frame.f_code.co_filename == _TEMPLATE_FILENAME:
+            return local_trace
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(global_trace)
+    try:
+        out: list[str] = []
+        size = 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > budget.chars:
+                raise ChatTemplateError(f"chat template output exceeded {budget.chars} characters")
+            out.append(chunk)
+        return "".join(out)
+    finally:
+        sys.settrace(previous)
+
+
+def _normalise_tool_arguments(messages: list, as_object: bool) -> list:
+    """Give every tool call's ``arguments`` the form the template expects (object or JSON text)."""
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or "arguments" not in fn:
+                continue
+            args = fn["arguments"]
+            if as_object and isinstance(args, str):
+                try:
+                    fn["arguments"] = json.loads(args)
+                except ValueError:
+                    pass
+            elif not as_object and not isinstance(args, str):
+                fn["arguments"] = json.dumps(args, ensure_ascii=False)
+    return messages
+
+
+def _merge_system(messages: list) -> list | None:
+    system, rest = messages[0], messages[1:]
+    for i, message in enumerate(rest):
+        if message.get("role") == "user" and isinstance(message.get("content"), str):
+            merged = dict(message, content=f"{system.get('content', '')}\n\n{message['content']}")
+            return rest[:i] + [merged] + rest[i + 1:]
+    return None
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A compiled Jinja chat template.
+
+    ``bos_token``/``eos_token`` are the texts of the model's special tokens,
+    passed to the template as the Hugging Face convention does.
+    """
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ChatTemplateError("the chat template is empty")
+        env = _make_env()
+        try:
+            # Compile with a fixed file name, so the tracer can recognise the template's frames.
+            code = env.compile(self.source, name=None, filename=_TEMPLATE_FILENAME)
+            template = env.template_class.from_code(env, code, env.make_globals(None), None)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"invalid chat template (line {exc.lineno}): {exc.message}") from exc
+        object.__setattr__(self, "_env", env)
+        object.__setattr__(self, "_template", template)
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads a ``tools`` variable."""
+        return "tools" in self.source
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, timeout: float = MAX_SECONDS,
+               **kwargs: Any) -> str:
+        """Render a conversation to prompt text.
+
+        ``kwargs`` become template variables (``enable_thinking=False``,
+        ``reasoning_effort="low"``, ...). Errors from the template, and budget
+        overruns, raise :class:`ChatTemplateError`.
+        """
+        msgs = _normalise_tool_arguments(copy.deepcopy(list(messages)), self.tool_arguments_as_object)
+        try:
+            return self._render(msgs, add_generation_prompt, tools, timeout, kwargs)
+        except ChatTemplateError as exc:
+            # Templates without a system role (Gemma 2, ...) refuse a system message; fold it into
+            # the first user turn, as those models' own chat code does.
+            if "system" not in str(exc).lower() or not msgs or msgs[0].get("role") != "system":
+                raise
+            merged = _merge_system(msgs)
+            if merged is None:
+                raise
+            return self._render(merged, add_generation_prompt, tools, timeout, kwargs)
+
+    @cached_property
+    def tool_arguments_as_object(self) -> bool:
+        """Whether tool-call ``arguments`` reach the template as objects (else JSON strings).
+
+        Found by rendering a probe conversation both ways, as llama.cpp does:
+        most templates index into the arguments, a few concatenate them as text.
+        """
+        if "tool_calls" not in self.source:
+            return True
+        probe = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": "call_000000001", "type": "function",
+                      "function": {"name": "probe", "arguments": {"arg": "value"}}}]},
+                 {"role": "tool", "tool_call_id": "call_000000001", "name": "probe", "content": "ok"},
+                 {"role": "assistant", "content": "done"}, {"role": "user", "content": "y"}]
+        for as_object in (True, False):
+            try:
+                self._render(_normalise_tool_arguments(copy.deepcopy(probe), as_object), True, None, MAX_SECONDS, {})
+                return as_object
+            except ChatTemplateError:
+                continue
+        return True
+
+    def _render(self, messages: list, add_generation_prompt: bool, tools, timeout: float,
+                kwargs: Mapping[str, Any]) -> str:
+        context = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            **copy.deepcopy(dict(kwargs)),
+        }
+        if tools is not None:
+            context["tools"] = copy.deepcopy(list(tools))
+        budget = _Budget(timeout, MAX_ITEMS, MAX_OUTPUT_CHARS)
+        _state.budget = budget
+        try:
+            return _render_traced(self._template, context, budget)  # type: ignore[attr-defined]
+        except ChatTemplateError:
+            raise
+        except jinja2.exceptions.SecurityError as exc:
+            raise ChatTemplateError(f"the chat template tried an unsafe operation: {exc}") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                ZeroDivisionError, RecursionError) as exc:
+            raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            _state.budget = None
