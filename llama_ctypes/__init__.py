@@ -4,6 +4,7 @@ Layers, lowest first (a layer imports only those below it):
 
 * ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
 * ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
+* ``llama_ctypes.features``  chat templates and chat
 * ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
 """
 
@@ -16,6 +17,16 @@ from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
 from .core.sampler import Sampler, SamplingParams
 from .core.tokenizer import StreamDecoder, Tokenizer
+from .features.chat import (
+    ChatParams,
+    ChatReply,
+    ChatStream,
+    chat,
+    chat_completion,
+    stream_chat,
+    stream_chat_completion,
+)
+from .features.chat_template import ChatTemplate, ChatTemplateError
 from .errors import (
     BusyError,
     CancelledError,
@@ -41,6 +52,9 @@ __all__ = [
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings",
+    # chat
+    "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
+    "ChatTemplate", "ChatTemplateError",
     # errors
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",

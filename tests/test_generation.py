@@ -106,9 +106,11 @@ def test_prefix_cache_hit_equals_cold_run(model):
         with lc.Sampler.create(model, temp=0) as smp:
             ctx.generate(smp, lc.Tokenizer.encode(model, prompt + " a king"), max_tokens=4)
         with lc.Sampler.create(model, temp=0) as smp:
-            warm = ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16)
-    assert warm.timings.cached_tokens > 0
-    assert warm.tokens == cold.tokens
+            warm = ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16, cache_prompt=True)
+        with lc.Sampler.create(model, temp=0) as smp:
+            again = ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16)
+    assert warm.timings.cached_tokens > 0 and again.timings.cached_tokens == 0
+    assert warm.tokens == cold.tokens == again.tokens
 
 
 def test_prompt_longer_than_context_raises_overflow(tiny_model):

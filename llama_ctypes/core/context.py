@@ -161,7 +161,8 @@ class Context(NativeHandle):
         """Generate from pre-tokenized input with a given sampler; returns a :class:`Completion`.
 
         Options: the fields of :class:`GenerationParams` (max_tokens, stop, ...).
-        The KV cache keeps the longest common prefix with the previous call.
+        With ``cache_prompt=True`` the KV cache of the longest common prefix with
+        the previous call is reused instead of recomputed.
         """
         from .generation import GenerationParams, generate_with
 

@@ -42,6 +42,12 @@ class GenerationParams:
     """Turn special-token text in a text prompt (e.g. ``<|im_start|>``) into special tokens."""
     special: bool = False
     """Render special tokens in the output text."""
+    cache_prompt: bool = False
+    """Reuse the KV cache of the longest common prefix with the context's previous prompt.
+
+    Faster for repeated prefixes, but the reused part was computed in other batch
+    shapes, so greedy output may differ from a cold run where the top two tokens
+    are nearly tied. Off by default: the same input gives the same output."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < -1 or self.max_tokens == 0:
@@ -148,11 +154,11 @@ def check_prompt(ctx: "Context", prompt: Sequence[int]) -> None:
         raise ValueError(f"prompt holds token ids outside the vocabulary [0, {ctx.n_vocab}): {bad[:5]}")
 
 
-def _prefill(ctx: "Context", prompt: list[int], run: _Run) -> None:
-    """Bring the KV cache of sequence 0 to ``prompt``, reusing the common prefix."""
+def _prefill(ctx: "Context", prompt: list[int], run: _Run, cache_prompt: bool) -> None:
+    """Bring the KV cache of sequence 0 to ``prompt`` (reusing the common prefix when asked)."""
     check_prompt(ctx, prompt)
     lib, mem = ctx._lib, ctx._mem
-    common = _common_prefix(ctx.tokens, prompt)
+    common = _common_prefix(ctx.tokens, prompt) if cache_prompt else 0
     if common == len(prompt):
         common -= 1  # the last prompt token must be decoded again to get its logits
     if common < len(ctx.tokens) and not lib.llama_memory_seq_rm(mem, 0, common, -1):
@@ -186,7 +192,7 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
     stops iterating costs no extra decode.
     """
     t0 = time.perf_counter()
-    _prefill(ctx, prompt, run)
+    _prefill(ctx, prompt, run, params.cache_prompt)
     timings = run.timings
     timings.prompt_ms = (time.perf_counter() - t0) * 1e3
     lib, ctx_ptr, smpl, vocab = ctx._lib, ctx._ptr, sampler._ptr, ctx.model._vocab

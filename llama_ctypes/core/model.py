@@ -361,7 +361,7 @@ class Model(NativeHandle):
     def _checkout_context(self, cparams):
         """An idle pooled Context with these params, or a new one.
 
-        A pooled context keeps its KV cache: the next prompt reuses the common prefix.
+        A pooled context keeps its KV cache, for calls made with ``cache_prompt=True``.
         """
         from .context import Context
 

@@ -129,7 +129,7 @@ def template_for(model: Model, params: ChatParams) -> ChatTemplate | BuiltinChat
         if key not in cache:
             source = model.chat_template_named(params.template_name)
             if source is None:
-                what = f"a {params.template_name!r} chat template" if params.template_name else "a chat template"
+                what = f"{params.template_name!r} chat template" if params.template_name else "chat template"
                 raise ChatTemplateError(
                     f"{model.path.name} has no {what} in its metadata; pass chat_template=<Jinja source> or "
                     f"a built-in format name ({', '.join(BuiltinChatTemplate.names()[:8])}, ...)")

@@ -81,6 +81,11 @@ def _budget() -> _Budget | None:
 class _Sandbox(SandboxedEnvironment):
     """The sandbox, with budgets on the two ways a template can allocate without bound."""
 
+    def unsafe_undefined(self, obj, attribute):
+        # jinja2 would render an unsafe attribute as an empty string; refuse loudly instead.
+        raise jinja2.exceptions.SecurityError(
+            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
     def call_binop(self, context, operator, left, right):
         budget = _budget()
         if operator == "*" and budget is not None:
