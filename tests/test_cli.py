@@ -42,3 +42,12 @@ def test_generate_uses_the_demo_model_by_default():
     out = run("generate", "The capital of France is", "--max-tokens", "8", "--temp", "0")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
+
+
+def test_chat_is_multi_turn_over_stdin(tiny_model_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_ctypes", "chat", "--model", str(tiny_model_path), "--chat-template", "chatml",
+         "--system", "Be brief.", "--no-think", "-n", "6", "--temp", "0"],
+        input="Hello\nAnd again\n", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip("\n").split("\n")) >= 2  # one reply per turn

@@ -1,6 +1,6 @@
 """The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
 
-Subcommands: ``generate``, ``info``, ``devices``, ``version``.
+Subcommands: ``generate``, ``chat``, ``info``, ``devices``, ``version``.
 """
 
 from __future__ import annotations
@@ -85,6 +85,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_template_arg(value: str | None) -> str | None:
+    """--chat-template takes a file of Jinja source or a built-in format name."""
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if path.is_file() else value
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ..features.chat import stream_chat
+
+    path = _resolve_model(args.model)
+    model = load_model(path, n_gpu_layers=args.n_gpu_layers, progress_callback=_progress(sys.stderr))
+    template = _chat_template_arg(args.chat_template)
+    interactive = sys.stdin.isatty()
+    history: list[dict] = []
+    opts = dict(max_tokens=args.max_tokens, temp=args.temp, n_ctx=args.n_ctx, chat_template=template,
+                system=args.system, cache_prompt=True)
+    if args.no_think:
+        opts["enable_thinking"] = False
+    if args.seed is not None:
+        opts["seed"] = args.seed
+    with model:
+        if interactive:
+            print(f"{model.desc} - empty line or Ctrl-D to quit", file=sys.stderr)
+        while True:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                break
+            if not line.strip() or line.strip() in ("/exit", "/quit"):
+                break
+            history.append({"role": "user", "content": line})
+            reply = stream_chat(model, history, **opts)
+            try:
+                for kind, text in reply.deltas():
+                    if kind == "content":
+                        sys.stdout.write(text)
+                    elif args.show_thinking:
+                        sys.stderr.write(text)
+                    sys.stdout.flush()
+            finally:
+                reply.close()
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": reply.content})
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with load_model(_resolve_model(args.model), vocab_only=args.vocab_only) as model:
         info = model.info()
@@ -133,6 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n-gpu-layers", type=int, default=-1)
     gen.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat (reads lines from stdin)")
+    chat.add_argument("--model", "-m", help="GGUF file (default: the Gemma 270M demo model, if installed)")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--no-think", action="store_true", help="ask thinking models not to think")
+    chat.add_argument("--show-thinking", action="store_true", help="print the model's thinking to stderr")
+    chat.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml, gemma)")
+    chat.add_argument("--max-tokens", "-n", type=int, default=512)
+    chat.add_argument("--temp", type=float, default=0.7)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--n-ctx", type=int, default=4096)
+    chat.add_argument("--n-gpu-layers", type=int, default=-1)
+    chat.set_defaults(func=cmd_chat)
 
     info = sub.add_parser("info", help="describe a model")
     info.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
