@@ -7,12 +7,9 @@ The module functions ``generate``/``stream`` wrap these for a Model.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
-
-import numpy as np
 
 from ..errors import ContextOverflowError, DecodeError
 from .params import ContextParams, split_options
@@ -195,11 +192,11 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
     _prefill(ctx, prompt, run, params.cache_prompt)
     timings = run.timings
     timings.prompt_ms = (time.perf_counter() - t0) * 1e3
-    lib, ctx_ptr, smpl, vocab = ctx._lib, ctx._ptr, sampler._ptr, ctx.model._vocab
+    lib, ctx_ptr, vocab = ctx._lib, ctx._ptr, ctx.model._vocab
     decode, native_is_eog = lib.llama_decode, lib.llama_vocab_is_eog
     eog_cache = ctx.model._eog_cache  # token id -> bool, so the hot loop skips a ctypes call
     eog_get = eog_cache.get
-    sample = _argmax_sampler(ctx) if sampler.params.plain_greedy else lib.llama_sampler_sample
+    sample = sampler.sample_fn(ctx)
     batch = ctx._batch
     native_batch = batch.native
     tokens, ctx_tokens = run.tokens, ctx.tokens
@@ -210,7 +207,7 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
     try:
         while True:
             ts = clock()
-            tok = sample(smpl, ctx_ptr, -1)
+            tok = sample(-1)
             te = clock()
             sample_s += te - ts
             if t_first is None:
@@ -247,30 +244,6 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
             timings.generation_ms = (clock() - t_first) * 1e3
             timings.decode_ms = decode_s * 1e3
             timings.sample_ms = sample_s * 1e3
-
-
-def _argmax_sampler(ctx: "Context") -> Callable[[Any, Any, int], int]:
-    """Greedy choice as a numpy argmax over the logits, in place of llama_sampler_sample.
-
-    llama.cpp's greedy sampler first copies every logit into a candidate array
-    (about 0.4 ms for a 262k vocabulary); argmax over a view of the logits
-    picks the same token (the first maximum) in a tenth of the time.
-    """
-    n_vocab = ctx.n_vocab
-    # The same C function, returning the address as an int instead of a ctypes pointer.
-    logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-        ctypes.cast(ctx._lib.llama_get_logits_ith, ctypes.c_void_p).value)
-    ctx_addr = ctypes.cast(ctx._ptr, ctypes.c_void_p).value
-    cached: list = [None, None]  # address, view
-
-    def sample(_smpl, _ctx, idx: int) -> int:
-        addr = logits_addr(ctx_addr, idx)
-        if addr != cached[0]:
-            cached[0] = addr
-            cached[1] = np.ctypeslib.as_array((ctypes.c_float * n_vocab).from_address(addr))
-        return int(cached[1].argmax())
-
-    return sample
 
 
 def _stop_holdback(text: str, stops: Sequence[str]) -> int:
