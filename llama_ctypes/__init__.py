@@ -4,7 +4,7 @@ Layers, lowest first (a layer imports only those below it):
 
 * ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
 * ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
-* ``llama_ctypes.features``  chat templates and chat
+* ``llama_ctypes.features``  chat templates and chat, grammars, schemas, structured output
 * ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
 """
 
@@ -12,7 +12,7 @@ from ._version import __version__
 from .core.backend import Device, VersionInfo, devices, init, system_info, version_info
 from .core.batch import Batch
 from .core.context import Context
-from .core.generation import Completion, GenerationParams, TextStream, Timings, generate, stream
+from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
 from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
 from .core.sampler import Sampler, SamplingParams
@@ -26,7 +26,10 @@ from .features.chat import (
     stream_chat,
     stream_chat_completion,
 )
+from .features import grammar, schema
 from .features.chat_template import ChatTemplate, ChatTemplateError
+from .features.schema import ResponseValidationError
+from .features.structured import generate
 from .errors import (
     BusyError,
     CancelledError,
@@ -55,6 +58,8 @@ __all__ = [
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
+    # structured output
+    "grammar", "schema", "ResponseValidationError",
     # errors
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",

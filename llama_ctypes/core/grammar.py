@@ -85,7 +85,20 @@ def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool) -> str:
         except ValueError as exc:
             raise SchemaError(f"the JSON schema is not valid JSON: {exc}") from exc
     check_schema(schema)
-    return _convert(json.dumps(schema))  # property order matters: the grammar keeps it
+    return _convert(json.dumps(_for_converter(schema)))  # property order matters: the grammar keeps it
+
+
+def _for_converter(schema: Any) -> Any:
+    """Rewrite the one common form the converter rejects: ``items: false`` after ``prefixItems`` (a closed tuple)."""
+    if isinstance(schema, list):
+        return [_for_converter(v) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: _for_converter(v) for k, v in schema.items()}
+    if out.get("items") is False:
+        del out["items"]
+        out.setdefault("maxItems", len(out.get("prefixItems", ())))
+    return out
 
 
 @lru_cache(maxsize=256)

@@ -23,6 +23,7 @@ from ..core.tokenizer import Tokenizer
 from ..native import llama_h as L
 from .chat_template import ChatTemplate, ChatTemplateError
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+from .structured import constrain_to, parse_completion
 
 Message = Mapping[str, Any]
 
@@ -294,9 +295,16 @@ def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatS
     return ChatStream(stream(model, prompt_tokens(model, text), **rest), splitter)
 
 
-def chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatReply:
-    """The assistant's answer to ``messages`` (a ``str``; ``.reasoning`` holds any thinking)."""
-    return stream_chat(model, messages, **opts).reply()
+def chat(model: Model, messages: Sequence[Message], *, response_model: Any = None, **opts: Any) -> ChatReply | Any:
+    """The assistant's answer to ``messages`` (a ``str``; ``.reasoning`` holds any thinking).
+
+    With ``response_model`` (Pydantic model, dataclass or TypedDict) the answer is
+    constrained to its JSON schema and returned as a validated instance.
+    """
+    if response_model is None:
+        return stream_chat(model, messages, **opts).reply()
+    reply = stream_chat(model, messages, **constrain_to(response_model, opts)).reply()
+    return parse_completion(reply.content, reply.finish_reason, response_model)
 
 
 # ---- OpenAI shapes -------------------------------------------------------------------------
