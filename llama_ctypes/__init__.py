@@ -27,6 +27,7 @@ from .features.chat import (
     stream_chat_completion,
 )
 from .features import grammar, schema
+from .features.embeddings import EmbeddingError, embed, rerank
 from .features.chat_template import ChatTemplate, ChatTemplateError
 from .features.schema import ResponseValidationError
 from .features.structured import generate
@@ -58,6 +59,8 @@ __all__ = [
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
+    # embeddings
+    "embed", "rerank", "EmbeddingError",
     # structured output
     "grammar", "schema", "ResponseValidationError",
     # errors

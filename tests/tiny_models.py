@@ -74,3 +74,64 @@ def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: int = 2, n_embd: int = 64,
+                    n_head: int = 4, n_ff: int = 128, n_ctx_train: int = 512, seed: int = 0) -> Path:
+    """A 2-layer ``bert`` encoder (non-causal attention, no KV cache) with random weights.
+
+    ``pooling`` is a llama_pooling_type value: 1 = mean, 2 = cls, 4 = rank (adds a 1-output
+    classifier head, so the model works as a reranker).
+    """
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_name("tiny-bert-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(pooling))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+    if "tokenizer.ggml.token_type_count" not in gguf.GGUFReader(str(vocab_path)).fields:
+        writer.add_token_type_count(2)
+
+    def w(*shape: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    def zeros(n: int) -> np.ndarray:
+        return np.zeros(n, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("token_types.weight", w(2, n_embd))
+    writer.add_tensor("position_embd.weight", w(n_ctx_train, n_embd))
+    writer.add_tensor("token_embd_norm.weight", ones(n_embd))
+    writer.add_tensor("token_embd_norm.bias", zeros(n_embd))
+    for i in range(n_layer):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", w(n_embd, n_embd))
+            writer.add_tensor(f"blk.{i}.{name}.bias", w(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output_norm.bias", zeros(n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.bias", w(n_ff))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(f"blk.{i}.ffn_down.bias", w(n_embd))
+        writer.add_tensor(f"blk.{i}.layer_output_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.layer_output_norm.bias", zeros(n_embd))
+    if pooling == 4:
+        writer.add_tensor("cls.weight", w(n_embd, n_embd))
+        writer.add_tensor("cls.bias", w(n_embd))
+        writer.add_tensor("cls.output.weight", w(1, n_embd))
+        writer.add_tensor("cls.output.bias", w(1))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

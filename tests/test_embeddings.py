@@ -1,0 +1,100 @@
+"""Embeddings (decoder and encoder models, pooling, batching) and reranking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llama_ctypes as lc
+from tiny_models import write_tiny_bert
+
+TEXTS = [f"Sentence {i} is about topic {i % 5}." + " More words." * (i % 4) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory, vocab_dir):
+    path = write_tiny_bert(tmp_path_factory.mktemp("bert") / "tiny-bert.gguf", vocab_dir / "ggml-vocab-bert-bge.gguf",
+                           pooling=1)
+    with lc.load_model(path) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory, vocab_dir):
+    path = write_tiny_bert(tmp_path_factory.mktemp("rerank") / "tiny-rerank.gguf",
+                           vocab_dir / "ggml-vocab-bert-bge.gguf", pooling=4, seed=1)
+    with lc.load_model(path) as model:
+        yield model
+
+
+@pytest.mark.parametrize("name", ["tiny_model", "bert"])
+def test_normalised_vectors_and_list_equals_one_by_one(request, name):
+    model = request.getfixturevalue(name)
+    one = lc.embed(model, TEXTS[0])
+    assert one.shape == (model.n_embd,) and one.dtype == np.float32
+    assert np.linalg.norm(one) == pytest.approx(1.0, abs=1e-5)
+    many = lc.embed(model, TEXTS)
+    assert many.shape == (len(TEXTS), model.n_embd)
+    assert np.allclose(np.linalg.norm(many, axis=1), 1.0, atol=1e-5)
+    alone = np.stack([lc.embed(model, t) for t in TEXTS])
+    assert np.abs(many - alone).max() < 1e-4
+    raw = lc.embed(model, TEXTS[0], normalize=False)
+    assert np.allclose(raw / np.linalg.norm(raw), one, atol=1e-6)
+
+
+@pytest.mark.gemma
+def test_gemma_embeddings(gemma):
+    many = lc.embed(gemma, TEXTS)
+    alone = np.stack([lc.embed(gemma, t) for t in TEXTS])
+    assert many.shape == (len(TEXTS), 640)
+    # Q4_K kernels choose paths by batch shape: equal to ~1e-3, cosine > 0.9999
+    assert np.abs(many - alone).max() < 5e-3
+    assert (many * alone).sum(axis=1).min() > 0.9999
+    similar = lc.embed(gemma, ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock prices fell."])
+    assert similar[0] @ similar[1] > similar[0] @ similar[2]
+
+
+def test_per_token_output_has_one_row_per_token(tiny_model, bert):
+    for model in (tiny_model, bert):
+        rows = lc.embed(model, "Hello there world", pooling="none")
+        assert rows.shape == (len(model.tokenize("Hello there world")), model.n_embd)
+        assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+        per_text = lc.embed(model, ["a b", "c d e f"], pooling="none")
+        assert [r.shape[0] for r in per_text] == [len(model.tokenize("a b")), len(model.tokenize("c d e f"))]
+
+
+def test_pooling_override_and_model_default(tiny_model, bert):
+    assert lc.features.embeddings.model_pooling(bert) == "mean"
+    assert lc.features.embeddings.model_pooling(tiny_model) == "mean"  # a decoder without pooling metadata
+    cls = lc.embed(bert, TEXTS[:3], pooling="cls")
+    mean = lc.embed(bert, TEXTS[:3])
+    assert not np.allclose(cls, mean)
+    last = lc.embed(tiny_model, TEXTS[:3], pooling="last")
+    rows = lc.embed(tiny_model, TEXTS[0], pooling="none")
+    assert np.allclose(last[0], rows[-1], atol=1e-5)
+
+
+def test_long_texts_truncate_or_raise(bert):
+    long_text = "word " * 2000  # the tiny BERT takes 512 positions
+    vec = lc.embed(bert, long_text)
+    assert vec.shape == (bert.n_embd,)
+    with pytest.raises(lc.ContextOverflowError, match="512"):
+        lc.embed(bert, long_text, truncate=False)
+    assert lc.embed(bert, []).shape == (0, bert.n_embd)
+    with pytest.raises(TypeError):
+        lc.embed(bert, [b"bytes"])
+    with pytest.raises(ValueError, match="pooling"):
+        lc.embed(bert, "x", pooling="max")
+    assert lc.embed(bert, "still works").shape == (bert.n_embd,)
+
+
+def test_rerank_scores_in_document_order(reranker, bert):
+    docs = ["a cat is an animal", "the stock market", "cats purr", "x"]
+    scores = lc.rerank(reranker, "what is a cat", docs)
+    assert len(scores) == len(docs) and all(isinstance(s, float) for s in scores)
+    one_by_one = [lc.rerank(reranker, "what is a cat", [d])[0] for d in docs]
+    assert np.allclose(scores, one_by_one, atol=1e-4)
+    probs = lc.rerank(reranker, "what is a cat", docs, normalize=True)
+    assert all(0.0 < p < 1.0 for p in probs)
+    with pytest.raises(lc.EmbeddingError, match="not a reranking model"):
+        lc.rerank(bert, "q", ["d"])
