@@ -4,7 +4,8 @@ Layers, lowest first (a layer imports only those below it):
 
 * ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
 * ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
-* ``llama_ctypes.features``  chat templates and chat, grammars, schemas, structured output
+* ``llama_ctypes.features``  chat templates and chat, grammars, schemas, structured output, embeddings
+* ``llama_ctypes.engines``   the continuous-batching server
 * ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
 """
 
@@ -25,6 +26,16 @@ from .features.chat import (
     chat_completion,
     stream_chat,
     stream_chat_completion,
+)
+from . import telemetry
+from .engines.server import (
+    Balanced,
+    DecodeMaximal,
+    PrefillPriority,
+    QueueFullError,
+    Server,
+    ServerClosedError,
+    ServerStream,
 )
 from .features import grammar, schema
 from .features.embeddings import EmbeddingError, embed, rerank
@@ -59,6 +70,9 @@ __all__ = [
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
+    # server
+    "Server", "ServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
+    "ServerClosedError", "telemetry",
     # embeddings
     "embed", "rerank", "EmbeddingError",
     # structured output

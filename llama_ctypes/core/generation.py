@@ -257,6 +257,32 @@ def _stop_holdback(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+class StopFilter:
+    """Applies stop strings to streamed text: emits what is safe, holds back a possible stop prefix."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Text that can be emitted now; sets ``stopped`` when a stop string appears (it is dropped)."""
+        if not self.stops:
+            return piece
+        self.pending += piece
+        hit = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            out, self.pending, self.stopped = self.pending[:hit], "", True
+            return out
+        keep = _stop_holdback(self.pending, self.stops)
+        out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
 class TextStream:
     """A lazy stream of generated text pieces (``for piece in stream: ...``).
 
@@ -341,36 +367,28 @@ class TextStream:
 
     def _generate(self) -> Iterator[str]:
         ctx, run, params = self._ctx, self._run, self._params
-        stops = params.stop
         pieces = self._pieces
         ctx._begin_exclusive()
         try:
             decoder = StreamDecoder(ctx.model, special=params.special)
-            pending = ""
+            stops = StopFilter(params.stop)
             for tok in token_loop(ctx, self._sampler, self._prompt, params, run):
-                piece = decoder.push(tok)
-                if not piece:
-                    continue
-                if not stops:
-                    pieces.append(piece)
-                    yield piece
-                    continue
-                pending += piece
-                hit = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-                if hit >= 0:
-                    pending = pending[:hit]
-                    run.finish_reason = "stop"
-                    break
-                keep = _stop_holdback(pending, stops)
-                out, pending = (pending[:-keep], pending[-keep:]) if keep else (pending, "")
+                out = stops.feed(decoder.push(tok))
                 if out:
                     pieces.append(out)
                     yield out
-            if run.finish_reason != "stop":
-                pending += decoder.flush()
-            if pending:
-                pieces.append(pending)
-                yield pending
+                if stops.stopped:
+                    run.finish_reason = "stop"
+                    break
+            if not stops.stopped:
+                out = stops.feed(decoder.flush())
+                if stops.stopped:
+                    run.finish_reason = "stop"
+                else:
+                    out += stops.flush()
+                if out:
+                    pieces.append(out)
+                    yield out
         finally:
             ctx._end_exclusive()
             self._release()

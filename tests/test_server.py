@@ -1,0 +1,297 @@
+"""The continuous-batching server: equality with solo runs, cancellation, backpressure, asyncio, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
+
+PROMPTS = [f"Request number {i} says" for i in range(8)]
+
+
+@pytest.fixture
+def server(tiny_model):
+    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=512) as srv:
+        yield srv
+
+
+def _wait_idle(server, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = server.stats()
+        if stats["active_slots"] == 0 and stats["queue_length"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"server still busy: {server.stats()}")
+
+
+def _concurrently(fn, args):
+    results, errors = [None] * len(args), []
+
+    def run(i, a):
+        try:
+            results[i] = fn(a)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("strategy", [DecodeMaximal, PrefillPriority, Balanced])
+def test_concurrent_greedy_equals_solo(tiny_model, strategy):
+    solo = [lc.generate(tiny_model, p, max_tokens=20, temp=0, ignore_eos=True).tokens for p in PROMPTS]
+    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=512, batch_strategy=strategy, n_batch=64) as srv:
+        got = _concurrently(lambda p: srv.generate(p, max_tokens=20, temp=0, ignore_eos=True).tokens, PROMPTS)
+        assert got == solo
+        assert srv.stats()["avg_batch_tokens"] > 1  # requests really shared ticks
+        _wait_idle(srv)
+        assert srv.kv_positions() == [-1] * 4
+
+
+@pytest.mark.gemma
+def test_gemma_concurrent_greedy_equals_solo(gemma):
+    prompts = ["1, 2, 3, 4, 5,", "Monday, Tuesday, Wednesday,", "a, b, c, d, e,", "January, February, March,",
+               "10, 20, 30, 40,", "red, orange, yellow,", "one, two, three, four,", "A B C D E F"]
+    solo = [lc.generate(gemma, p, max_tokens=8, temp=0, ignore_eos=True).tokens for p in prompts]
+    with lc.Server(model=gemma, n_parallel=4, n_ctx=256) as srv:
+        got = _concurrently(lambda p: srv.generate(p, max_tokens=8, temp=0, ignore_eos=True).tokens, prompts)
+    # batching changes kernel paths; prompts are chosen so the top-1 margin is clear
+    matches = sum(g == s for g, s in zip(got, solo))
+    assert matches >= 7, list(zip(got, solo))
+
+
+def test_per_request_seed_and_options(server):
+    a = server.generate("Hello", max_tokens=12, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    b = server.generate("Hello", max_tokens=12, temp=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    assert a.tokens == b.tokens
+    constrained = server.generate("x", grammar='root ::= "yes" | "no"', temp=0)
+    assert constrained in ("yes", "no") and constrained.finish_reason == "eog"
+    full = server.generate("Hello", max_tokens=30, temp=0, ignore_eos=True)
+    stop = full.text.split()[len(full.text.split()) // 2]
+    stopped = server.generate("Hello", max_tokens=30, temp=0, ignore_eos=True, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[:full.text.index(stop)]
+    assert server.generate_tokens(server.get_model().tokenize("Hello"), max_tokens=30, temp=0,
+                                  ignore_eos=True).tokens == full.tokens
+    with pytest.raises(TypeError, match="tmp"):
+        server.generate("Hello", tmp=0.5)
+    with pytest.raises(lc.GrammarError):
+        server.generate("Hello", grammar="root ::= (")
+
+
+def test_streams_cancelled_early_free_their_slots(server):
+    for i in range(200):
+        stream = server.stream(f"Cancel me {i % 7}", max_tokens=500, temp=0, ignore_eos=True)
+        for j, _ in enumerate(stream):
+            if j == 1:
+                break
+        stream.close()
+    _wait_idle(server)
+    assert server.kv_positions() == [-1] * 4
+    # dropped (garbage-collected) streams are cancelled too
+    stream = server.stream("dropped", max_tokens=500, temp=0, ignore_eos=True)
+    next(stream)
+    del stream
+    gc.collect()
+    _wait_idle(server)
+    assert server.kv_positions() == [-1] * 4
+
+
+def test_explicit_cancel(server):
+    stream = server.stream("cancel explicitly", max_tokens=500, temp=0, ignore_eos=True)
+    next(stream)
+    server.cancel(stream)
+    with pytest.raises(lc.CancelledError):
+        for _ in stream:
+            pass
+    assert len(stream.tokens) < 500
+    _wait_idle(server)
+
+
+def test_queue_full_raises_at_once(tiny_model):
+    events = []
+    lc.telemetry.attach("queue-test", ["server.queue_full"], lambda e, m, md: events.append(m))
+    try:
+        with lc.Server(model=tiny_model, n_parallel=1, n_ctx=512, max_queue=2) as srv:
+            running = [srv.stream("busy", max_tokens=400, temp=0, ignore_eos=True)]
+            next(running[0])  # admitted and running: the next two wait
+            running += [srv.stream(f"busy {i}", max_tokens=400, temp=0, ignore_eos=True) for i in range(2)]
+            t0 = time.monotonic()
+            with pytest.raises(lc.QueueFullError):
+                srv.stream("one too many", max_tokens=5)
+            assert time.monotonic() - t0 < 1.0
+            for s in running:
+                s.close()
+        assert events and events[0]["queue_length"] == 2
+    finally:
+        lc.telemetry.detach("queue-test")
+
+
+def test_asyncio_requests_do_not_block_the_loop(server, tiny_model):
+    expected = lc.generate(tiny_model, "async 3", max_tokens=16, temp=0, ignore_eos=True).tokens
+
+    async def main():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        results = await asyncio.gather(*[server.agenerate(f"async {i}", max_tokens=16, temp=0, ignore_eos=True)
+                                         for i in range(32)])
+        pieces = [p async for p in server.astream("async 3", max_tokens=16, temp=0, ignore_eos=True)]
+        stop.set()
+        await tick
+        return results, pieces, gaps
+
+    results, pieces, gaps = asyncio.run(main())
+    assert len(results) == 32 and all(len(r.tokens) == 16 for r in results)
+    assert results[3].tokens == expected
+    assert "".join(pieces) == results[3].text
+    assert max(gaps) < 0.25  # the loop kept running while 32 requests were served
+
+
+def test_cancelling_an_asyncio_task_frees_its_slot(server):
+    async def main():
+        task = asyncio.create_task(server.agenerate("long", max_tokens=5000, temp=0, ignore_eos=True))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _wait_idle(server)
+    assert server.kv_positions() == [-1] * 4
+
+
+def test_sixteen_threads_share_one_server(server, tiny_model):
+    prompts = [f"thread {i}" for i in range(16)]
+    solo = [lc.generate(tiny_model, p, max_tokens=10, temp=0, ignore_eos=True).tokens for p in prompts]
+    got = _concurrently(lambda p: server.generate(p, max_tokens=10, temp=0, ignore_eos=True).tokens, prompts)
+    assert got == solo
+
+
+def test_close_under_load_ends_every_request(tiny_model):
+    srv = lc.Server(model=tiny_model, n_parallel=2, n_ctx=512)
+    streams = [srv.stream(f"load {i}", max_tokens=5000, temp=0, ignore_eos=True) for i in range(6)]
+    next(streams[0])
+    outcomes = []
+
+    def consume(s):
+        try:
+            for _ in s:
+                pass
+            outcomes.append("finished")
+        except lc.ServerClosedError:
+            outcomes.append("closed")
+
+    threads = [threading.Thread(target=consume, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    srv.close()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
+    assert outcomes.count("closed") >= 4
+    with pytest.raises(lc.ServerClosedError):
+        srv.generate("after close")
+    assert lc.generate(tiny_model, "model still fine", max_tokens=2, temp=0).tokens
+
+
+def test_a_failed_decode_fails_only_its_requests(server, monkeypatch):
+    engine = server._engine
+    real = engine._lib.llama_decode
+    calls = {"n": 0}
+
+    class FailOnce:
+        def __getattr__(self, name):
+            return getattr(real_lib, name)
+
+        def llama_decode(self, ctx, batch):
+            calls["n"] += 1
+            return 1 if calls["n"] == 1 else real(ctx, batch)
+
+    real_lib = engine._lib
+    monkeypatch.setattr(engine, "_lib", FailOnce())
+    with pytest.raises(lc.DecodeError):
+        server.generate("this one fails", max_tokens=5, temp=0)
+    assert server.generate("this one works", max_tokens=5, temp=0, ignore_eos=True).tokens
+    _wait_idle(server)
+
+
+def test_prompt_too_long_for_a_slot(server):
+    with pytest.raises(lc.ContextOverflowError):
+        server.generate("word " * 600, max_tokens=4)
+    assert server.generate("fine", max_tokens=2, temp=0, ignore_eos=True).tokens
+
+
+def test_telemetry_events(server):
+    seen = []
+    lc.telemetry.attach("t1", ["server.request.start", "server.request.stop", "server.tick",
+                               "server.request.cancelled"], lambda e, m, md: seen.append((e, dict(m), dict(md))))
+    lc.telemetry.attach("broken", ["server.tick"], lambda e, m, md: 1 / 0)  # must not break the server
+    try:
+        done = server.generate("telemetry", max_tokens=6, temp=0, ignore_eos=True)
+        s = server.stream("cancel", max_tokens=500, temp=0, ignore_eos=True)
+        next(s)
+        s.close()
+        _wait_idle(server)
+    finally:
+        assert lc.telemetry.detach("t1") and lc.telemetry.detach("broken")
+    names = [e for e, _, _ in seen]
+    assert "server.request.start" in names and "server.tick" in names and "server.request.cancelled" in names
+    stop = next(m for e, m, md in seen if e == "server.request.stop" and md["finish_reason"] == "length")
+    assert stop["generated_tokens"] == len(done.tokens) and stop["ttft_ms"] > 0 and stop["prompt_tokens"] > 0
+    tick = next(m for e, m, _ in seen if e == "server.tick")
+    assert tick["batch_tokens"] == tick["decode_tokens"] + tick["prefill_tokens"]
+    with pytest.raises(ValueError):
+        lc.telemetry.attach("dup", ["x"], print)
+        lc.telemetry.attach("dup", ["y"], print)
+    lc.telemetry.detach("dup")
+
+
+def test_strategies_split_the_budget():
+    decoding = ["d1", "d2", "d3"]
+    prefilling = [("p1", 10), ("p2", 10)]
+    dm = DecodeMaximal().plan(decoding, prefilling, 8)
+    assert dm.decode == decoding and dm.prefill == [("p1", 5)]
+    pp = PrefillPriority().plan(decoding, prefilling, 8)
+    assert pp.decode == [] and pp.prefill == [("p1", 8)]
+    pp2 = PrefillPriority().plan(decoding, [("p1", 3)], 8)
+    assert pp2.decode == decoding and pp2.prefill == [("p1", 3)]
+    bal = Balanced().plan(decoding, prefilling, 8)
+    assert bal.decode == decoding and bal.prefill == [("p1", 5)] and bal.n_tokens == 8
+    bal2 = Balanced().plan(["d"] * 10, prefilling, 8)
+    assert len(bal2.decode) == 4 and bal2.prefill == [("p1", 4)]
+    assert Balanced().plan(["d"] * 10, [], 8).decode == ["d"] * 8
+
+
+def test_server_options_are_validated(tiny_model, tiny_model_path):
+    with pytest.raises(TypeError, match="exactly one"):
+        lc.Server()
+    with pytest.raises(TypeError, match="n_parallelz"):
+        lc.Server(model=tiny_model, n_parallelz=2)
+    with pytest.raises(ValueError):
+        lc.Server(model=tiny_model, n_parallel=0)
+    with pytest.raises(TypeError, match="batch_strategy"):
+        lc.Server(model=tiny_model, batch_strategy="fast")
+    with lc.Server(model_path=tiny_model_path, n_parallel=2, temp=0, max_tokens=3) as owned:
+        assert len(owned.generate("defaults apply").tokens) <= 3
+    assert owned.model.closed  # a server that loaded its model closes it
