@@ -173,6 +173,12 @@ def _shared_libs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.suffix in _LIB_SUFFIXES)
 
 
+def _is_package_lib(path: Path) -> bool:
+    """The libraries the Python package loads: ggml (and its backends), llama, llama-common, the adapter."""
+    stem = path.stem[3:] if path.stem.startswith("lib") else path.stem
+    return stem.startswith("ggml") or stem in ("llama", "llama-common", "llama_ctypes_adapter")
+
+
 def build(
     backend: str | None = None,
     extra_cmake_args: list[str] | None = None,
@@ -224,10 +230,14 @@ def build(
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "lib").mkdir(parents=True)
-    for lib in _shared_libs(built):
-        shutil.copy2(lib, staging / "lib" / lib.name)
     if tools:
         (staging / "bin").mkdir()
+    for lib in _shared_libs(built):
+        if _is_package_lib(lib):
+            shutil.copy2(lib, staging / "lib" / lib.name)
+        elif tools:  # libraries only the tools use
+            shutil.copy2(lib, staging / "bin" / lib.name)
+    if tools:
         for exe in ("llama-bench", "llama-server"):
             for cand in (built / exe, built / f"{exe}.exe"):
                 if cand.exists():
