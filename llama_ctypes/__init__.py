@@ -4,7 +4,7 @@ Layers, lowest first (a layer imports only those below it):
 
 * ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
 * ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
-* ``llama_ctypes.features``  chat templates and chat, grammars, schemas, structured output, embeddings
+* ``llama_ctypes.features``  chat, grammars, schemas, structured output, embeddings, the Hub client
 * ``llama_ctypes.engines``   the continuous-batching server
 * ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
 """
@@ -37,7 +37,15 @@ from .engines.server import (
     ServerClosedError,
     ServerStream,
 )
-from .features import grammar, schema
+from .features import grammar, hub, schema
+from .features.hub import (
+    HubError,
+    HubIntegrityError,
+    HubNotFoundError,
+    HubOfflineError,
+    HubUnauthorizedError,
+    load_model_from_hub,
+)
 from .features.embeddings import EmbeddingError, embed, rerank
 from .features.chat_template import ChatTemplate, ChatTemplateError
 from .features.schema import ResponseValidationError
@@ -73,6 +81,9 @@ __all__ = [
     # server
     "Server", "ServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
     "ServerClosedError", "telemetry",
+    # hub
+    "hub", "load_model_from_hub", "HubError", "HubNotFoundError", "HubUnauthorizedError", "HubOfflineError",
+    "HubIntegrityError",
     # embeddings
     "embed", "rerank", "EmbeddingError",
     # structured output

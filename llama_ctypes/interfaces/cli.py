@@ -1,6 +1,6 @@
 """The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
 
-Subcommands: ``generate``, ``chat``, ``info``, ``devices``, ``version``.
+Subcommands: ``generate``, ``chat``, ``hub search|list|download``, ``info``, ``devices``, ``version``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ def demo_model_path() -> Path | None:
     return Path(assemble())
 
 
-def _resolve_model(arg: str | None) -> Path:
+def _resolve_model(arg: str | None, hub: list[str] | None = None) -> Path:
+    if hub:
+        from ..features.hub import download
+
+        repo, filename = hub
+        return download(repo, filename, progress=None)
     if arg:
         return Path(arg)
     demo = demo_model_path()
@@ -62,7 +67,7 @@ def _progress(stream_out) -> callable:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    path = _resolve_model(args.model)
+    path = _resolve_model(args.model, args.hub)
     model = load_model(path, n_gpu_layers=args.n_gpu_layers, progress_callback=_progress(sys.stderr))
     with model:
         opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_k=args.top_k, top_p=args.top_p,
@@ -96,7 +101,7 @@ def _chat_template_arg(value: str | None) -> str | None:
 def cmd_chat(args: argparse.Namespace) -> int:
     from ..features.chat import stream_chat
 
-    path = _resolve_model(args.model)
+    path = _resolve_model(args.model, args.hub)
     model = load_model(path, n_gpu_layers=args.n_gpu_layers, progress_callback=_progress(sys.stderr))
     template = _chat_template_arg(args.chat_template)
     interactive = sys.stdin.isatty()
@@ -130,6 +135,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 reply.close()
             sys.stdout.write("\n")
             history.append({"role": "assistant", "content": reply.content})
+    return 0
+
+
+def cmd_hub(args: argparse.Namespace) -> int:
+    from ..features import hub
+
+    if args.hub_command == "search":
+        for m in hub.search(args.query, limit=args.limit, author=args.author):
+            print(f"{m.id}\t{m.downloads} downloads\t{m.likes} likes")
+    elif args.hub_command == "list":
+        for f in hub.list_gguf_files(args.repo, revision=args.revision):
+            parts = f" ({len(f.parts)} parts)" if f.is_split else ""
+            print(f"{f.name}\t{f.size / 2**20:.1f} MiB{parts}")
+    else:
+        print(hub.download(args.repo, args.filename, revision=args.revision))
     return 0
 
 
@@ -180,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n-ctx", type=int, default=4096)
     gen.add_argument("--n-gpu-layers", type=int, default=-1)
     gen.add_argument("--verbose", "-v", action="store_true", help="print timings to stderr")
+    gen.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive multi-turn chat (reads lines from stdin)")
@@ -193,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--n-ctx", type=int, default=4096)
     chat.add_argument("--n-gpu-layers", type=int, default=-1)
+    chat.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     chat.set_defaults(func=cmd_chat)
 
     info = sub.add_parser("info", help="describe a model")
@@ -200,6 +222,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--metadata", action="store_true", help="include all GGUF metadata")
     info.add_argument("--vocab-only", action="store_true", help="read only the vocabulary and metadata (fast)")
     info.set_defaults(func=cmd_info)
+
+    hub = sub.add_parser("hub", help="search, list and download GGUF models on the Hugging Face Hub")
+    hub_sub = hub.add_subparsers(dest="hub_command", required=True)
+    hs = hub_sub.add_parser("search", help="search GGUF repositories")
+    hs.add_argument("query")
+    hs.add_argument("--limit", type=int, default=10)
+    hs.add_argument("--author")
+    hl = hub_sub.add_parser("list", help="list the GGUF files of a repository")
+    hl.add_argument("repo")
+    hl.add_argument("--revision", default="main")
+    hd = hub_sub.add_parser("download", help="download a GGUF file into the cache; prints its path")
+    hd.add_argument("repo")
+    hd.add_argument("filename")
+    hd.add_argument("--revision", default="main")
+    hub.set_defaults(func=cmd_hub)
 
     dev = sub.add_parser("devices", help="list compute devices and their memory")
     dev.add_argument("--json", action="store_true")
