@@ -197,9 +197,11 @@ class ChatReply(str):
         return str.__str__(self)
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage: prompt, completion and total tokens, and the prompt tokens served from cache."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                "total_tokens": self.prompt_tokens + len(self.tokens)}
+                "total_tokens": self.prompt_tokens + len(self.tokens),
+                "prompt_tokens_details": {"cached_tokens": self.timings.cached_tokens if self.timings else 0}}
 
 
 class ChatStream:
@@ -273,6 +275,10 @@ class ChatStream:
         return ChatReply(self.content, self.reasoning, s.finish_reason or "length", list(s.tokens),
                          s.prompt_tokens, s.timings)
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self._stream.prompt_tokens
+
 
 def _split_chat_options(opts: Mapping[str, Any]):
     chat_opts, gen_opts, sampling_opts, ctx_opts = split_options(
@@ -280,19 +286,39 @@ def _split_chat_options(opts: Mapping[str, Any]):
     return ChatParams(**chat_opts), {**gen_opts, **sampling_opts, **ctx_opts}
 
 
+def _is_server(target: Any) -> bool:
+    # Duck-typed so this layer does not import the engines layer above it.
+    return callable(getattr(target, "stream_tokens", None)) and callable(getattr(target, "get_model", None))
+
+
 def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatStream:
     """Stream the assistant's answer to ``messages``; see :class:`ChatStream`.
 
+    ``model`` may also be a :class:`~llama_ctypes.Server`: templating and
+    tokenization then happen in the caller's thread and the server gets the
+    tokens (its prefix cache serves the conversation's earlier turns; pass
+    ``session=`` to keep a conversation on its slot).
+
     Options: :class:`ChatParams` (chat_template, system, tools, enable_thinking,
-    template_kwargs, ...) plus everything :func:`llama_ctypes.stream` takes.
+    template_kwargs, ...) plus everything :func:`llama_ctypes.stream` (or the
+    server's ``stream``) takes.
     """
+    server = model if _is_server(model) else None
+    session = opts.pop("session", None)
+    if server is not None:
+        model = server.get_model()
+    elif session is not None:
+        raise TypeError("session= needs a Server (it keeps a conversation on its slot)")
     params, rest = _split_chat_options(opts)
     text, template = render_prompt(model, messages, params)
     formats = formats_for_template(template.source) if params.parse_reasoning else ()
     splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
     if formats:
         rest.setdefault("special", True)  # reasoning markers are often special tokens
-    return ChatStream(stream(model, prompt_tokens(model, text), **rest), splitter)
+    tokens = prompt_tokens(model, text)
+    if server is not None:
+        return ChatStream(server.stream_tokens(tokens, session=session, **rest), splitter)
+    return ChatStream(stream(model, tokens, **rest), splitter)
 
 
 def chat(model: Model, messages: Sequence[Message], *, response_model: Any = None, **opts: Any) -> ChatReply | Any:
@@ -353,7 +379,7 @@ def _model_id(model: Model) -> str:
 
 
 def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> ChatCompletion:
-    """An OpenAI ``chat.completion`` dict for ``messages``; options as :func:`stream_chat`."""
+    """An OpenAI ``chat.completion`` dict for ``messages`` (a Model or a Server); options as :func:`stream_chat`."""
     reply = chat(model, messages, **opts)
     message: ChatCompletionMessage = {"role": "assistant", "content": reply.content}
     if reply.reasoning:
@@ -362,7 +388,7 @@ def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> C
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": _model_id(model),
+        "model": _model_id(model.get_model() if _is_server(model) else model),
         "choices": [{"index": 0, "message": message, "finish_reason": _OPENAI_FINISH[reply.finish_reason]}],
         "usage": reply.usage,  # type: ignore[typeddict-item]
     }
@@ -374,7 +400,7 @@ def stream_chat_completion(model: Model, messages: Sequence[Message], **opts: An
     The last chunk carries ``usage``. Closing the iterator stops generation.
     """
     chat_stream = stream_chat(model, messages, **opts)
-    return _chunks(chat_stream, _model_id(model))
+    return _chunks(chat_stream, _model_id(model.get_model() if _is_server(model) else model))
 
 
 def _chunks(chat_stream: ChatStream, model_id: str) -> Iterator[ChatCompletionChunk]:

@@ -17,6 +17,7 @@ from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import Context
 from ...errors import CancelledError, DecodeError, LlamaError
+from .prompt_cache import PromptCache
 from .request import End, Request, Status
 from .slots import Slot, SlotPool
 from .strategies import BatchStrategy
@@ -32,19 +33,52 @@ class ServerClosedError(CancelledError):
     """The server was closed (or failed) before the request finished."""
 
 
+class ContextKV:
+    """The slot pool's KV operations, over the server's context (scheduler thread only)."""
+
+    def __init__(self, ctx: Context):
+        self._lib, self._ctx, self._mem = ctx._lib, ctx._ptr, ctx._mem
+
+    def forget(self, seq: int) -> None:
+        self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+
+    def truncate(self, seq: int, keep: int) -> bool:
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, keep, -1))
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+
+    def save(self, seq: int) -> bytes:
+        import ctypes
+
+        size = self._lib.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = self._lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return bytes(buf[:n])
+
+    def restore(self, seq: int, state: bytes) -> bool:
+        import ctypes
+
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        return self._lib.llama_state_seq_set_data(self._ctx, buf, len(state), seq) > 0
+
+
 class Engine:
     """Owns the context; runs the tick loop on its own thread. All client calls are thread-safe."""
 
-    def __init__(self, ctx: Context, strategy: BatchStrategy, max_queue: int = 0):
+    def __init__(self, ctx: Context, strategy: BatchStrategy, max_queue: int = 0, *, n_ctx_seq: int | None = None,
+                 prompt_cache_bytes: int = 0):
         self.ctx = ctx
         self.strategy = strategy
         self.max_queue = max_queue
-        self.n_ctx_seq = ctx.n_ctx_seq
+        self.n_ctx_seq = n_ctx_seq or ctx.n_ctx_seq
         self.budget = ctx.n_batch
         self.batch = Batch(ctx.n_batch, 1)
-        lib, mem = ctx._lib, ctx._mem
-        self._lib = lib
-        self.pool = SlotPool(ctx.n_seq_max, lambda seq: lib.llama_memory_seq_rm(mem, seq, -1, -1))
+        self._lib = ctx._lib
+        model = ctx.model
+        self.pool = SlotPool(ctx.n_seq_max, ContextKV(ctx), unified=ctx.params.kv_unified,
+                             partial_reuse=not (model.is_recurrent or model.is_hybrid),
+                             ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._closing = False
@@ -54,6 +88,7 @@ class Engine:
         # counters, read by stats()
         self.ticks = 0
         self.batch_tokens = 0
+        self.prompt_tokens_evaluated = 0
         self.thread = threading.Thread(target=self._run, name="llama_ctypes-server", daemon=True)
 
     # ---- client side (any thread) ----------------------------------------------------------
@@ -124,6 +159,7 @@ class Engine:
         request = slot.request
         request.status = Status.RUNNING
         request.started = time.perf_counter()
+        request.seq_id = slot.seq_id
         slot.sample = request.sampler.sample_fn(self.ctx)
         if telemetry.enabled("server.request.start"):
             telemetry.emit("server.request.start", {"queue_wait_ms": (request.started - request.arrived) * 1e3,
@@ -159,6 +195,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         rc = self._lib.llama_decode(self.ctx._ptr, batch.as_native())
+        if rc == 1 and self.pool.evict_idle():  # KV full: idle slots' cached prefixes make room
+            rc = self._lib.llama_decode(self.ctx._ptr, batch.as_native())
         decode_ms = (time.perf_counter() - t0) * 1e3
         self.ticks += 1
         self.batch_tokens += batch.n_tokens
@@ -172,6 +210,7 @@ class Engine:
         for slot, chunk in prefill_done:
             slot.tokens.extend(chunk)
             slot.request.n_prefilled += len(chunk)
+            self.prompt_tokens_evaluated += len(chunk)
         now = time.perf_counter()
         for slot, row in outputs:
             self._emit_token(slot, slot.sample(row), now)
@@ -203,7 +242,8 @@ class Engine:
         request.status = status
         request.finish_reason = reason
         if slot is not None:
-            self.pool.release(slot)
+            # A finished request's KV is a valid prefix cache; a cancelled or failed one is dropped.
+            self.pool.release(slot, keep=status is Status.FINISHED and request.params.cache_prompt)
         request.sampler.close()
         if status is Status.FINISHED:
             request.channel.put(End(reason or "stop"))

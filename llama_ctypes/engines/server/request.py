@@ -81,6 +81,8 @@ class Request:
     started: float | None = None  # admitted into a slot
     first_token: float | None = None
     n_prefilled: int = 0  # prompt tokens already in the KV cache
+    cached_tokens: int = 0  # of those, tokens reused from a cache instead of computed
+    seq_id: int | None = None  # the slot that served it
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancel_requested: bool = False
@@ -91,7 +93,8 @@ class Request:
         return len(self.prompt) - self.n_prefilled
 
     def timings(self) -> Timings:
-        t = Timings(prompt_tokens=len(self.prompt), generated_tokens=len(self.generated))
+        t = Timings(prompt_tokens=len(self.prompt), generated_tokens=len(self.generated),
+                    cached_tokens=self.cached_tokens)
         if self.first_token is not None:
             t.ttft_ms = (self.first_token - self.arrived) * 1e3
             t.generation_ms = (time.perf_counter() - self.first_token) * 1e3

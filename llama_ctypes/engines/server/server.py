@@ -23,6 +23,7 @@ from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
 from ...core.tokenizer import StreamDecoder, Tokenizer
+from ...errors import ContextOverflowError
 from .engine import Engine, QueueFullError, ServerClosedError
 from .request import Channel, End, Request
 from .strategies import DecodeMaximal, resolve
@@ -103,6 +104,10 @@ class ServerStream:
     def timings(self):
         return self.request.timings()
 
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt)
+
     def __iter__(self) -> "ServerStream":
         return self
 
@@ -155,13 +160,18 @@ class Server:
         batch_strategy: :class:`DecodeMaximal` (default), :class:`PrefillPriority` or :class:`Balanced`.
         max_queue: most requests waiting for a slot (0 = unbounded); beyond it, submitting raises
             :class:`QueueFullError` at once.
+        cache_prompt: keep finished requests' KV and reuse the longest common prefix (default True;
+            per-request override with ``cache_prompt=``).
+        prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
+        kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
+            adopted by another with a metadata-only copy.
         **opts: model options (when loading), context options (type_k, flash_attn, ...), and default
             sampling/generation options for every request (temp, top_p, max_tokens, stop, ...).
     """
 
     def __init__(self, model_path: str | None = None, *, model: Model | None = None, n_parallel: int = 4,
                  n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
-                 **opts: Any):
+                 cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True, **opts: Any):
         if (model_path is None) == (model is None):
             raise TypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
@@ -171,11 +181,13 @@ class Server:
             raise ValueError(f"n_parallel={n_parallel!r}: expected an integer >= 1")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue={max_queue!r}: expected an integer >= 0")
+        if not isinstance(prompt_cache_ram_mb, (int, float)) or prompt_cache_ram_mb < 0:
+            raise ValueError(f"prompt_cache_ram_mb={prompt_cache_ram_mb!r}: expected a number >= 0")
         model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="Server: unknown")
         SamplingParams(**sampling_opts)  # validate the defaults now
         GenerationParams(**gen_opts)
-        self._defaults = {**sampling_opts, **gen_opts}
+        self._defaults = {"cache_prompt": bool(cache_prompt), **sampling_opts, **gen_opts}
         strategy = resolve(batch_strategy)
         if model is None:
             model = load_model(model_path, **model_opts)
@@ -188,15 +200,17 @@ class Server:
         try:
             self._ctx = Context(model, ContextParams(**{
                 "n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
-                "n_seq_max": n_parallel, "kv_unified": False, **ctx_opts}))
+                "n_seq_max": n_parallel, "kv_unified": kv_unified, **ctx_opts}))
             self._ctx._begin_exclusive()  # the scheduler thread is its only user from now on
         except BaseException:
             if self._owns_model:
                 model.close()
             raise
         self.n_parallel = n_parallel
+        self.n_ctx = min(n_ctx, self._ctx.n_ctx_seq)
         self.batch_strategy = strategy
-        self._engine = Engine(self._ctx, strategy, max_queue)
+        self._engine = Engine(self._ctx, strategy, max_queue, n_ctx_seq=self.n_ctx,
+                              prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20))
         self._engine.thread.start()
         self._closed = False
 
@@ -216,6 +230,10 @@ class Server:
         else:
             tokens = [int(t) for t in prompt]
         check_prompt(self._ctx, tokens)
+        if len(tokens) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt of {len(tokens)} tokens does not fit a server slot of {self.n_ctx} tokens "
+                "(at least one token must be generated); use a larger n_ctx", n_tokens=len(tokens), n_ctx=self.n_ctx)
         sampler = Sampler(self.model, SamplingParams(**sampling_opts))
         request = Request(tokens, params, sampler, Channel(loop), session=session)
         self._engine.submit(request)
@@ -277,14 +295,25 @@ class Server:
         return self.model
 
     def stats(self) -> dict[str, Any]:
-        """Slots in use, queue length, ticks and the average tokens per tick so far."""
+        """Slots in use, queue length, ticks, tokens per tick, and prefix-cache counters so far."""
         engine = self._engine
+        cache = engine.pool.stats
+        ram = engine.pool.ram
         return {
             "n_parallel": self.n_parallel,
             "active_slots": len(engine.pool.active),
             "queue_length": engine.queue_length(),
             "ticks": engine.ticks,
             "avg_batch_tokens": engine.batch_tokens / engine.ticks if engine.ticks else 0.0,
+            "prompt_tokens_evaluated": engine.prompt_tokens_evaluated,
+            "cache_hits": cache.hits,
+            "cache_misses": cache.misses,
+            "cached_tokens": cache.cached_tokens,
+            "cache_adopted": cache.adopted,
+            "cache_restored": cache.restored,
+            "prefix_instabilities": cache.instabilities,
+            "ram_cache_entries": len(ram) if ram else 0,
+            "ram_cache_bytes": ram.used if ram else 0,
         }
 
     def kv_positions(self) -> list[int]:

@@ -1,17 +1,40 @@
-"""The slot pool: which sequence of the shared context serves which request, and what its KV holds.
+"""The slot pool and its KV: which sequence serves which request, and what each sequence holds.
 
-Bookkeeping only, plus the two KV calls that go with it (forget a sequence).
-The scheduler asks for a slot, the engine frees it; a freed slot's KV is
-removed at once so the cells serve the next request.
+With ``cache_prompt`` a finished request leaves its tokens in its sequence's
+KV. A new request then goes to the free slot whose tokens share the longest
+prefix with its prompt (its session's slot first; the least recently used
+slot when nothing matches), keeps that prefix and drops the rest. With a
+unified KV cache a longer prefix held by any other slot is adopted by a
+metadata-only sequence copy, so a shared system prompt is computed once. A
+second-level RAM cache keeps the states of evicted prefixes (see
+``prompt_cache.py``).
+
+Recurrent and hybrid memories cannot drop a tail of their state: there only
+a request that continues a slot's whole history exactly reuses it.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+from ... import telemetry
+from .prompt_cache import PromptCache
 from .request import Request
+
+#: Shortest evicted prefix worth saving in the RAM cache, in tokens.
+MIN_SAVED_TOKENS = 16
+
+
+class KVOps(Protocol):
+    """The KV operations the pool needs (implemented over the server's context)."""
+
+    def forget(self, seq: int) -> None: ...
+    def truncate(self, seq: int, keep: int) -> bool: ...
+    def copy(self, src: int, dst: int, n: int) -> None: ...
+    def save(self, seq: int) -> bytes: ...
+    def restore(self, seq: int, state: bytes) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -34,12 +57,35 @@ class Slot:
         return len(self.tokens)
 
 
-class SlotPool:
-    """``n_parallel`` slots; allocation picks the least recently used free slot."""
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
-    def __init__(self, n_parallel: int, forget: Callable[[int], None]):
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # requests that reused some cached prefix
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens served from cache
+    adopted: int = 0  # prefixes copied from another slot
+    restored: int = 0  # prefixes restored from the RAM cache
+    instabilities: int = 0
+
+
+class SlotPool:
+    """``n_parallel`` slots over one context, with prefix reuse."""
+
+    def __init__(self, n_parallel: int, kv: KVOps, *, unified: bool, partial_reuse: bool,
+                 ram_cache: PromptCache | None = None):
         self.slots = [Slot(i) for i in range(n_parallel)]
-        self._forget = forget  # removes a sequence's KV
+        self.kv = kv
+        self.unified = unified
+        self.partial_reuse = partial_reuse  # False for recurrent/hybrid memories
+        self.ram = ram_cache
+        self.stats = CacheStats()
         self._clock = itertools.count(1)
 
     @property
@@ -50,23 +96,122 @@ class SlotPool:
     def n_free(self) -> int:
         return sum(1 for s in self.slots if s.free)
 
+    # ---- acquire ------------------------------------------------------------------------------
+    def _reusable(self, tokens: list[int], prompt: list[int]) -> int:
+        """Prompt tokens a sequence holding ``tokens`` can serve (at least one prompt token stays to decode)."""
+        c = min(common_prefix(tokens, prompt), len(prompt) - 1)
+        if not self.partial_reuse and c < len(tokens):
+            return 0  # a recurrent state cannot be cut back
+        return c
+
     def acquire(self, request: Request) -> Slot | None:
+        """A free slot for ``request`` with as much of its prompt in KV as the caches allow."""
         free = [s for s in self.slots if s.free]
         if not free:
             return None
-        slot = min(free, key=lambda s: s.last_used)
+        prompt = request.prompt
+        cache = request.params.cache_prompt
+        slot = None
+        if cache and request.session is not None:
+            slot = next((s for s in free if s.session == request.session), None)
+        if slot is None and cache:
+            best = max(free, key=lambda s: (self._reusable(s.tokens, prompt), -s.last_used))
+            if self._reusable(best.tokens, prompt) > 0:
+                slot = best
+        if slot is None:
+            slot = min(free, key=lambda s: s.last_used)
+        reused = self._reusable(slot.tokens, prompt) if cache else 0
+        if cache and request.session is not None and slot.session == request.session \
+                and 0 < common_prefix(slot.tokens, prompt) < len(slot.tokens) - 1:
+            # The session's history changed before its end (e.g. a template rewrote earlier turns).
+            self.stats.instabilities += 1
+            telemetry.emit("server.prefix_instability", {
+                "cached_tokens": len(slot.tokens), "common_tokens": common_prefix(slot.tokens, prompt)},
+                {"id": request.id, "session": request.session, "seq_id": slot.seq_id})
+        if cache:
+            reused = self._better_source(slot, prompt, reused)
+        self._keep_prefix(slot, reused)
         slot.request = request
         slot.session = request.session
         slot.last_used = next(self._clock)
-        if slot.tokens:  # no prefix reuse yet: start the sequence empty
-            self._forget(slot.seq_id)
-            slot.tokens = []
+        request.n_prefilled = reused
+        request.cached_tokens = reused
+        if reused:
+            self.stats.hits += 1
+            self.stats.cached_tokens += reused
+        else:
+            self.stats.misses += 1
         return slot
 
-    def release(self, slot: Slot) -> None:
-        """Free a slot and its KV at once."""
+    def _better_source(self, slot: Slot, prompt: list[int], reused: int) -> int:
+        """Adopt a longer prefix from another slot (unified KV) or the RAM cache; returns the reuse length."""
+        if self.unified and self.partial_reuse:
+            donor, n = None, reused
+            for other in self.slots:
+                if other is not slot:
+                    c = min(common_prefix(other.tokens, prompt), len(prompt) - 1)
+                    if c > n:
+                        donor, n = other, c
+            if donor is not None:
+                self._evict(slot)
+                self.kv.copy(donor.seq_id, slot.seq_id, n)
+                slot.tokens = prompt[:n]
+                self.stats.adopted += 1
+                return n
+        if self.ram is not None and len(self.ram):
+            entry, n = self.ram.lookup(prompt, exact_only=not self.partial_reuse)
+            n = min(n, len(prompt) - 1)
+            if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
+                self._evict(slot)
+                if self.kv.restore(slot.seq_id, entry.state) and (
+                        n == len(entry.tokens) or self.kv.truncate(slot.seq_id, n)):
+                    slot.tokens = prompt[:n]
+                    self.stats.restored += 1
+                    return n
+                self.kv.forget(slot.seq_id)
+                slot.tokens = []
+                return 0
+        return reused
+
+    def _keep_prefix(self, slot: Slot, n: int) -> None:
+        """Cut the slot's KV back to its first ``n`` tokens (saving what is dropped, if worth it)."""
+        if n >= len(slot.tokens):
+            return
+        if n == 0:
+            self._evict(slot)
+            return
+        self._save(slot)
+        if self.kv.truncate(slot.seq_id, n):
+            del slot.tokens[n:]
+        else:
+            self.kv.forget(slot.seq_id)
+            slot.tokens = []
+
+    # ---- release and eviction ---------------------------------------------------------------------
+    def release(self, slot: Slot, keep: bool) -> None:
+        """Free a slot; with ``keep`` its tokens stay in KV for the next request."""
         slot.request = None
         slot.sample = None
         slot.last_used = next(self._clock)
-        self._forget(slot.seq_id)
-        slot.tokens = []
+        if not keep:
+            self.kv.forget(slot.seq_id)
+            slot.tokens = []
+
+    def evict_idle(self) -> int:
+        """Drop the KV of every free slot (under KV pressure); returns how many were dropped."""
+        dropped = 0
+        for slot in self.slots:
+            if slot.free and slot.tokens:
+                self._evict(slot)
+                dropped += 1
+        return dropped
+
+    def _evict(self, slot: Slot) -> None:
+        if slot.tokens:
+            self._save(slot)
+            self.kv.forget(slot.seq_id)
+            slot.tokens = []
+
+    def _save(self, slot: Slot) -> None:
+        if self.ram is not None and len(slot.tokens) >= MIN_SAVED_TOKENS:
+            self.ram.put(slot.tokens, self.kv.save(slot.seq_id))
