@@ -1,0 +1,225 @@
+"""Prefix caching in the server: reuse equals recompute, cross-slot sharing, sessions, RAM cache, instability."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.engines.server.prompt_cache import PromptCache
+from llama_ctypes.engines.server.request import Channel, Request
+from llama_ctypes.engines.server.slots import SlotPool
+from llama_ctypes.core.generation import GenerationParams
+
+SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. " * 3
+
+
+def _greedy(srv, prompt, **opts):
+    return srv.generate(prompt, max_tokens=12, temp=0, ignore_eos=True, **opts)
+
+
+def test_cached_continuation_equals_cold_run(tiny_model):
+    prompt = SYSTEM + "Question one?"
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, cache_prompt=False) as cold_srv:
+        cold = _greedy(cold_srv, prompt).tokens
+        cold_followup = _greedy(cold_srv, prompt + " And a follow-up question?").tokens
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024) as srv:
+        first = _greedy(srv, prompt)
+        again = _greedy(srv, prompt)
+        followup = _greedy(srv, prompt + " And a follow-up question?")
+        stats = srv.stats()
+    assert first.timings.cached_tokens == 0
+    assert again.timings.cached_tokens == again.prompt_tokens - 1  # all but the token that must be decoded
+    assert followup.timings.cached_tokens >= first.prompt_tokens - 1
+    assert first.tokens == again.tokens == cold and followup.tokens == cold_followup
+    assert stats["cache_hits"] == 2 and stats["cache_misses"] == 1
+
+
+@pytest.mark.gemma
+def test_gemma_cached_turn_equals_cold(gemma):
+    prompt = "The days of the week are Monday, Tuesday,"
+    with lc.Server(model=gemma, n_parallel=2, n_ctx=512, cache_prompt=False) as cold_srv:
+        cold = _greedy(cold_srv, prompt + " Wednesday,").tokens
+    with lc.Server(model=gemma, n_parallel=2, n_ctx=512) as srv:
+        _greedy(srv, prompt)
+        warm = _greedy(srv, prompt + " Wednesday,")
+    assert warm.timings.cached_tokens > 5 and warm.tokens[:6] == cold[:6]
+
+
+def test_shared_system_prompt_is_evaluated_once(tiny_model):
+    suffixes = [f" Question {i}: where is city number {i}?" for i in range(4)]
+    prompts = [SYSTEM + s for s in suffixes]
+    n_tokens = [len(tiny_model.tokenize(p)) for p in prompts]
+    shared = min(lc.features.embeddings.Tokenizer.encode(tiny_model, SYSTEM).__len__(), min(n_tokens)) - 2
+    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=1024) as srv:
+        first = srv.stream(prompts[0], max_tokens=400, temp=0, ignore_eos=True)
+        next(first)  # slot 0 holds the system prompt and keeps running
+        rest = [srv.stream(p, max_tokens=4, temp=0, ignore_eos=True) for p in prompts[1:]]
+        done = [s.completion() for s in rest]
+        first.close()
+        stats = srv.stats()
+    assert {s.request.seq_id for s in rest} | {first.request.seq_id} == {0, 1, 2, 3}
+    assert stats["cache_adopted"] == 3
+    assert all(d.timings.cached_tokens >= shared for d in done)
+    # the system prompt was computed by the first request only
+    assert stats["prompt_tokens_evaluated"] <= sum(n_tokens) - 3 * shared
+
+
+def test_session_affinity_under_concurrency(tiny_model):
+    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=1024) as srv:
+        seen: dict[str, set] = {f"s{i}": set() for i in range(3)}
+        history = {k: SYSTEM + f" Conversation {k}." for k in seen}
+
+        def converse(session):
+            for turn in range(4):
+                history[session] += f" Turn {turn} question?"
+                stream = srv.stream(history[session], max_tokens=6, temp=0, ignore_eos=True, session=session)
+                history[session] += stream.completion().text
+                seen[session].add(stream.request.seq_id)
+
+        threads = [threading.Thread(target=converse, args=(k,)) for k in seen]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(len(slots) == 1 for slots in seen.values()), seen
+        assert len({next(iter(v)) for v in seen.values()}) == 3  # three sessions, three slots
+        assert srv.stats()["cache_hits"] >= 9
+
+
+def test_ram_cache_restores_an_evicted_prefix_within_budget(tiny_model):
+    a = SYSTEM + " First conversation about rivers and mountains?"
+    b = "A completely different prompt about cooking pasta and tomatoes, with many words in it."
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024, cache_prompt=False) as cold_srv:
+        cold = _greedy(cold_srv, a + " More?").tokens
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024, prompt_cache_ram_mb=64) as srv:
+        _greedy(srv, a)
+        _greedy(srv, b)  # takes the only slot: a's KV is saved to RAM
+        assert srv.stats()["ram_cache_entries"] == 1
+        warm = _greedy(srv, a + " More?")
+        stats = srv.stats()
+    assert stats["cache_restored"] == 1 and warm.timings.cached_tokens > 20
+    assert warm.tokens == cold
+    # the byte budget holds: with room for about one entry, one is kept
+    prompts = [f"Prompt {i}: " + SYSTEM for i in range(5)]
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024, prompt_cache_ram_mb=64) as srv:
+        _greedy(srv, prompts[0])
+        _greedy(srv, prompts[1])
+        entry_bytes = srv.stats()["ram_cache_bytes"]
+    budget = entry_bytes * 1.5
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024, prompt_cache_ram_mb=budget / 2**20) as srv:
+        for p in prompts:
+            _greedy(srv, p)
+        stats = srv.stats()
+    assert stats["ram_cache_entries"] == 1 and 0 < stats["ram_cache_bytes"] <= budget
+
+
+def test_prefix_instability_event_fires_when_history_is_rewritten(tiny_model):
+    events = []
+    lc.telemetry.attach("instab", ["server.prefix_instability"], lambda e, m, md: events.append((m, md)))
+    try:
+        with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024) as srv:
+            turn1 = SYSTEM + " User: hello there. Assistant: <think>secret reasoning here</think> Hi!"
+            _greedy(srv, turn1, session="conv")
+            # the template strips the thinking block from history: the cached turn no longer matches
+            turn2 = SYSTEM + " User: hello there. Assistant: Hi! User: next question?"
+            _greedy(srv, turn2, session="conv")
+            assert srv.stats()["prefix_instabilities"] == 1
+    finally:
+        lc.telemetry.detach("instab")
+    assert len(events) == 1
+    measurements, metadata = events[0]
+    assert metadata["session"] == "conv" and 0 < measurements["common_tokens"] < measurements["cached_tokens"]
+
+
+def test_chat_completion_through_the_server_reports_cached_tokens(tiny_model):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024) as srv:
+        one = lc.chat_completion(srv, messages, chat_template="chatml", max_tokens=8, temp=0, session="c")
+        messages += [one["choices"][0]["message"], {"role": "user", "content": "Tell me more."}]
+        two = lc.chat_completion(srv, messages, chat_template="chatml", max_tokens=8, temp=0, session="c")
+        chunks = list(lc.stream_chat_completion(srv, messages, chat_template="chatml", max_tokens=8, temp=0))
+    assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert two["usage"]["prompt_tokens_details"]["cached_tokens"] > one["usage"]["prompt_tokens"] // 2
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == two["choices"][0]["message"]["content"]
+    with pytest.raises(TypeError, match="session"):
+        lc.chat(tiny_model, messages, chat_template="chatml", session="c")
+
+
+# ---- the pieces, without a model ---------------------------------------------------------------------
+
+class FakeKV:
+    def __init__(self, partial=True):
+        self.partial = partial
+        self.calls = []
+
+    def forget(self, seq):
+        self.calls.append(("forget", seq))
+
+    def truncate(self, seq, keep):
+        self.calls.append(("truncate", seq, keep))
+        return self.partial
+
+    def copy(self, src, dst, n):
+        self.calls.append(("copy", src, dst, n))
+
+    def save(self, seq):
+        return b"x" * 100
+
+    def restore(self, seq, state):
+        return True
+
+
+def _request(tokens, session=None, cache=True):
+    return Request(list(tokens), GenerationParams(cache_prompt=cache), sampler=None, channel=Channel(),
+                   session=session)
+
+
+def test_hybrid_memory_reuses_only_exact_continuations():
+    kv = FakeKV(partial=False)
+    pool = SlotPool(1, kv, unified=True, partial_reuse=False)
+    slot = pool.acquire(_request([1, 2, 3, 4]))
+    slot.tokens = [1, 2, 3, 4, 9]  # prompt + a generated token
+    pool.release(slot, keep=True)
+    cont = _request([1, 2, 3, 4, 9, 7, 7])  # continues the whole history: reused
+    assert pool.acquire(cont) is slot and cont.cached_tokens == 5
+    slot.tokens = [1, 2, 3, 4, 9, 7, 7, 5]
+    pool.release(slot, keep=True)
+    diverged = _request([1, 2, 3, 8, 8])  # shares 3 tokens but diverges inside the history: recomputed
+    assert pool.acquire(diverged) is slot and diverged.cached_tokens == 0
+    assert ("forget", 0) in kv.calls and not any(c[0] == "truncate" for c in kv.calls)
+
+
+def test_dense_memory_reuses_partial_prefixes_and_adopts_across_slots():
+    kv = FakeKV()
+    pool = SlotPool(2, kv, unified=True, partial_reuse=True)
+    a = pool.acquire(_request([1, 2, 3, 4, 5]))
+    a.tokens = [1, 2, 3, 4, 5, 6]
+    # a keeps running; a new request sharing [1, 2, 3] adopts them from a's sequence
+    b_req = _request([1, 2, 3, 9, 9])
+    b = pool.acquire(b_req)
+    assert b is not a and b_req.cached_tokens == 3 and ("copy", a.seq_id, b.seq_id, 3) in kv.calls
+    pool.release(a, keep=True)
+    c_req = _request([1, 2, 3, 4, 7])
+    assert pool.acquire(c_req) is a and c_req.cached_tokens == 4 and ("truncate", a.seq_id, 4) in kv.calls
+
+
+def test_prompt_cache_lru_budget_and_longest_prefix():
+    cache = PromptCache(budget_bytes=250)
+    assert cache.put([1, 2, 3], b"a" * 100)
+    assert cache.put([1, 2, 4, 5], b"b" * 100)
+    entry, n = cache.lookup([1, 2, 4, 5, 6])
+    assert entry.tokens == (1, 2, 4, 5) and n == 4
+    partial, n = cache.lookup([1, 2, 9])  # partial: some entry under [1, 2] (now the most recently used)
+    assert partial is not None and n == 2
+    assert cache.lookup([1, 2, 9], exact_only=True) == (None, 0)
+    other = (1, 2, 4, 5) if partial.tokens == (1, 2, 3) else (1, 2, 3)
+    assert cache.put([7, 7, 7], b"c" * 100)  # over budget: the least recently used entry goes
+    assert len(cache) == 2 and cache.used <= 250
+    assert cache.lookup(list(other), exact_only=True)[0] is None
+    assert cache.lookup(list(partial.tokens), exact_only=True)[0] is partial
+    assert not cache.put([8], b"d" * 300)  # larger than the whole budget
+    assert cache.lookup([9]) == (None, 0)
