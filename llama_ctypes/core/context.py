@@ -146,7 +146,7 @@ class Context(NativeHandle):
             size = self._lib.llama_state_get_size(self._ptr)
             buf = (ctypes.c_uint8 * size)()
             n = self._lib.llama_state_get_data(self._ptr, buf, size)
-            return bytes(buf[:n])
+            return ctypes.string_at(buf, n)  # (a slice of a ctypes array would be a list of ints)
 
     def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
         """Restore a snapshot from ``save_state``; ``tokens`` are the tokens it holds."""

@@ -54,7 +54,7 @@ class ContextKV:
         size = self._lib.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = self._lib.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return bytes(buf[:n])
+        return ctypes.string_at(buf, n)  # (a slice of a ctypes array would be a list of ints)
 
     def restore(self, seq: int, state: bytes) -> bool:
         import ctypes
