@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import llama_ctypes as lc
-from tiny_models import write_tiny_llama
+from tiny_models import write_tiny_llama, write_tiny_qwen35
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,5 +53,15 @@ def gemma_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma(gemma_path):
     model = lc.load_model(gemma_path)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tmp_path_factory, vocab_dir):
+    """A tiny hybrid (gated delta net + attention) qwen35 model."""
+    path = write_tiny_qwen35(tmp_path_factory.mktemp("models") / "tiny-qwen35.gguf",
+                             vocab_dir / "ggml-vocab-llama-spm.gguf")
+    model = lc.load_model(path)
     yield model
     model.close()

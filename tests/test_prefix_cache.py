@@ -149,6 +149,32 @@ def test_chat_completion_through_the_server_reports_cached_tokens(tiny_model):
         lc.chat(tiny_model, messages, chat_template="chatml", session="c")
 
 
+def test_hybrid_model_gives_correct_output_with_the_cache_on(tiny_hybrid):
+    assert tiny_hybrid.is_hybrid
+    base = SYSTEM + " Hybrid question?"
+    with lc.Server(model=tiny_hybrid, n_parallel=2, n_ctx=1024, cache_prompt=False) as cold_srv:
+        first_cold = _greedy(cold_srv, base)
+        base_tokens = tiny_hybrid.tokenize(base)
+        continued = base_tokens + first_cold.tokens + tiny_hybrid.tokenize(" More?", add_special=False)
+        diverged = base_tokens[:10] + tiny_hybrid.tokenize(" something else entirely", add_special=False)
+        cold = {name: cold_srv.generate_tokens(toks, max_tokens=12, temp=0, ignore_eos=True).tokens
+                for name, toks in (("base", base_tokens), ("continued", continued), ("diverged", diverged))}
+    with lc.Server(model=tiny_hybrid, n_parallel=1, n_ctx=1024, prompt_cache_ram_mb=32) as srv:
+        assert srv.generate_tokens(base_tokens, max_tokens=12, temp=0, ignore_eos=True).tokens == cold["base"]
+        cont = srv.generate_tokens(continued, max_tokens=12, temp=0, ignore_eos=True)
+        assert cont.tokens == cold["continued"]
+        # the whole previous history (prompt + all but the last generated token) was resumed exactly
+        assert cont.timings.cached_tokens == len(base_tokens) + 12 - 1
+        div = srv.generate_tokens(diverged, max_tokens=12, temp=0, ignore_eos=True)
+        assert div.tokens == cold["diverged"] and div.timings.cached_tokens == 0  # recomputed, not cut back
+        again = srv.generate_tokens(base_tokens, max_tokens=12, temp=0, ignore_eos=True)
+        assert again.tokens == cold["base"]
+    # the single-context path too
+    with lc.Context.create(tiny_hybrid, n_ctx=1024) as ctx, lc.Sampler.create(tiny_hybrid, temp=0) as smp:
+        ctx.generate(smp, base_tokens, max_tokens=12, ignore_eos=True)
+        assert ctx.generate(smp, diverged, max_tokens=12, ignore_eos=True, cache_prompt=True).tokens == cold["diverged"]
+
+
 # ---- the pieces, without a model ---------------------------------------------------------------------
 
 class FakeKV:

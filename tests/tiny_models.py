@@ -135,3 +135,79 @@ def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
+                      n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0) -> Path:
+    """A 2-layer hybrid ``qwen35``: layer 0 is a gated-delta-net (recurrent) layer, layer 1 full attention.
+
+    Its memory is hybrid (a KV cache plus a recurrent state), so a cached prefix can
+    only be resumed exactly, never cut back.
+    """
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_k_heads, n_v_heads = 2, 4  # ssm.group_count, ssm.time_step_rank
+    key_dim, value_dim = head_dim * n_k_heads, head_dim * n_v_heads
+    conv_kernel = 4
+    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer.add_name("tiny-qwen35-test")
+    writer.add_block_count(2)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_array("qwen35.rope.dimension_sections", [head_dim // 4, head_dim // 4, head_dim // 4, 0])
+    writer.add_uint32("qwen35.ssm.conv_kernel", conv_kernel)
+    writer.add_uint32("qwen35.ssm.inner_size", value_dim)
+    writer.add_uint32("qwen35.ssm.state_size", head_dim)
+    writer.add_uint32("qwen35.ssm.time_step_rank", n_v_heads)
+    writer.add_uint32("qwen35.ssm.group_count", n_k_heads)
+    writer.add_uint32("qwen35.full_attention_interval", 2)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+
+    def w(*shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def ones(n: int) -> np.ndarray:
+        return np.ones(n, dtype=np.float32)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    # layer 0: gated delta net
+    writer.add_tensor("blk.0.attn_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.0.post_attention_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.0.attn_qkv.weight", w(key_dim * 2 + value_dim, n_embd))
+    writer.add_tensor("blk.0.attn_gate.weight", w(value_dim, n_embd))
+    writer.add_tensor("blk.0.ssm_conv1d.weight", w(key_dim * 2 + value_dim, conv_kernel))
+    writer.add_tensor("blk.0.ssm_dt.bias", w(n_v_heads))
+    writer.add_tensor("blk.0.ssm_a", -np.abs(w(n_v_heads)) - 0.1)
+    writer.add_tensor("blk.0.ssm_beta.weight", w(n_v_heads, n_embd))
+    writer.add_tensor("blk.0.ssm_alpha.weight", w(n_v_heads, n_embd))
+    writer.add_tensor("blk.0.ssm_norm.weight", ones(head_dim))
+    writer.add_tensor("blk.0.ssm_out.weight", w(n_embd, value_dim))
+    # layer 1: full attention (q carries a gate: twice the width)
+    writer.add_tensor("blk.1.attn_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.1.post_attention_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.1.attn_q.weight", w(head_dim * n_head * 2, n_embd))
+    writer.add_tensor("blk.1.attn_k.weight", w(head_dim * n_head_kv, n_embd))
+    writer.add_tensor("blk.1.attn_v.weight", w(head_dim * n_head_kv, n_embd))
+    writer.add_tensor("blk.1.attn_output.weight", w(n_embd, head_dim * n_head))
+    writer.add_tensor("blk.1.attn_q_norm.weight", ones(head_dim))
+    writer.add_tensor("blk.1.attn_k_norm.weight", ones(head_dim))
+    for i in range(2):
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
