@@ -118,7 +118,8 @@ class Completion(str):
         return f"Completion({str.__repr__(self)}, finish_reason={self.finish_reason!r}, tokens={len(self.tokens)})"
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -155,7 +156,7 @@ def _prefill(ctx: "Context", prompt: list[int], run: _Run, cache_prompt: bool) -
     """Bring the KV cache of sequence 0 to ``prompt`` (reusing the common prefix when asked)."""
     check_prompt(ctx, prompt)
     lib, mem = ctx._lib, ctx._mem
-    common = _common_prefix(ctx.tokens, prompt) if cache_prompt else 0
+    common = common_prefix(ctx.tokens, prompt) if cache_prompt else 0
     if common == len(prompt):
         common -= 1  # the last prompt token must be decoded again to get its logits
     if common < len(ctx.tokens) and not lib.llama_memory_seq_rm(mem, 0, common, -1):
@@ -246,10 +247,13 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
             timings.sample_ms = sample_s * 1e3
 
 
-def _stop_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``.
+
+    Streaming code holds that much text back: it may be the start of a stop string or a marker.
+    """
     best = 0
-    for stop in stops:
+    for stop in markers:
         for k in range(min(len(stop) - 1, len(text)), best, -1):
             if text.endswith(stop[:k]):
                 best = k
@@ -274,7 +278,7 @@ class StopFilter:
         if hit >= 0:
             out, self.pending, self.stopped = self.pending[:hit], "", True
             return out
-        keep = _stop_holdback(self.pending, self.stops)
+        keep = partial_suffix(self.pending, self.stops)
         out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
         return out
 

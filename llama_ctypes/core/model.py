@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import weakref
-from ctypes import c_float, create_string_buffer
+from ctypes import create_string_buffer
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from ..errors import ModelLoadError
 from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .handle import NativeHandle
-from .params import ModelParams, _SPLIT, split_options
+from .params import ModelParams, split_options
 
 logger = logging.getLogger(__name__)
 
@@ -79,38 +79,7 @@ class Model(NativeHandle):
             raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
 
         lib, p = self._lib, self.params
-        native = lib.llama_model_default_params()
-        native.n_gpu_layers = p.n_gpu_layers
-        native.split_mode = _SPLIT[p.split_mode]
-        native.main_gpu = p.main_gpu
-        native.load_mode = p.load_mode
-        native.vocab_only = p.vocab_only
-        native.check_tensors = p.check_tensors
-        native.use_extra_bufts = p.use_extra_bufts
-        native.no_host = p.no_host
-        native.load_mtp = p.load_mtp
-        keep_alive = []  # buffers and callbacks that must outlive the load call
-        if p.tensor_split:
-            n_max = lib.llama_max_devices()
-            if len(p.tensor_split) > n_max:
-                raise ValueError(f"tensor_split has {len(p.tensor_split)} entries; this build supports {n_max} devices")
-            arr = (c_float * n_max)(*p.tensor_split)
-            keep_alive.append(arr)
-            native.tensor_split = ctypes.cast(arr, ctypes.POINTER(c_float))
-        if p.kv_overrides:
-            arr = (L.llama_model_kv_override * (len(p.kv_overrides) + 1))()  # zeroed sentinel at the end
-            for item, (key, value) in zip(arr, p.kv_overrides.items()):
-                item.key = key.encode()
-                if isinstance(value, bool):
-                    item.tag, item.val_bool = L.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
-                elif isinstance(value, int):
-                    item.tag, item.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, value
-                elif isinstance(value, float):
-                    item.tag, item.val_f64 = L.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value
-                else:
-                    item.tag, item.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()
-            keep_alive.append(arr)
-            native.kv_overrides = arr
+        native, keep_alive = p.to_native(lib)  # keep_alive: buffers that must outlive the load call
         callback_error: list[BaseException] = []
         if p.progress_callback is not None:
             user_cb = p.progress_callback

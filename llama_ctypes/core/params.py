@@ -7,6 +7,7 @@ names any key none of them knows.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 from dataclasses import dataclass, field, fields
@@ -102,6 +103,43 @@ class ModelParams:
             object.__setattr__(self, "kv_overrides", dict(self.kv_overrides))
         if self.progress_callback is not None and not callable(self.progress_callback):
             raise TypeError("progress_callback must be callable")
+
+    def to_native(self, lib) -> tuple[L.llama_model_params, list]:
+        """A ``llama_model_params`` struct (from llama.cpp's defaults) and the buffers it points into,
+        which the caller must keep alive until the load returns. The progress callback is not set."""
+        native = lib.llama_model_default_params()
+        native.n_gpu_layers = self.n_gpu_layers
+        native.split_mode = _SPLIT[self.split_mode]
+        native.main_gpu = self.main_gpu
+        native.load_mode = self.load_mode
+        native.vocab_only = self.vocab_only
+        native.check_tensors = self.check_tensors
+        native.use_extra_bufts = self.use_extra_bufts
+        native.no_host = self.no_host
+        native.load_mtp = self.load_mtp
+        keep_alive: list = []
+        if self.tensor_split:
+            n_max = lib.llama_max_devices()
+            if len(self.tensor_split) > n_max:
+                raise ValueError(f"tensor_split has {len(self.tensor_split)} entries; this build supports {n_max} devices")
+            arr = (ctypes.c_float * n_max)(*self.tensor_split)
+            keep_alive.append(arr)
+            native.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
+        if self.kv_overrides:
+            arr = (L.llama_model_kv_override * (len(self.kv_overrides) + 1))()  # zeroed sentinel at the end
+            for item, (key, value) in zip(arr, self.kv_overrides.items()):
+                item.key = key.encode()
+                if isinstance(value, bool):
+                    item.tag, item.val_bool = L.LLAMA_KV_OVERRIDE_TYPE_BOOL, value
+                elif isinstance(value, int):
+                    item.tag, item.val_i64 = L.LLAMA_KV_OVERRIDE_TYPE_INT, value
+                elif isinstance(value, float):
+                    item.tag, item.val_f64 = L.LLAMA_KV_OVERRIDE_TYPE_FLOAT, value
+                else:
+                    item.tag, item.val_str = L.LLAMA_KV_OVERRIDE_TYPE_STR, value.encode()
+            keep_alive.append(arr)
+            native.kv_overrides = arr
+        return native, keep_alive
 
     @property
     def load_mode(self) -> int:

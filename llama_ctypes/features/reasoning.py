@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
+from ..core.generation import partial_suffix
+
 Kind = Literal["reasoning", "content"]
 
 
@@ -43,17 +45,6 @@ def opens_inside_reasoning(prompt: str, formats: Iterable[ReasoningFormat]) -> R
         if start >= 0 and prompt.find(fmt.end, start + len(fmt.start)) < 0:
             return fmt
     return None
-
-
-def _partial_suffix(text: str, markers: Iterable[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of one of the markers."""
-    best = 0
-    for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), best, -1):
-            if text.endswith(marker[:k]):
-                best = k
-                break
-    return best
 
 
 class ReasoningSplitter:
@@ -122,7 +113,7 @@ class ReasoningSplitter:
                     self._open = fmt
                     self._strip_leading = True
                     continue
-            keep = _partial_suffix(self._pending, self._markers())
+            keep = partial_suffix(self._pending, self._markers())
             ready = self._pending[: len(self._pending) - keep]
             self._emit(out, "reasoning" if self._open is not None else "content", ready)
             self._pending = self._pending[len(ready):]

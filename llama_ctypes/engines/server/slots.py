@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ... import telemetry
+from ...core.generation import common_prefix
 from .prompt_cache import PromptCache
 from .request import Request
 
@@ -55,14 +56,6 @@ class Slot:
     @property
     def n_past(self) -> int:
         return len(self.tokens)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
