@@ -80,6 +80,12 @@ class Timings:
         return n / (self.generation_ms / 1e3) if self.generation_ms > 0 and n > 0 else 0.0
 
     @property
+    def outside_decode_us_per_token(self) -> float:
+        """Time per generated token spent outside llama_decode (sampling included), in microseconds."""
+        n = self.generated_tokens - 1
+        return max(0.0, self.generation_ms - self.decode_ms) * 1e3 / n if n > 0 else 0.0
+
+    @property
     def python_us_per_token(self) -> float:
         """Time per generated token spent outside llama_decode and the sampler, in microseconds."""
         n = self.generated_tokens - 1
