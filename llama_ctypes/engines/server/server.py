@@ -15,6 +15,7 @@ sampler, seed, grammar, stop strings and limits.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ...core.context import Context
@@ -29,6 +30,8 @@ from .request import Channel, End, Request
 from .strategies import DecodeMaximal, resolve
 
 __all__ = ["Server", "ServerStream", "QueueFullError", "ServerClosedError"]
+
+logger = logging.getLogger(__name__)
 
 _RESERVED = ("n_seq_max", "embeddings")
 
@@ -327,6 +330,11 @@ class Server:
             return
         self._closed = True
         self._engine.close(timeout)
+        if self._engine.thread.is_alive():
+            # Still inside a decode after the timeout: freeing the context under it would crash
+            # the process, so it is left to the thread (and leaked if the thread never ends).
+            logger.warning("server scheduler did not stop within %s s; its context is not freed", timeout)
+            return
         self._ctx._end_exclusive()
         self._ctx.close()
         if self._owns_model:
