@@ -213,3 +213,18 @@ def test_unstarted_and_dropped_streams_release_their_context(tiny_model):
     # the context is free again (a busy one would raise BusyError) and back in the pool
     ctx.seq_pos_max(0)
     assert ctx in tiny_model._context_pool[ctx.params]
+
+
+def test_context_state_save_and_restore(tiny_model):
+    with lc.Context.create(tiny_model, n_ctx=256) as ctx, lc.Sampler.create(tiny_model, temp=0) as smp:
+        ctx.generate(smp, tiny_model.tokenize("Hello world, this is a state test"), max_tokens=4)
+        state, tokens = ctx.save_state(), list(ctx.tokens)
+        assert len(state) > 0 and ctx.state_size() >= len(state) // 2
+        follow = tokens + tiny_model.tokenize(" and more", add_special=False)
+        first = ctx.generate(smp, follow, max_tokens=6, cache_prompt=True)
+        ctx.clear()
+        assert ctx.seq_pos_max(0) == -1
+        ctx.load_state(state, tokens)
+        assert ctx.seq_pos_max(0) == len(tokens) - 1
+        again = ctx.generate(smp, follow, max_tokens=6, cache_prompt=True)
+        assert again.tokens == first.tokens and again.timings.cached_tokens == len(tokens)

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def _token_array(tokens: Iterable[int]) -> np.ndarray:
-    arr = np.ascontiguousarray(np.fromiter(tokens, dtype=np.int32) if not isinstance(tokens, np.ndarray) else tokens,
-                               dtype=np.int32)
-    return arr
+    if isinstance(tokens, np.ndarray):
+        return np.ascontiguousarray(tokens, dtype=np.int32)
+    return np.fromiter(tokens, dtype=np.int32)
 
 
 class Tokenizer:
