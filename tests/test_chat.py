@@ -69,7 +69,7 @@ def test_every_llama_cpp_template_renders_a_standard_conversation():
                 failures.append(f"{path.name} (tools): {exc}")
     assert not failures, "\n".join(failures)
     assert rendered == len(TEMPLATES)
-    assert tool_rendered >= 40
+    assert tool_rendered >= 60  # every template that reads `tools`, but the listed exceptions
 
 
 def test_tool_exceptions_still_fail_for_the_stated_reason():
