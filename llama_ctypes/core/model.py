@@ -128,15 +128,6 @@ class Model(NativeHandle):
             ctx.close()
         super().close()
 
-    @property
-    def ptr(self):
-        """The raw ``llama_model *`` (for the library's own layers; do not free it)."""
-        if self._closed:
-            from ..errors import ClosedError
-
-            raise ClosedError("Model is closed")
-        return self._ptr
-
     # ---- introspection ------------------------------------------------------------------
     def _int(self, fn) -> int:
         with self._shared():
