@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import llama_ctypes as lc
-from tiny_models import write_tiny_bert
+from tiny_models import write_tiny_bert, write_tiny_t5_encoder
 
 TEXTS = [f"Sentence {i} is about topic {i % 5}." + " More words." * (i % 4) for i in range(12)]
 
@@ -27,7 +27,15 @@ def reranker(tmp_path_factory, vocab_dir):
         yield model
 
 
-@pytest.mark.parametrize("name", ["tiny_model", "bert"])
+@pytest.fixture(scope="module")
+def t5_encoder(tmp_path_factory, vocab_dir):
+    path = write_tiny_t5_encoder(tmp_path_factory.mktemp("t5") / "tiny-t5-encoder.gguf",
+                                 vocab_dir / "ggml-vocab-llama-spm.gguf")
+    with lc.load_model(path) as model:
+        yield model
+
+
+@pytest.mark.parametrize("name", ["tiny_model", "bert", "t5_encoder"])
 def test_normalised_vectors_and_list_equals_one_by_one(request, name):
     model = request.getfixturevalue(name)
     one = lc.embed(model, TEXTS[0])
@@ -98,3 +106,22 @@ def test_rerank_scores_in_document_order(reranker, bert):
     assert all(0.0 < p < 1.0 for p in probs)
     with pytest.raises(lc.EmbeddingError, match="not a reranking model"):
         lc.rerank(bert, "q", ["d"])
+
+
+def test_encoder_only_model_embeds_through_llama_encode(t5_encoder, monkeypatch):
+    assert t5_encoder.has_encoder and not t5_encoder.has_decoder
+    lib = lc.init()
+    calls = {"encode": 0}
+    real = lib.llama_encode
+
+    def counting(ctx, batch):
+        calls["encode"] += 1
+        return real(ctx, batch)
+
+    monkeypatch.setattr(lib, "llama_encode", counting)
+    vecs = lc.embed(t5_encoder, TEXTS[:5])
+    assert vecs.shape == (5, t5_encoder.n_embd) and calls["encode"] == 1  # five texts, one encoder pass
+    rows = lc.embed(t5_encoder, "Hello there world", pooling="none")
+    assert rows.shape[0] == len(t5_encoder.tokenize("Hello there world"))
+    with pytest.raises(ValueError, match="encoder-only"):
+        lc.generate(t5_encoder, "Hello", max_tokens=2)

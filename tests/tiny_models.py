@@ -211,3 +211,43 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_tiny_t5_encoder(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                          n_ff: int = 128, n_ctx_train: int = 512, seed: int = 0) -> Path:
+    """A 2-layer ``t5encoder``: an encoder-only model, run with llama_encode (no decoder, no KV cache)."""
+    rng = np.random.default_rng(seed)
+    buckets = 32
+    writer = gguf.GGUFWriter(str(path), "t5encoder")
+    writer.add_name("tiny-t5-encoder-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_key_length(n_embd // n_head)
+    writer.add_value_length(n_embd // n_head)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_relative_attn_buckets_count(buckets)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+
+    def w(*shape: int, scale: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("enc.output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    for i in range(n_layer):
+        writer.add_tensor(f"enc.blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if i == 0:  # T5 shares the first layer's relative position bias
+            writer.add_tensor("enc.blk.0.attn_rel_b.weight", w(buckets, n_head))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_o"):
+            writer.add_tensor(f"enc.blk.{i}.{name}.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"enc.blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"enc.blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"enc.blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

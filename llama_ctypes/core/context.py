@@ -69,6 +69,7 @@ class Context(NativeHandle):
         self.n_batch = int(self._lib.llama_n_batch(ptr))
         self.n_seq_max = int(self._lib.llama_n_seq_max(ptr))
         self.n_vocab = model.n_vocab
+        self.encoder_only = model.has_encoder and not model.has_decoder
         # Tokens whose KV sits in sequence 0, for prefix reuse across generate() calls.
         self.tokens: list[int] = []
         self._batch = Batch(self.n_batch, 1)

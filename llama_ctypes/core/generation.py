@@ -144,6 +144,8 @@ class _Run:
 
 def check_prompt(ctx: "Context", prompt: Sequence[int]) -> None:
     """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
+    if ctx.encoder_only:
+        raise ValueError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
     n_ctx = ctx.n_ctx_seq
     if not prompt:
         raise ValueError("the prompt is empty (no tokens)")
