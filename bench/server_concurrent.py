@@ -14,8 +14,6 @@ driven over its HTTP API with the same prompts, and the throughput ratio is prin
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -154,5 +152,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(main())

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import llama_ctypes as lc
 from llama_ctypes.core.params import _threads_default
+from llama_ctypes.interfaces.benchmark import measure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,35 +43,7 @@ def find_llama_bench() -> Path | None:
 
 
 def bench_ours(model: lc.Model, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
-    ctx = lc.Context.create(model, n_ctx=n_prompt + n_gen + 16, n_batch=max(512, n_prompt), n_threads=threads)
-    rng_tokens = [(i * 7919) % (model.n_vocab - 1000) + 500 for i in range(n_prompt)]
-    pp, tg, ttft, py_us, tg_decode, outside_us = [], [], [], [], [], []
-    bos = lc.Tokenizer.bos(model) or 0
-    # warm-up, as llama-bench does
-    with lc.Sampler.create(model, temp=0) as smp:
-        ctx.generate(smp, rng_tokens[:32], max_tokens=4, ignore_eos=True)
-    for _ in range(reps):
-        # prefill: one prompt of n_prompt tokens from an empty cache
-        ctx.clear()
-        batch = lc.Batch(ctx.n_batch)
-        batch.add_sequence(rng_tokens, 0, 0, output_last=True)
-        t0 = time.perf_counter()
-        ctx.decode(batch)
-        pp.append(n_prompt / (time.perf_counter() - t0))
-        # decode: n_gen tokens from an empty cache (a one-token prompt)
-        ctx.clear()
-        with lc.Sampler.create(model, temp=0) as smp:
-            done = ctx.generate(smp, [bos], max_tokens=n_gen + 1, ignore_eos=True)
-        t = done.timings
-        tg.append(t.tokens_per_s)
-        tg_decode.append((len(done.tokens) - 1) / (t.decode_ms / 1e3))
-        ttft.append(t.ttft_ms)
-        py_us.append(t.python_us_per_token)
-        outside_us.append(t.outside_decode_us_per_token)
-    ctx.close()
-    med = statistics.median
-    return {"pp": med(pp), "tg": med(tg), "tg_decode_only": med(tg_decode), "ttft_ms": med(ttft),
-            "python_us_per_token": med(py_us), "outside_decode_us": med(outside_us)}
+    return measure(model, n_prompt, n_gen, reps, threads)
 
 
 def bench_llama_cpp(exe: Path, model_path: Path, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:

@@ -51,3 +51,9 @@ def test_chat_is_multi_turn_over_stdin(tiny_model_path):
         input="Hello\nAnd again\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip("\n").split("\n")) >= 2  # one reply per turn
+
+
+def test_bench_prints_speeds(tiny_model_path):
+    out = run("bench", str(tiny_model_path), "-p", "32", "-n", "8", "-r", "1")
+    assert out.returncode == 0, out.stderr
+    assert "pp32" in out.stdout and "tg8" in out.stdout and "tok/s" in out.stdout

@@ -1,6 +1,6 @@
 """The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
 
-Subcommands: ``generate``, ``chat``, ``hub search|list|download``, ``info``, ``devices``, ``version``.
+Subcommands: ``generate``, ``chat``, ``hub search|list|download``, ``bench``, ``info``, ``devices``, ``version``.
 """
 
 from __future__ import annotations
@@ -153,6 +153,17 @@ def cmd_hub(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmark import measure
+
+    with load_model(_resolve_model(args.model), n_gpu_layers=args.n_gpu_layers) as model:
+        r = measure(model, args.n_prompt, args.n_gen, args.reps, args.threads)
+        print(f"{model.desc}: pp{args.n_prompt} {r['pp']:.1f} tok/s, tg{args.n_gen} {r['tg']:.1f} tok/s "
+              f"(decode only {r['tg_decode_only']:.1f}), TTFT {r['ttft_ms']:.1f} ms, "
+              f"{r['outside_decode_us']:.0f} us/token outside llama_decode ({r['python_us_per_token']:.0f} us Python)")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with load_model(_resolve_model(args.model), vocab_only=args.vocab_only) as model:
         info = model.info()
@@ -216,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--n-gpu-layers", type=int, default=-1)
     chat.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="prefill/decode speed of a model (llama-bench shapes)")
+    bench.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
+    bench.add_argument("--n-prompt", "-p", type=int, default=512)
+    bench.add_argument("--n-gen", "-n", type=int, default=128)
+    bench.add_argument("--reps", "-r", type=int, default=3)
+    bench.add_argument("--threads", "-t", type=int, default=None)
+    bench.add_argument("--n-gpu-layers", type=int, default=-1)
+    bench.set_defaults(func=cmd_bench)
 
     info = sub.add_parser("info", help="describe a model")
     info.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
