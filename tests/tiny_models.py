@@ -31,6 +31,26 @@ def copy_tokenizer(writer: gguf.GGUFWriter, vocab_path: Path) -> int:
     return n_vocab
 
 
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _random(rng: np.random.Generator, default_scale: float):
+    """A random float32 tensor factory: ``w(*shape, scale=...)``."""
+
+    def w(*shape: int, scale: float = default_scale) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    return w
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
 def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
                      chat_template: str | None = None) -> Path:
@@ -52,27 +72,23 @@ def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
     if chat_template is not None:
         writer.add_chat_template(chat_template)
 
-    def w(*shape: int, scale: float = 0.5) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    w = _random(rng, 0.5)
 
     head_dim = n_embd // n_head
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
     writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
     for i in range(n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
         writer.add_tensor(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
         writer.add_tensor(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
         writer.add_tensor(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
         writer.add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path
 
 
@@ -99,11 +115,7 @@ def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: 
     if "tokenizer.ggml.token_type_count" not in gguf.GGUFReader(str(vocab_path)).fields:
         writer.add_token_type_count(2)
 
-    def w(*shape: int, scale: float = 0.2) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
+    w = _random(rng, 0.2)
 
     def zeros(n: int) -> np.ndarray:
         return np.zeros(n, dtype=np.float32)
@@ -111,29 +123,26 @@ def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
     writer.add_tensor("token_types.weight", w(2, n_embd))
     writer.add_tensor("position_embd.weight", w(n_ctx_train, n_embd))
-    writer.add_tensor("token_embd_norm.weight", ones(n_embd))
+    writer.add_tensor("token_embd_norm.weight", _ones(n_embd))
     writer.add_tensor("token_embd_norm.bias", zeros(n_embd))
     for i in range(n_layer):
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             writer.add_tensor(f"blk.{i}.{name}.weight", w(n_embd, n_embd))
             writer.add_tensor(f"blk.{i}.{name}.bias", w(n_embd))
-        writer.add_tensor(f"blk.{i}.attn_output_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output_norm.weight", _ones(n_embd))
         writer.add_tensor(f"blk.{i}.attn_output_norm.bias", zeros(n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.bias", w(n_ff))
         writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
         writer.add_tensor(f"blk.{i}.ffn_down.bias", w(n_embd))
-        writer.add_tensor(f"blk.{i}.layer_output_norm.weight", ones(n_embd))
+        writer.add_tensor(f"blk.{i}.layer_output_norm.weight", _ones(n_embd))
         writer.add_tensor(f"blk.{i}.layer_output_norm.bias", zeros(n_embd))
     if pooling == 4:
         writer.add_tensor("cls.weight", w(n_embd, n_embd))
         writer.add_tensor("cls.bias", w(n_embd))
         writer.add_tensor("cls.output.weight", w(1, n_embd))
         writer.add_tensor("cls.output.bias", w(1))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path
 
 
@@ -172,18 +181,14 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     n_vocab = copy_tokenizer(writer, vocab_path)
 
-    def w(*shape: int, scale: float = 0.3) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    def ones(n: int) -> np.ndarray:
-        return np.ones(n, dtype=np.float32)
+    w = _random(rng, 0.3)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", ones(n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
     writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
     # layer 0: gated delta net
-    writer.add_tensor("blk.0.attn_norm.weight", ones(n_embd))
-    writer.add_tensor("blk.0.post_attention_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.0.attn_norm.weight", _ones(n_embd))
+    writer.add_tensor("blk.0.post_attention_norm.weight", _ones(n_embd))
     writer.add_tensor("blk.0.attn_qkv.weight", w(key_dim * 2 + value_dim, n_embd))
     writer.add_tensor("blk.0.attn_gate.weight", w(value_dim, n_embd))
     writer.add_tensor("blk.0.ssm_conv1d.weight", w(key_dim * 2 + value_dim, conv_kernel))
@@ -191,25 +196,22 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
     writer.add_tensor("blk.0.ssm_a", -np.abs(w(n_v_heads)) - 0.1)
     writer.add_tensor("blk.0.ssm_beta.weight", w(n_v_heads, n_embd))
     writer.add_tensor("blk.0.ssm_alpha.weight", w(n_v_heads, n_embd))
-    writer.add_tensor("blk.0.ssm_norm.weight", ones(head_dim))
+    writer.add_tensor("blk.0.ssm_norm.weight", _ones(head_dim))
     writer.add_tensor("blk.0.ssm_out.weight", w(n_embd, value_dim))
     # layer 1: full attention (q carries a gate: twice the width)
-    writer.add_tensor("blk.1.attn_norm.weight", ones(n_embd))
-    writer.add_tensor("blk.1.post_attention_norm.weight", ones(n_embd))
+    writer.add_tensor("blk.1.attn_norm.weight", _ones(n_embd))
+    writer.add_tensor("blk.1.post_attention_norm.weight", _ones(n_embd))
     writer.add_tensor("blk.1.attn_q.weight", w(head_dim * n_head * 2, n_embd))
     writer.add_tensor("blk.1.attn_k.weight", w(head_dim * n_head_kv, n_embd))
     writer.add_tensor("blk.1.attn_v.weight", w(head_dim * n_head_kv, n_embd))
     writer.add_tensor("blk.1.attn_output.weight", w(n_embd, head_dim * n_head))
-    writer.add_tensor("blk.1.attn_q_norm.weight", ones(head_dim))
-    writer.add_tensor("blk.1.attn_k_norm.weight", ones(head_dim))
+    writer.add_tensor("blk.1.attn_q_norm.weight", _ones(head_dim))
+    writer.add_tensor("blk.1.attn_k_norm.weight", _ones(head_dim))
     for i in range(2):
         writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path
 
 
@@ -232,22 +234,18 @@ def write_tiny_t5_encoder(path: Path, vocab_path: Path, *, n_layer: int = 2, n_e
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     n_vocab = copy_tokenizer(writer, vocab_path)
 
-    def w(*shape: int, scale: float = 0.3) -> np.ndarray:
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
+    w = _random(rng, 0.3)
 
     writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("enc.output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    writer.add_tensor("enc.output_norm.weight", _ones(n_embd))
     for i in range(n_layer):
-        writer.add_tensor(f"enc.blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"enc.blk.{i}.attn_norm.weight", _ones(n_embd))
         if i == 0:  # T5 shares the first layer's relative position bias
             writer.add_tensor("enc.blk.0.attn_rel_b.weight", w(buckets, n_head))
         for name in ("attn_q", "attn_k", "attn_v", "attn_o"):
             writer.add_tensor(f"enc.blk.{i}.{name}.weight", w(n_embd, n_embd))
-        writer.add_tensor(f"enc.blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        writer.add_tensor(f"enc.blk.{i}.ffn_norm.weight", _ones(n_embd))
         writer.add_tensor(f"enc.blk.{i}.ffn_up.weight", w(n_ff, n_embd))
         writer.add_tensor(f"enc.blk.{i}.ffn_down.weight", w(n_embd, n_ff))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return path

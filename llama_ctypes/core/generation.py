@@ -295,7 +295,37 @@ class StopFilter:
         return out
 
 
-class TextStream:
+class LazyStream:
+    """Iteration and lifetime shared by text streams: subclasses set ``_gen`` and define ``close()``.
+
+    Leaving a ``with`` block or dropping the stream closes it, which stops the generation.
+    """
+
+    _gen: Iterator[str]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def close(self) -> None:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class TextStream(LazyStream):
     """A lazy stream of generated text pieces (``for piece in stream: ...``).
 
     Decoding starts at the first ``next()``; breaking out of the loop, calling
@@ -342,12 +372,6 @@ class TextStream:
     def prompt_tokens(self) -> int:
         return len(self._prompt)
 
-    def __iter__(self) -> "TextStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._gen)
-
     def close(self) -> None:
         """Stop generating and release the context (idempotent)."""
         self._gen.close()
@@ -357,18 +381,6 @@ class TextStream:
         on_close, self._on_close = self._on_close, None
         if on_close is not None:
             on_close()
-
-    def __enter__(self) -> "TextStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def completion(self) -> Completion:
         """Run to the end (if not done) and return the :class:`Completion`."""

@@ -81,6 +81,10 @@ def _budget() -> _Budget | None:
 class _Sandbox(SandboxedEnvironment):
     """The sandbox, with budgets on the two ways a template can allocate without bound."""
 
+    # Routed through call_binop at render time; this also stops jinja2 from folding constant
+    # expressions such as 'x' * 10**9 at compile time, outside any budget.
+    intercepted_binops = frozenset({"*", "**"})
+
     def unsafe_undefined(self, obj, attribute):
         # jinja2 would render an unsafe attribute as an empty string; refuse loudly instead.
         raise jinja2.exceptions.SecurityError(

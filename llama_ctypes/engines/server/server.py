@@ -19,7 +19,7 @@ import logging
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ...core.context import Context
-from ...core.generation import Completion, GenerationParams, StopFilter, check_prompt
+from ...core.generation import Completion, GenerationParams, LazyStream, StopFilter, check_prompt
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
@@ -77,7 +77,7 @@ class _Consumer:
                           len(self.request.prompt), self.request.timings())
 
 
-class ServerStream:
+class ServerStream(LazyStream):
     """A lazy stream of a server request's text pieces.
 
     Breaking out, ``close()``, or dropping the stream cancels the request: its
@@ -111,12 +111,6 @@ class ServerStream:
     def prompt_tokens(self) -> int:
         return len(self.request.prompt)
 
-    def __iter__(self) -> "ServerStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._gen)
-
     def _generate(self):
         consumer, channel = self._consumer, self.request.channel
         try:
@@ -131,18 +125,6 @@ class ServerStream:
         """Stop the request (if still running)."""
         self._gen.close()
         self._consumer.end()
-
-    def __enter__(self) -> "ServerStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def completion(self) -> Completion:
         """Run to the end and return the :class:`Completion`."""
