@@ -110,6 +110,15 @@ HOSTILE = {
     "nested ranges": "{% for a in range(1000) %}{% for b in range(1000) %}{% for c in range(1000) %}"
                      "{% endfor %}{% endfor %}{% endfor %}",
     "string bomb": "{{ 'x' * 10**9 }}",
+    "filter bomb": "{{ 'x'|center(10**9) }}",
+    "format bomb": "{{ '{:>1000000000}'.format('x') }}",
+    "percent bomb": "{{ '%1000000000s' % 'x' }}",
+    "star width bomb": "{{ '%*s' % (10**9, 'x') }}",
+    "ljust bomb": "{{ 'x'.ljust(10**9) }}",
+    "replace amplification": "{% set s = 'x' * 1000 %}{% set t = s.replace('x', s) %}{{ t.replace('x', t) }}",
+    "replace filter amplification": "{% set s = 'x' * 1000 %}{{ s|replace('x', s)|replace('x', s) }}",
+    "indent amplification": "{% set s = 'x\n' * 100000 %}{{ s|indent(100) }}",
+    "range list": "{{ range(10**9)|list }}",
     "output bomb": "{% for i in range(100000) %}{{ messages | tojson }}{{ messages | tojson }}{% endfor %}",
     "include a file": "{% include '/etc/passwd' %}",
     "busy loop": "{% set x = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] %}{% for a in x %}{% for b in x %}{% for c in x %}"

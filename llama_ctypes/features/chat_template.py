@@ -12,7 +12,9 @@ one raises :class:`ChatTemplateError`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import re
 import sys
 import threading
 import time
@@ -23,6 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 from jinja2 import nodes
+from jinja2.nodes import EvalContext
+from jinja2.runtime import Context
 from jinja2.ext import Extension
 from jinja2.sandbox import SandboxedEnvironment
 
@@ -81,9 +85,27 @@ def _budget() -> _Budget | None:
 class _Sandbox(SandboxedEnvironment):
     """The sandbox, with budgets on the two ways a template can allocate without bound."""
 
-    # Routed through call_binop at render time; this also stops jinja2 from folding constant
-    # expressions such as 'x' * 10**9 at compile time, outside any budget.
-    intercepted_binops = frozenset({"*", "**"})
+    # Routed through call_binop at render time (and never constant-folded at compile time).
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    # Every call a template makes (methods, globals, filters) is checked before it runs: no
+    # legitimate template passes a size beyond the output budget, and the string operations
+    # that multiply sizes (replace, join, indent) are estimated first.
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+        _check_args(args, kwargs)
+        name = getattr(__obj, "__name__", "")
+        target = getattr(__obj, "__self__", None)
+        if isinstance(target, str) and name in ("replace", "join") and args:
+            _check_size(_estimate(name, target, args))
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+    def wrap_str_format(self, value):
+        # str.format with a huge width ('{:>1000000000}') would allocate before any output budget.
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None and _HUGE_WIDTH.search(value.__self__):
+            raise ChatTemplateError("chat template used a format width larger than the output budget")
+        return wrapped
 
     def unsafe_undefined(self, obj, attribute):
         # jinja2 would render an unsafe attribute as an empty string; refuse loudly instead.
@@ -98,6 +120,11 @@ class _Sandbox(SandboxedEnvironment):
                     budget.spend(len(seq) * max(n, 0), "sequence repetition")
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
             raise ChatTemplateError("chat template used an exponent larger than 64")
+        if operator == "%" and isinstance(left, str):
+            widths = right if isinstance(right, tuple) else (right,)
+            if _HUGE_PERCENT.search(left) or ("*" in left and any(isinstance(w, int) and w > MAX_OUTPUT_CHARS
+                                                                  for w in widths)):
+                raise ChatTemplateError("chat template used a format width larger than the output budget")
         return super().call_binop(context, operator, left, right)
 
 
@@ -125,6 +152,54 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+_HUGE_WIDTH = re.compile(r"\{[^{}]*:[^{}]*?\d{7,}")
+_HUGE_PERCENT = re.compile(r"%[-#0 +]*\d{7,}")
+
+
+def _check_args(args, kwargs) -> None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_OUTPUT_CHARS:
+            raise ChatTemplateError(f"chat template passed {value} to a function (over the output budget)")
+
+
+def _estimate(name: str, value, args: tuple) -> int:
+    """Upper bound of the result size of a string-multiplying operation."""
+    if name == "replace" and isinstance(value, str) and len(args) >= 2:
+        old, new = str(args[0]), str(args[1])
+        return len(value) + (value.count(old) if old else len(value) + 1) * max(0, len(new) - len(old))
+    if name == "join":
+        sep, items = (value, args[0]) if isinstance(value, str) else (str(args[0]) if args else "", value)
+        items = list(items) if not isinstance(items, (list, tuple, str)) else items
+        return len(sep) * max(0, len(items) - 1) + sum(len(str(i)) for i in items)
+    if name == "indent" and isinstance(value, str):
+        width = args[0] if args and isinstance(args[0], int) else 4
+        return len(value) + (value.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
+    return 0
+
+
+def _checked_filter(name: str, fn):
+    @functools.wraps(fn)  # keeps jinja2's pass_context / pass_eval_context marker
+    def checked(*args, **kwargs):
+        plain = [a for a in args if not isinstance(a, (EvalContext, Context, jinja2.Environment))]
+        _check_args(plain[1:], kwargs)
+        if name in ("replace", "join", "indent") and plain and isinstance(plain[0], (str, list, tuple)):
+            _check_size(_estimate(name, plain[0], tuple(plain[1:])))
+        return fn(*args, **kwargs)
+
+    return checked
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_OUTPUT_CHARS:
+        raise ChatTemplateError(f"chat template would build a string of {n} characters (over the output budget)")
+
+
+def _center(value: str, width: int = 80) -> str:
+    if width > MAX_OUTPUT_CHARS:
+        raise ChatTemplateError(f"chat template asked center() for {width} characters")
+    return str(value).center(width)
+
+
 def _make_env() -> _Sandbox:
     env = _Sandbox(
         trim_blocks=True,
@@ -132,8 +207,15 @@ def _make_env() -> _Sandbox:
         keep_trailing_newline=False,
         extensions=["jinja2.ext.loopcontrols", _GenerationTag],
         undefined=jinja2.Undefined,
+        # No constant folding: a folded expression ('x'|center(10**9)) runs at compile time,
+        # before any budget applies.
+        optimized=False,
     )
+    env.filters["center"] = _center
     env.filters["tojson"] = _tojson
+    # Compiled templates call filters directly, so the size checks wrap each filter.
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _checked_filter(name, fn)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _budgeted_range
