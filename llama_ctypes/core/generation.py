@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 from ..errors import ContextOverflowError, DecodeError
+from .handle import Closeable
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
@@ -295,7 +296,7 @@ class StopFilter:
         return out
 
 
-class LazyStream:
+class LazyStream(Closeable):
     """Iteration and lifetime shared by text streams: subclasses set ``_gen`` and define ``close()``.
 
     Leaving a ``with`` block or dropping the stream closes it, which stops the generation.
@@ -308,21 +309,6 @@ class LazyStream:
 
     def __next__(self) -> str:
         return next(self._gen)
-
-    def close(self) -> None:  # pragma: no cover - defined by subclasses
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class TextStream(LazyStream):

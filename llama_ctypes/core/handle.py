@@ -19,7 +19,26 @@ from typing import Iterator
 from ..errors import BusyError, ClosedError
 
 
-class NativeHandle:
+class Closeable:
+    """``with`` support and closing on garbage collection, for anything with an idempotent ``close()``."""
+
+    def close(self) -> None:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # never raise from a finalizer
+            pass
+
+
+class NativeHandle(Closeable):
     """Owns one native pointer; subclasses implement ``_free()``."""
 
     _kind = "handle"
@@ -45,12 +64,6 @@ class NativeHandle:
             free_now = self._users == 0 and not self._exclusive
         if free_now:
             self._do_free()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:

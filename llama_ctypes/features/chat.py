@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, TypedDict
 
-from ..core.context import Context  # noqa: F401  (re-exported for typing users)
+from ..core.handle import Closeable
 from ..core.generation import FinishReason, GenerationParams, TextStream, Timings, stream
 from ..core.model import Model
 from ..core.params import ContextParams, split_options
@@ -204,7 +204,7 @@ class ChatReply(str):
                 "prompt_tokens_details": {"cached_tokens": self.timings.cached_tokens if self.timings else 0}}
 
 
-class ChatStream:
+class ChatStream(Closeable):
     """A lazy chat response. Iterating yields the answer's text pieces.
 
     ``deltas()`` yields ``(kind, text)`` with kind ``"reasoning"`` or
@@ -243,12 +243,6 @@ class ChatStream:
     def close(self) -> None:
         self._deltas.close()
         self._stream.close()
-
-    def __enter__(self) -> "ChatStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     @property
     def content(self) -> str:
