@@ -201,18 +201,26 @@ def test_timings_are_reported(model):
 def test_unstarted_and_dropped_streams_release_their_context(tiny_model):
     import gc
 
-    unstarted = lc.stream(tiny_model, PROMPT, max_tokens=5)
-    sampler = unstarted._sampler
-    unstarted.close()
-    assert sampler.closed
-    dropped = lc.stream(tiny_model, PROMPT, max_tokens=500, temp=0, ignore_eos=True)
-    next(dropped)
-    ctx = dropped._ctx
-    del dropped
-    gc.collect()
-    # the context is free again (a busy one would raise BusyError) and back in the pool
-    ctx.seq_pos_max(0)
-    assert ctx in tiny_model._context_pool[ctx.params]
+    from llama_ctypes.core.context_pool import ContextPool
+
+    pool = ContextPool.of(tiny_model)
+    pool.close_idle()
+    gc.disable()  # dropping a stream must release it by reference counting alone
+    try:
+        unstarted = lc.stream(tiny_model, PROMPT, max_tokens=5)
+        unstarted.close()
+        assert pool.n_idle == 1
+        for _ in range(3):
+            dropped = lc.stream(tiny_model, PROMPT, max_tokens=500, temp=0, ignore_eos=True)
+            next(dropped)
+            assert pool.n_idle == 0  # checked out by the running stream
+            del dropped
+            assert pool.n_idle == 1  # back at once, without the cycle collector
+        for piece in lc.stream(tiny_model, PROMPT, max_tokens=500, temp=0, ignore_eos=True):
+            break
+        assert pool.n_idle == 1
+    finally:
+        gc.enable()
 
 
 def test_context_state_save_and_restore(tiny_model):

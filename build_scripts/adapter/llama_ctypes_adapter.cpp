@@ -279,3 +279,14 @@ LCX_API int32_t lcx_model_n_devices(const llama_model * model) {
 LCX_API ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32_t i) {
     return llama_model_get_device(model, i);
 }
+
+// ---- cancellation -----------------------------------------------------------
+
+// A ggml_abort_callback that reads a 32-bit flag owned by the Python side. ggml
+// calls it before every graph node; a C function keeps that check free of the
+// Python interpreter (a Python callback would take the GIL hundreds of times per
+// token). Any thread may set the flag; an aligned 32-bit load is atomic on every
+// platform ggml supports.
+LCX_API bool lcx_abort_requested(void * flag) {
+    return flag != nullptr && *static_cast<const volatile int32_t *>(flag) != 0;
+}

@@ -1,13 +1,22 @@
-"""Context: a model's KV memory and decode calls. One caller at a time."""
+"""Context: a model's KV memory and decode calls. One caller at a time.
+
+Every native operation on a context goes through a :class:`ContextLease`, the
+proof of sole use: ``ctx.lease()`` claims the context (``BusyError`` if someone
+else holds it) and keeps it open until released. The lease is also the one
+owner of the invariant "``ctx.tokens`` is what sequence 0 of the KV cache
+holds": ``prefill`` and ``append`` change both together.
+"""
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Sequence
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ContextCreationError, DecodeError
+from ..errors import ContextCreationError, ContextOverflowError, DecodeError
+from ..native import ggml_h
 from .backend import clear_native_error, native_error
 from .batch import Batch
 from .handle import NativeHandle
@@ -23,6 +32,40 @@ _DECODE_ERRORS = {
     -1: "invalid batch",
 }
 
+ABORTED = 2
+
+
+def check_decode(rc: int, what: str, n_tokens: int) -> None:
+    """Raise :class:`DecodeError` for a non-zero ``llama_decode``/``llama_encode`` return code."""
+    if rc != 0:
+        reason = _DECODE_ERRORS.get(rc, "error")
+        raise DecodeError(f"{what} failed with {rc} for a batch of {n_tokens} tokens: {reason}", code=rc)
+
+
+def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None) -> None:
+    """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
+    if ctx.encoder_only:
+        raise ValueError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
+    n_ctx = n_ctx or ctx.n_ctx_seq
+    if not prompt:
+        raise ValueError("the prompt is empty (no tokens)")
+    if len(prompt) >= n_ctx:
+        raise ContextOverflowError(
+            f"prompt of {len(prompt)} tokens does not fit the context window of {n_ctx} tokens "
+            "(at least one token must be generated); use a larger n_ctx or a shorter prompt",
+            n_tokens=len(prompt), n_ctx=n_ctx,
+        )
+    ctx.vocab.check_tokens(prompt)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
 
 class Context(NativeHandle):
     """An inference context over a :class:`Model` (``llama_context``).
@@ -31,7 +74,8 @@ class Context(NativeHandle):
     another is running (from another thread, or while a ``stream`` of this
     context is still open) raises :class:`~llama_ctypes.BusyError` instead of
     waiting, because interleaving two generations in one KV cache would
-    corrupt both. Use one Context per thread, or a Server.
+    corrupt both. Use one Context per thread, or a Server. :meth:`abort` is the
+    exception: any thread may call it to stop a decode in flight.
 
     The Context keeps its Model alive: closing the Model first is safe.
     """
@@ -69,11 +113,19 @@ class Context(NativeHandle):
         self.n_batch = int(self._lib.llama_n_batch(ptr))
         self.n_seq_max = int(self._lib.llama_n_seq_max(ptr))
         self.n_vocab = model.n_vocab
+        self.vocab = model.vocab.for_holder()
+        """The model's vocabulary, usable for as long as this context lives."""
         self.encoder_only = model.has_encoder and not model.has_decoder
         # Tokens whose KV sits in sequence 0, for prefix reuse across generate() calls.
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
         self._batch = Batch(self.n_batch, 1)
-        model._contexts.add(self)
+        # Cancellation: ggml asks the C callback before each graph node whether to stop; the
+        # callback reads this flag, which abort() sets from any thread.
+        self._abort_flag = ctypes.c_int32(0)
+        self._abort_lock = threading.Lock()
+        self._abort_cb = _abort_callback(self._lib)  # referenced here for as long as C may call it
+        if self._abort_cb is not None:
+            self._lib.llama_set_abort_callback(ptr, self._abort_cb, ctypes.addressof(self._abort_flag))
 
     @classmethod
     def create(cls, model: "Model", **opts: Any) -> "Context":
@@ -90,60 +142,64 @@ class Context(NativeHandle):
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx} {'closed' if self._closed else 'open'}>"
 
-    # ---- decoding --------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of the tokens whose KV sequence 0 holds (what ``cache_prompt`` reuses)."""
+        return list(self._tokens)
+
+    # ---- sole use -------------------------------------------------------------------------
+    def lease(self, held: bool = False) -> "ContextLease":
+        """Claim the context for one caller (``with ctx.lease() as lease: ...``).
+
+        Raises :class:`BusyError` when another caller holds it, :class:`ClosedError` once closed
+        (unless ``held``: the caller keeps the context alive with :meth:`hold`).
+        """
+        return ContextLease(self, held)
+
+    def abort(self) -> None:
+        """Stop the decode in flight, if any, from any thread (it raises DecodeError code 2)."""
+        with self._abort_lock:
+            self._abort_flag.value = 1
+
+    # ---- one-shot operations (each takes a lease for its duration) ---------------------------------
     def decode(self, batch: Batch) -> None:
         """Run the model over ``batch``; raises :class:`DecodeError` on failure."""
-        with self._exclusively():
-            self._decode(batch)
-
-    def _decode(self, batch: Batch) -> None:
-        # Caller holds the context exclusively.
-        rc = self._lib.llama_decode(self._ptr, batch.as_native())
-        if rc != 0:
-            reason = _DECODE_ERRORS.get(rc, "error")
-            raise DecodeError(f"llama_decode failed with {rc}: {reason}", code=rc)
+        with self.lease() as lease:
+            lease.decode(batch)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
-        with self._exclusively():
-            ptr = self._lib.llama_get_logits_ith(self._ptr, i)
-            if not ptr:
-                raise IndexError(f"no logits for batch row {i} (was it marked as an output?)")
-            return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        with self.lease() as lease:
+            return lease.logits(i)
 
-    # ---- memory (KV cache) -------------------------------------------------------------
     def clear(self) -> None:
         """Forget every sequence in the KV cache."""
-        with self._exclusively():
-            self._clear()
-
-    def _clear(self) -> None:
-        self._lib.llama_memory_clear(self._mem, True)
-        self.tokens = []
+        with self.lease() as lease:
+            lease.clear()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence (-1 = open end); False if the memory cannot."""
-        with self._exclusively():
-            return bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+        with self.lease() as lease:
+            return lease.seq_rm(seq_id, p0, p1)
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Share positions [p0, p1) of sequence ``src`` with sequence ``dst`` (no copy of data)."""
-        with self._exclusively():
-            self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        with self.lease() as lease:
+            lease.seq_cp(src, dst, p0, p1)
 
     def seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for a sequence, or -1 when empty."""
-        with self._exclusively():
-            return int(self._lib.llama_memory_seq_pos_max(self._mem, seq_id))
+        with self.lease() as lease:
+            return lease.seq_pos_max(seq_id)
 
     def state_size(self) -> int:
         """Bytes needed to save the whole context state."""
-        with self._exclusively():
+        with self.lease():
             return int(self._lib.llama_state_get_size(self._ptr))
 
     def save_state(self) -> bytes:
         """Snapshot of the context (KV cache, logits) with the tokens it holds; see ``load_state``."""
-        with self._exclusively():
+        with self.lease():
             size = self._lib.llama_state_get_size(self._ptr)
             buf = (ctypes.c_uint8 * size)()
             n = self._lib.llama_state_get_data(self._ptr, buf, size)
@@ -151,11 +207,13 @@ class Context(NativeHandle):
 
     def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
         """Restore a snapshot from ``save_state``; ``tokens`` are the tokens it holds."""
-        with self._exclusively():
+        tokens = self.vocab.check_tokens(tokens).tolist()
+        with self.lease():
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             if self._lib.llama_state_set_data(self._ptr, buf, len(data)) == 0:
+                self._tokens = []
                 raise DecodeError("llama_state_set_data rejected the state")
-            self.tokens = list(tokens)
+            self._tokens = tokens
 
     # ---- generation (see generation.py) ---------------------------------------------------
     def generate(self, sampler: "Sampler", tokens: Sequence[int], **opts: Any):
@@ -165,14 +223,231 @@ class Context(NativeHandle):
         With ``cache_prompt=True`` the KV cache of the longest common prefix with
         the previous call is reused instead of recomputed.
         """
-        from .generation import GenerationParams, generate_with
-
-        (gen,) = split_options(opts, GenerationParams, where="Context.generate: unknown")
-        return generate_with(self, sampler, list(tokens), GenerationParams(**gen))
+        return self.stream(sampler, tokens, **opts).completion()
 
     def stream(self, sampler: "Sampler", tokens: Sequence[int], **opts: Any):
-        """Like :meth:`generate`, but a lazy :class:`TextStream` of text pieces."""
+        """Like :meth:`generate`, but a lazy :class:`TextStream` of text pieces.
+
+        The stream holds this context and ``sampler`` from its first ``next()`` to its end.
+        """
         from .generation import GenerationParams, TextStream
 
         (gen,) = split_options(opts, GenerationParams, where="Context.stream: unknown")
         return TextStream(self, sampler, list(tokens), GenerationParams(**gen))
+
+
+def _abort_callback(lib):
+    """The adapter's flag-reading abort callback as a ggml_abort_callback (None if the library lacks it)."""
+    fn = getattr(lib, "lcx_abort_requested", None)
+    if fn is None:
+        return None
+    return ggml_h.ggml_abort_callback(ctypes.cast(fn, ctypes.c_void_p).value)
+
+
+class ContextLease:
+    """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
+
+    Created by :meth:`Context.lease`. While it is held the context cannot be
+    freed, and no other caller can decode into it.
+    """
+
+    def __init__(self, ctx: Context, held: bool = False):
+        ctx._begin_exclusive(held)
+        self.ctx = ctx
+        self._lib = ctx._lib
+        self._ptr = ctx._ptr
+        self._mem = ctx._mem
+        self._held = True
+        # A cancel meant for an earlier user of the context must not stop this one.
+        with ctx._abort_lock:
+            ctx._abort_flag.value = 0
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.ctx._end_exclusive()
+
+    def __enter__(self) -> "ContextLease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    @property
+    def tokens(self) -> list[int]:
+        """The live list of tokens sequence 0 holds (read it; change it only through this lease)."""
+        return self.ctx._tokens
+
+    def aborted(self) -> bool:
+        """True once :meth:`Context.abort` was called during this lease."""
+        return bool(self.ctx._abort_flag.value)
+
+    # ---- decoding ------------------------------------------------------------------------------
+    def decode(self, batch: Batch) -> None:
+        """``llama_decode`` of ``batch``; DecodeError on failure (the caller fixes its token bookkeeping)."""
+        check_decode(self._lib.llama_decode(self._ptr, batch.as_native()), "llama_decode", batch.n_tokens)
+
+    def decode_rc(self, batch: Batch) -> int:
+        """``llama_decode`` of ``batch``, returning llama.cpp's code (for callers that can retry)."""
+        return int(self._lib.llama_decode(self._ptr, batch.as_native()))
+
+    def encode(self, batch: Batch) -> None:
+        """``llama_encode`` of ``batch`` (encoder models); DecodeError on failure."""
+        check_decode(self._lib.llama_encode(self._ptr, batch.as_native()), "llama_encode", batch.n_tokens)
+
+    def prefill(self, prompt: Sequence[int], reuse: bool) -> int:
+        """Bring sequence 0 to ``prompt`` and compute the logits of its last token.
+
+        With ``reuse`` the longest common prefix with what the sequence holds is kept
+        (at least the last prompt token is decoded again). Returns the number of
+        reused tokens. On failure the sequence is cleared, so tokens and KV agree.
+        """
+        ctx, lib, mem = self.ctx, self._lib, self._mem
+        held = ctx._tokens
+        common = common_prefix(held, prompt) if reuse else 0
+        if common == len(prompt):
+            common -= 1  # the last prompt token must be decoded again to get its logits
+        if common < len(held) and not lib.llama_memory_seq_rm(mem, 0, common, -1):
+            # Recurrent and hybrid memories cannot drop a tail: start over.
+            self.clear()
+            common = 0
+        del held[common:]
+        batch = ctx._batch
+        pos = common
+        try:
+            while pos < len(prompt):
+                chunk = prompt[pos:pos + ctx.n_batch]
+                batch.clear()
+                batch.add_sequence(chunk, pos, 0, output_last=pos + len(chunk) == len(prompt))
+                self.decode(batch)
+                held.extend(chunk)
+                pos += len(chunk)
+        except BaseException:
+            # A failed or interrupted decode leaves the cache state uncertain.
+            self.clear()
+            raise
+        return common
+
+    def append_fn(self) -> Callable[[int], None]:
+        """A function ``token -> None`` that decodes one token at the end of sequence 0 (hot loops).
+
+        It raises DecodeError (clearing the sequence) when the decode fails or is aborted.
+        """
+        ctx = self.ctx
+        batch = ctx._batch
+        native_batch, tok_arr, pos_arr, out_arr = batch.native, batch.token, batch.pos, batch.logits
+        decode, ptr, held = self._lib.llama_decode, self._ptr, ctx._tokens
+
+        def append(tok: int) -> None:
+            tok_arr[0] = tok
+            pos_arr[0] = len(held)
+            out_arr[0] = 1
+            native_batch.n_tokens = 1
+            batch.n_tokens = 1
+            rc = decode(ptr, native_batch)
+            if rc != 0:
+                self.clear()
+                check_decode(rc, "llama_decode", 1)
+            held.append(tok)
+
+        return append
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def logits(self, i: int = -1) -> np.ndarray:
+        """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
+        ptr = self._lib.llama_get_logits_ith(self._ptr, i)
+        if not ptr:
+            raise IndexError(f"no logits for batch row {i} (was it marked as an output?)")
+        return np.ctypeslib.as_array(ptr, shape=(self.ctx.n_vocab,)).copy()
+
+    def logits_view_fn(self) -> Callable[[int], np.ndarray]:
+        """``idx -> float32 view`` of a logits row, rebuilt only when llama.cpp moves its buffer.
+
+        A view is valid until the next decode; copy what must outlive it.
+        """
+        n_vocab = self.ctx.n_vocab
+        # The same C function, returning the address as an int instead of a ctypes pointer.
+        logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+            ctypes.cast(self._lib.llama_get_logits_ith, ctypes.c_void_p).value)
+        ctx_addr = ctypes.cast(self._ptr, ctypes.c_void_p).value
+        cached: list = [None, None]  # address, view
+
+        def view(idx: int) -> np.ndarray:
+            addr = logits_addr(ctx_addr, idx)
+            if not addr:
+                raise IndexError(f"no logits for batch row {idx}")
+            if addr != cached[0]:
+                cached[0] = addr
+                cached[1] = np.ctypeslib.as_array((ctypes.c_float * n_vocab).from_address(addr))
+            return cached[1]
+
+        return view
+
+    def sample_fn(self, chain) -> Callable[[int], int]:
+        """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context."""
+        sample, ptr = self._lib.llama_sampler_sample, self._ptr
+        return lambda idx: sample(chain, ptr, idx)
+
+    def embeddings_ith(self, i: int, n: int) -> np.ndarray | None:
+        """A copy of the embedding of batch row ``i`` (``n`` floats), or None."""
+        ptr = self._lib.llama_get_embeddings_ith(self._ptr, i)
+        return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
+
+    def embeddings_seq(self, seq: int, n: int) -> np.ndarray | None:
+        """A copy of the pooled embedding of sequence ``seq`` (``n`` floats), or None."""
+        ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+        return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
+
+    def pooling_type(self) -> int:
+        """The context's pooling type (``LLAMA_POOLING_TYPE_*``)."""
+        return int(self._lib.llama_pooling_type(self._ptr))
+
+    # ---- memory (KV cache) -------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every sequence."""
+        self._lib.llama_memory_clear(self._mem, True)
+        del self.ctx._tokens[:]
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+        if ok and seq_id in (0, -1):
+            held = self.ctx._tokens
+            if p0 < 0 and p1 < 0:
+                del held[:]
+            elif p1 < 0:
+                del held[max(p0, 0):]
+            else:  # a hole: the token list no longer describes the sequence
+                del held[:]
+        return ok
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        if dst == 0:
+            del self.ctx._tokens[:]  # sequence 0 now holds something this lease did not decode
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_min(self._mem, seq_id))
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """The KV state of one sequence, as bytes."""
+        size = self._lib.llama_state_seq_get_size(self._ptr, seq_id)
+        buf = (ctypes.c_uint8 * size)()
+        n = self._lib.llama_state_seq_get_data(self._ptr, buf, size, seq_id)
+        return ctypes.string_at(buf, n)
+
+    def state_seq_set(self, seq_id: int, state: bytes) -> bool:
+        """Restore one sequence's KV state from ``state_seq_get``; False if llama.cpp refused it."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        ok = self._lib.llama_state_seq_set_data(self._ptr, buf, len(state), seq_id) > 0
+        if seq_id == 0:
+            del self.ctx._tokens[:]
+        return ok

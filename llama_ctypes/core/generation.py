@@ -7,19 +7,27 @@ The module functions ``generate``/``stream`` wrap these for a Model.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
-from ..errors import ContextOverflowError, DecodeError
+from ..errors import CancelledError, ContextOverflowError, DecodeError
+from .context import ABORTED, ContextLease, check_prompt, common_prefix
+from .context_pool import ContextPool
 from .handle import Closeable
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import StreamDecoder
+from .vocab import encode_text
 
 if TYPE_CHECKING:
     from .context import Context
     from .model import Model
+
+__all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "StopFilter", "stream",
+           "generate", "generate_with", "token_loop", "partial_suffix", "common_prefix", "check_prompt",
+           "prompt_tokens", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "eog"]
 
@@ -48,11 +56,14 @@ class GenerationParams:
     are nearly tied. Off by default: the same input gives the same output."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < -1 or self.max_tokens == 0:
+        if (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < -1
+                or self.max_tokens == 0):
             raise ValueError(f"max_tokens={self.max_tokens!r}: expected a positive integer or -1")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
+        for s in stop:
+            encode_text(s)  # a lone surrogate can never appear in generated (UTF-8) text
         object.__setattr__(self, "stop", stop)
 
 
@@ -125,15 +136,6 @@ class Completion(str):
         return f"Completion({str.__repr__(self)}, finish_reason={self.finish_reason!r}, tokens={len(self.tokens)})"
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class _Run:
     """State of one generation: what the token loop reports to the layers above."""
 
@@ -143,74 +145,24 @@ class _Run:
         self.tokens: list[int] = []
 
 
-def check_prompt(ctx: "Context", prompt: Sequence[int]) -> None:
-    """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
-    if ctx.encoder_only:
-        raise ValueError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
-    n_ctx = ctx.n_ctx_seq
-    if not prompt:
-        raise ValueError("the prompt is empty (no tokens)")
-    if len(prompt) >= n_ctx:
-        raise ContextOverflowError(
-            f"prompt of {len(prompt)} tokens does not fit the context window of {n_ctx} tokens "
-            "(at least one token must be generated); use a larger n_ctx or a shorter prompt",
-            n_tokens=len(prompt), n_ctx=n_ctx,
-        )
-    bad = [t for t in prompt if not 0 <= t < ctx.n_vocab]
-    if bad:
-        raise ValueError(f"prompt holds token ids outside the vocabulary [0, {ctx.n_vocab}): {bad[:5]}")
-
-
-def _prefill(ctx: "Context", prompt: list[int], run: _Run, cache_prompt: bool) -> None:
-    """Bring the KV cache of sequence 0 to ``prompt`` (reusing the common prefix when asked)."""
-    check_prompt(ctx, prompt)
-    lib, mem = ctx._lib, ctx._mem
-    common = common_prefix(ctx.tokens, prompt) if cache_prompt else 0
-    if common == len(prompt):
-        common -= 1  # the last prompt token must be decoded again to get its logits
-    if common < len(ctx.tokens) and not lib.llama_memory_seq_rm(mem, 0, common, -1):
-        # Recurrent and hybrid memories cannot drop a tail: start over.
-        ctx._clear()
-        common = 0
-    del ctx.tokens[common:]
-    run.timings.prompt_tokens = len(prompt)
-    run.timings.cached_tokens = common
-    batch = ctx._batch
-    pos = common
-    try:
-        while pos < len(prompt):
-            chunk = prompt[pos:pos + ctx.n_batch]
-            batch.clear()
-            batch.add_sequence(chunk, pos, 0, output_last=pos + len(chunk) == len(prompt))
-            ctx._decode(batch)
-            ctx.tokens.extend(chunk)
-            pos += len(chunk)
-    except BaseException:
-        # A failed or interrupted decode leaves the cache state uncertain.
-        ctx._clear()
-        raise
-
-
-def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
-               run: _Run) -> Iterator[int]:
-    """Yield generated token ids; the caller holds ``ctx`` exclusively.
+def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[int], params: GenerationParams,
+               run: _Run, cancelled: Callable[[], bool] = lambda: False) -> Iterator[int]:
+    """Yield generated token ids; the caller holds the context (``lease``) and the sampler.
 
     Each token is yielded before the next decode starts, so a consumer that
-    stops iterating costs no extra decode.
+    stops iterating costs no extra decode. ``cancelled()`` is checked between
+    tokens (an abort stops a decode in flight).
     """
     t0 = time.perf_counter()
-    _prefill(ctx, prompt, run, params.cache_prompt)
     timings = run.timings
+    timings.prompt_tokens = len(prompt)
+    timings.cached_tokens = lease.prefill(prompt, reuse=params.cache_prompt)
     timings.prompt_ms = (time.perf_counter() - t0) * 1e3
-    lib, ctx_ptr, vocab = ctx._lib, ctx._ptr, ctx.model._vocab
-    decode, native_is_eog = lib.llama_decode, lib.llama_vocab_is_eog
-    eog_cache = ctx.model._eog_cache  # token id -> bool, so the hot loop skips a ctypes call
-    eog_get = eog_cache.get
-    sample = sampler.sample_fn(ctx)
-    batch = ctx._batch
-    native_batch = batch.native
-    tokens, ctx_tokens = run.tokens, ctx.tokens
-    max_tokens, n_ctx, ignore_eos = params.max_tokens, ctx.n_ctx_seq, params.ignore_eos
+    vocab = lease.ctx.vocab
+    eog_get, is_eog = vocab.eog_cache().get, vocab.is_eog
+    append = lease.append_fn()
+    tokens, ctx_tokens = run.tokens, lease.tokens
+    max_tokens, n_ctx, ignore_eos = params.max_tokens, lease.ctx.n_ctx_seq, params.ignore_eos
     clock = time.perf_counter
     decode_s = sample_s = 0.0
     t_first = None
@@ -227,7 +179,7 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
             if not ignore_eos:
                 eog = eog_get(tok)
                 if eog is None:
-                    eog = eog_cache[tok] = bool(native_is_eog(vocab, tok))
+                    eog = is_eog(tok)
                 if eog:
                     run.finish_reason = "eog"
                     return
@@ -237,18 +189,11 @@ def token_loop(ctx: "Context", sampler: Sampler, prompt: list[int], params: Gene
             if len(tokens) == max_tokens or len(ctx_tokens) >= n_ctx:
                 run.finish_reason = "length"
                 return
-            batch.token[0] = tok
-            batch.pos[0] = len(ctx_tokens)
-            batch.logits[0] = 1
-            native_batch.n_tokens = 1
-            batch.n_tokens = 1
+            if cancelled():
+                return
             ts = clock()
-            rc = decode(ctx_ptr, native_batch)
+            append(tok)
             decode_s += clock() - ts
-            if rc != 0:
-                ctx._clear()
-                raise DecodeError(f"llama_decode failed with {rc} during generation", code=rc)
-            ctx_tokens.append(tok)
     finally:
         if t_first is not None:
             timings.generation_ms = (clock() - t_first) * 1e3
@@ -297,39 +242,168 @@ class StopFilter:
 
 
 class LazyStream(Closeable):
-    """Iteration and lifetime shared by text streams: subclasses set ``_gen`` and define ``close()``.
+    """Iteration, cancellation and lifetime shared by every stream (text, server, chat).
 
-    Leaving a ``with`` block or dropping the stream closes it, which stops the generation.
+    A subclass sets ``_gen``, a generator built by a function that does not refer
+    back to the stream: then dropping the stream (e.g. breaking out of a ``for``
+    over ``lc.stream(...)``) frees it at once by reference counting, which
+    closes the generator and stops the work, with no wait for the cycle
+    collector. ``cancel()`` may be called from any thread; ``close()`` from the
+    iterating thread or any other.
     """
 
-    _gen: Iterator[str]
+    _gen: Iterator[Any]
+    #: Serialises next() and close() when a subclass sets it: a close() from another thread then
+    #: cancels the work, waits for the step in flight to end, and closes the generator — the
+    #: iterating thread never sees "generator already executing".
+    _iter_lock: threading.Lock | None = None
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> str:
-        return next(self._gen)
+    def __next__(self):
+        lock = self._iter_lock
+        if lock is None:
+            return next(self._gen)
+        with lock:
+            return next(self._gen)
+
+    def cancel(self) -> None:  # pragma: no cover - defined by subclasses
+        """Stop the work from any thread; the iterating thread then gets CancelledError."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop generating and release what the stream holds (idempotent, any thread)."""
+        lock = self._iter_lock
+        if lock is not None:
+            if not lock.acquire(blocking=False):  # a step runs in another thread: stop it first
+                self.cancel()
+                lock.acquire()
+            try:
+                self._gen.close()
+            finally:
+                lock.release()
+        else:
+            try:
+                self._gen.close()
+            except ValueError:  # "generator already executing": it runs in another thread
+                self.cancel()
+        self._after_close()
+
+    def _after_close(self) -> None:
+        """Release what an unstarted generator's ``finally`` would have released."""
+
+
+class _TextGeneration:
+    """What a TextStream's generator works on. It holds no reference to the stream object."""
+
+    def __init__(self, ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
+                 on_close: Callable[[], None] | None):
+        self.ctx = ctx
+        self.sampler = sampler
+        self.prompt = prompt
+        self.params = params
+        self.run = _Run()
+        self.pieces: list[str] = []
+        # The stream keeps the context and the sampler alive from its creation to its end: a
+        # ``with Sampler.create(...) as s: st = ctx.stream(s, ids)`` read later must not free them.
+        ctx_hold = ctx.hold()
+        try:
+            sampler_hold = sampler.hold()
+        except BaseException:
+            ctx_hold.release()
+            raise
+        self._holds = (ctx_hold, sampler_hold)
+        self._on_close = on_close
+        self._lock = threading.Lock()
+        self.cancelled = False
+        self.running = False  # the context is leased: a cancel must also abort the decode in flight
+        self.finished = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self.finished:
+                return
+            self.cancelled = True
+            if self.running:
+                self.ctx.abort()
+
+    def release(self) -> None:
+        holds, self._holds = self._holds, ()
+        for hold in holds:
+            hold.release()
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+    def pieces_iter(self) -> Iterator[str]:
+        """The text pieces, with the context and sampler held from the first piece to the end."""
+        run, params, pieces = self.run, self.params, self.pieces
+        try:
+            lease = self.ctx.lease(held=True)
+            try:
+                binding = self.sampler.bind(lease, held=True)
+            except BaseException:
+                lease.release()
+                raise
+            with self._lock:
+                self.running = not self.cancelled
+            try:
+                if not self.running:
+                    raise CancelledError("the generation was cancelled")
+                decoder = StreamDecoder(self.ctx.vocab, special=params.special)
+                stops = StopFilter(params.stop)
+                try:
+                    for tok in token_loop(lease, binding.sample, self.prompt, params, run, lambda: self.cancelled):
+                        out = stops.feed(decoder.push(tok))
+                        if out:
+                            pieces.append(out)
+                            yield out
+                        if stops.stopped:
+                            run.finish_reason = "stop"
+                            break
+                except DecodeError as exc:
+                    if self.cancelled and exc.code == ABORTED:
+                        raise CancelledError("the generation was cancelled") from None
+                    raise
+                if self.cancelled and run.finish_reason is None:
+                    raise CancelledError("the generation was cancelled")
+                if not stops.stopped:
+                    out = stops.feed(decoder.flush())
+                    if stops.stopped:
+                        run.finish_reason = "stop"
+                    else:
+                        out += stops.flush()
+                    if out:
+                        pieces.append(out)
+                        yield out
+            finally:
+                with self._lock:
+                    self.running = False
+                    self.finished = True
+                binding.release()
+                lease.release()
+        finally:
+            self.release()
 
 
 class TextStream(LazyStream):
     """A lazy stream of generated text pieces (``for piece in stream: ...``).
 
-    Decoding starts at the first ``next()``; breaking out of the loop, calling
-    ``close()`` or dropping the stream stops decoding at once and releases the
-    context. After the stream ends, ``finish_reason``, ``timings``,
-    ``tokens`` and ``text`` describe the run.
+    Decoding starts at the first ``next()``, which claims the context and the
+    sampler (``BusyError`` if another generation holds either). Breaking out of
+    the loop, ``close()`` or dropping the stream stops decoding at once and
+    releases both. ``cancel()``, from any thread, also interrupts a decode in
+    flight (a long prompt); the iterating thread then gets ``CancelledError``.
+    After the end, ``finish_reason``, ``timings``, ``tokens`` and ``text``
+    describe the run.
     """
 
     def __init__(self, ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
                  on_close: Callable[[], None] | None = None):
-        self._ctx = ctx
-        self._sampler = sampler
-        self._prompt = prompt
-        self._params = params
-        self._on_close = on_close
-        self._run = _Run()
-        self._pieces: list[str] = []
-        self._gen = self._generate()
+        self._g = g = _TextGeneration(ctx, sampler, prompt, params, on_close)
+        self._gen = g.pieces_iter()
+        self._iter_lock = threading.Lock()
         try:
             check_prompt(ctx, prompt)  # fail at the call, not at the first next()
         except BaseException:
@@ -339,69 +413,43 @@ class TextStream(LazyStream):
     # results
     @property
     def finish_reason(self) -> FinishReason | None:
-        return self._run.finish_reason
+        return self._g.run.finish_reason
 
     @property
     def timings(self) -> Timings:
-        return self._run.timings
+        return self._g.run.timings
 
     @property
     def tokens(self) -> list[int]:
-        return self._run.tokens
+        return self._g.run.tokens
 
     @property
     def text(self) -> str:
         """The text emitted so far."""
-        return "".join(self._pieces)
+        return "".join(self._g.pieces)
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self._prompt)
+        return len(self._g.prompt)
 
-    def close(self) -> None:
-        """Stop generating and release the context (idempotent)."""
-        self._gen.close()
-        self._release()
+    @property
+    def cancelled(self) -> bool:
+        return self._g.cancelled
 
-    def _release(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
+    def cancel(self) -> None:
+        """Stop the generation from any thread, interrupting a decode in flight."""
+        self._g.cancel()
+
+    def _after_close(self) -> None:
+        self._g.release()
 
     def completion(self) -> Completion:
         """Run to the end (if not done) and return the :class:`Completion`."""
         for _ in self._gen:
             pass
-        return Completion(self.text, list(self.tokens), self.finish_reason or "length", len(self._prompt),
-                          self.timings)
-
-    def _generate(self) -> Iterator[str]:
-        ctx, run, params = self._ctx, self._run, self._params
-        pieces = self._pieces
-        ctx._begin_exclusive()
-        try:
-            decoder = StreamDecoder(ctx.model, special=params.special)
-            stops = StopFilter(params.stop)
-            for tok in token_loop(ctx, self._sampler, self._prompt, params, run):
-                out = stops.feed(decoder.push(tok))
-                if out:
-                    pieces.append(out)
-                    yield out
-                if stops.stopped:
-                    run.finish_reason = "stop"
-                    break
-            if not stops.stopped:
-                out = stops.feed(decoder.flush())
-                if stops.stopped:
-                    run.finish_reason = "stop"
-                else:
-                    out += stops.flush()
-                if out:
-                    pieces.append(out)
-                    yield out
-        finally:
-            ctx._end_exclusive()
-            self._release()
+        g = self._g
+        return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason or "length", len(g.prompt),
+                          g.run.timings)
 
 
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:
@@ -411,12 +459,28 @@ def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: G
 
 # ---- the one-call API over a Model -------------------------------------------------------
 
-def _prompt_tokens(model: "Model", prompt: str | Sequence[int], params: GenerationParams) -> list[int]:
+# A prompt text of more bytes than this many per context token is checked against a
+# lower bound of its token count before it is tokenized (tokenizing megabytes takes seconds).
+_BYTES_PER_TOKEN_CHECK = 4
+
+
+def prompt_tokens(model: "Model", prompt: str | Sequence[int], params: GenerationParams,
+                  n_ctx: int = 0) -> list[int]:
+    """The prompt as token ids (text is tokenized as ``params`` says; ids are checked).
+
+    With ``n_ctx``, a text too long to fit is refused before tokenizing it.
+    """
+    vocab = model.vocab
     if isinstance(prompt, str):
-        return Tokenizer.encode(model, prompt, add_special=params.add_special, parse_special=params.parse_special)
+        data_len = len(encode_text(prompt))
+        if n_ctx and data_len > _BYTES_PER_TOKEN_CHECK * n_ctx and vocab.min_tokens(data_len) >= n_ctx:
+            raise ContextOverflowError(
+                f"a prompt of {data_len} bytes is at least {vocab.min_tokens(data_len)} tokens and does not fit "
+                f"the context window of {n_ctx} tokens", n_tokens=vocab.min_tokens(data_len), n_ctx=n_ctx)
+        return vocab.tokenize(prompt, add_special=params.add_special, parse_special=params.parse_special)
     if isinstance(prompt, (bytes, bytearray)):
         raise TypeError("prompt must be str or a sequence of token ids, not bytes")
-    return [int(t) for t in prompt]
+    return vocab.check_tokens(prompt).tolist()
 
 
 def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStream:
@@ -432,17 +496,18 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
     cparams = ContextParams(**ctx_opts)
-    tokens = _prompt_tokens(model, prompt, gparams)
-    sampler = Sampler(model, sparams)
+    tokens = prompt_tokens(model, prompt, gparams, cparams.n_ctx or model.n_ctx_train)
+    pool = ContextPool.of(model)
+    sampler = Sampler(model, sparams, n_ctx=cparams.n_ctx or model.n_ctx_train)
     try:
-        ctx = model._checkout_context(cparams)
+        ctx = pool.checkout(model, cparams)
     except BaseException:
         sampler.close()
         raise
 
     def release() -> None:
         sampler.close()
-        model._return_context(ctx)
+        pool.checkin(ctx)
 
     return TextStream(ctx, sampler, tokens, gparams, on_close=release)
 

@@ -78,10 +78,19 @@ class NativeHandle(Closeable):
         self._freed = True
 
     # ---- use tracking ------------------------------------------------------------
-    def _acquire(self) -> None:
-        """Register a shared user (a dependent handle, or a call that may overlap others)."""
+    @property
+    def freed(self) -> bool:
+        """True once the native memory was actually freed (``close()`` may be waiting for users)."""
+        return self._freed
+
+    def _acquire(self, held: bool = False) -> None:
+        """Register a shared user (a dependent handle, or a call that may overlap others).
+
+        ``held``: the caller is (or works for) a holder of this handle, so a close requested
+        meanwhile does not refuse it; only a freed handle does.
+        """
         with self._lock:
-            if self._closed:
+            if self._freed or (self._closed and not held):
                 raise ClosedError(f"{self._kind} is closed")
             self._users += 1
 
@@ -93,17 +102,29 @@ class NativeHandle(Closeable):
             self._do_free()
 
     @contextmanager
-    def _shared(self) -> Iterator[None]:
-        self._acquire()
+    def _shared(self, held: bool = False) -> Iterator[None]:
+        self._acquire(held)
         try:
             yield
         finally:
             self._release()
 
-    def _begin_exclusive(self) -> None:
-        """Claim sole use (a decode, a generation); another concurrent claim raises BusyError."""
+    def hold(self) -> "Hold":
+        """Keep the native object alive until the returned :class:`Hold` is released.
+
+        ``close()`` while held is deferred until the last hold goes; a holder may
+        still claim the handle (``held=True``). Raises ClosedError when already closed.
+        """
+        return Hold(self)
+
+    def _begin_exclusive(self, held: bool = False) -> None:
+        """Claim sole use (a decode, a generation); another concurrent claim raises BusyError.
+
+        ``held``: the caller holds the handle (see :meth:`hold`), so a close requested meanwhile
+        does not stop it.
+        """
         with self._lock:
-            if self._closed:
+            if self._closed and not (held and not self._freed):
                 raise ClosedError(f"{self._kind} is closed")
             if self._exclusive:
                 raise BusyError(
@@ -136,3 +157,25 @@ class NativeHandle(Closeable):
 
     def _free(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class Hold:
+    """A registered user of a :class:`NativeHandle`; ``release()`` (idempotent) lets it go."""
+
+    __slots__ = ("handle", "_held")
+
+    def __init__(self, handle: NativeHandle) -> None:
+        handle._acquire()
+        self.handle = handle
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.handle._release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass

@@ -5,17 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from ctypes import create_string_buffer
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from ..errors import ModelLoadError
+from ..errors import ClosedError, ModelLoadError
 from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .handle import NativeHandle
 from .params import ModelParams, split_options
+from .vocab import Vocab
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,14 @@ class Model(NativeHandle):
             self._mark_dead()
             raise
         self._vocab = self._lib.llama_model_get_vocab(self._ptr)
-        # Idle contexts kept for the high-level generate/stream calls, by ContextParams.
-        self._pool_lock = threading.Lock()
-        self._context_pool: dict[Any, list] = {}
-        self._contexts: weakref.WeakSet = weakref.WeakSet()
-        # token id -> bytes, filled lazily by StreamDecoder (plain and special renderings)
-        self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
-        self._eog_cache: dict[int, bool] = {}  # token id -> is end-of-generation, filled lazily
+        self.vocab = Vocab(self, self._vocab)
+        """The vocabulary: tokenize, token bytes, end-of-generation flags (see :class:`Vocab`)."""
+        self._eog_cache = self.vocab._eog  # TODO(recut): engines use model.vocab.is_eog
+        # Resources other layers attach to the model (the one-call API's context pool),
+        # closed with it; the model itself knows nothing of them.
+        self._attach_lock = threading.Lock()
+        self._attached: dict[str, Any] = {}
+        self._detaching = False  # set by close(): nothing new may attach
 
     # ---- loading ---------------------------------------------------------------------
     def _load(self):
@@ -106,11 +107,7 @@ class Model(NativeHandle):
         return ptr
 
     def _free(self) -> None:
-        with self._pool_lock:
-            pooled = [c for ctxs in self._context_pool.values() for c in ctxs]
-            self._context_pool.clear()
-        for ctx in pooled:
-            ctx.close()
+        self._close_attached()
         if self._ptr:
             self._lib.llama_model_free(self._ptr)
             self._ptr = None
@@ -120,12 +117,30 @@ class Model(NativeHandle):
 
         Idle contexts kept for ``generate``/``stream`` are closed right away.
         """
-        with self._pool_lock:
-            pooled = [c for ctxs in self._context_pool.values() for c in ctxs]
-            self._context_pool.clear()
-        for ctx in pooled:
-            ctx.close()
+        with self._attach_lock:
+            self._detaching = True
+        self._close_attached()
         super().close()
+
+    def attachment(self, key: str, factory: Callable[[], Any]) -> Any:
+        """The resource attached under ``key``, created by ``factory()`` on first use.
+
+        Attached resources are closed (``close()``) when the model is closed; after
+        that, asking for one raises :class:`ClosedError`.
+        """
+        with self._attach_lock:
+            if self._closed or self._detaching:
+                raise ClosedError("Model is closed")
+            res = self._attached.get(key)
+            if res is None:
+                res = self._attached[key] = factory()
+            return res
+
+    def _close_attached(self) -> None:
+        with self._attach_lock:
+            attached, self._attached = list(self._attached.values()), {}
+        for res in attached:
+            res.close()
 
     # ---- introspection ------------------------------------------------------------------
     def _int(self, fn) -> int:
@@ -182,8 +197,17 @@ class Model(NativeHandle):
     @property
     def n_vocab(self) -> int:
         """Vocabulary size."""
-        with self._shared():
-            return int(self._lib.llama_vocab_n_tokens(self._vocab))
+        return self.vocab.n_tokens
+
+    @property
+    def n_cls_out(self) -> int:
+        """Outputs of a classifier (ranking) head; 0 when there is none."""
+        return self._int(self._lib.llama_model_n_cls_out)
+
+    @property
+    def n_embd_out(self) -> int:
+        """Width of the model's output embeddings (differs from n_embd for some embedding models)."""
+        return self._int(self._lib.llama_model_n_embd_out)
 
     @property
     def architecture(self) -> str:
@@ -310,37 +334,6 @@ class Model(NativeHandle):
         from .generation import stream
 
         return stream(self, prompt, **opts)
-
-    def _piece_cache(self, special: bool) -> dict[int, bytes]:
-        # Filled from any thread: a dict item assignment is atomic, and a race only
-        # computes the same bytes twice.
-        return self._pieces[bool(special)]
-
-    # ---- pooled contexts for the one-call API ------------------------------------------------
-    def _checkout_context(self, cparams):
-        """An idle pooled Context with these params, or a new one.
-
-        A pooled context keeps its KV cache, for calls made with ``cache_prompt=True``.
-        """
-        from .context import Context
-
-        with self._pool_lock:
-            idle = self._context_pool.get(cparams)
-            ctx = idle.pop() if idle else None
-        if ctx is not None and not ctx.closed:
-            return ctx
-        return Context(self, cparams)
-
-    def _return_context(self, ctx) -> None:
-        if ctx.closed or self._closed:
-            ctx.close()
-            return
-        with self._pool_lock:
-            idle = self._context_pool.setdefault(ctx.params, [])
-            if not idle:  # keep one idle context per parameter set
-                idle.append(ctx)
-                return
-        ctx.close()
 
 
 def load_model(path: str | os.PathLike, **opts: Any) -> Model:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import ctypes
 import math
 import random
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import GrammarError
+from ..errors import ClosedError, GrammarError
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
+from .grammar_check import check_gbnf
 from .handle import NativeHandle
 from .params import split_options
 
@@ -86,8 +88,11 @@ class SamplingParams:
     grammar_lazy_triggers: Sequence[str] = field(default=())
     """Regex patterns; when given, the grammar applies only after one matches (lazy grammar)."""
 
-    def __hash__(self) -> int:  # json_schema may be a dict
-        return id(self)
+    def __hash__(self) -> int:
+        # Consistent with the field-wise ==: json_schema and logit_bias may be dicts, so hash a
+        # canonical rendering of every field.
+        return hash(json.dumps([(f.name, getattr(self, f.name)) for f in fields(self)], sort_keys=True,
+                               default=repr))
 
     def __post_init__(self) -> None:
         def check(cond: bool, name: str, expect: str) -> None:
@@ -129,8 +134,10 @@ class SamplingParams:
                     raise ValueError(f"logit_bias[{tok}]={value!r}: expected a number")
                 bias[tok] = float(value)
             object.__setattr__(self, "logit_bias", bias)
-        if self.grammar is not None and not isinstance(self.grammar, str):
-            raise TypeError("grammar must be a GBNF string")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str):
+                raise TypeError("grammar must be a GBNF string")
+            check_gbnf(self.grammar)
         if self.json_schema is not None:
             if self.grammar is not None:
                 raise ValueError("pass either grammar or json_schema, not both")
@@ -157,48 +164,73 @@ class SamplingParams:
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 
-def _logits_view_fn(ctx) -> Callable[[int], np.ndarray]:
-    """``idx -> float32 view`` of a logits row, rebuilt only when llama.cpp moves its buffer."""
-    n_vocab = ctx.n_vocab
-    # The same C function, returning the address as an int instead of a ctypes pointer.
-    logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-        ctypes.cast(ctx._lib.llama_get_logits_ith, ctypes.c_void_p).value)
-    ctx_addr = ctypes.cast(ctx._ptr, ctypes.c_void_p).value
-    cached: list = [None, None]  # address, view
-
-    def view(idx: int) -> np.ndarray:
-        addr = logits_addr(ctx_addr, idx)
-        if not addr:
-            raise IndexError(f"no logits for batch row {idx}")
-        if addr != cached[0]:
-            cached[0] = addr
-            cached[1] = np.ctypeslib.as_array((ctypes.c_float * n_vocab).from_address(addr))
-        return cached[1]
-
-    return view
-
-
-def _argmax_fn(ctx) -> Callable[[int], int]:
+def _argmax_fn(logits_of: Callable[[int], np.ndarray]) -> Callable[[int], int]:
     """Greedy choice as a numpy argmax over the logits, in place of llama_sampler_sample.
 
     llama.cpp's greedy sampler first copies every logit into a candidate array
     (about 0.4 ms for a 262k vocabulary); argmax over a view of the logits
     picks the same token (the first maximum) in a tenth of the time.
     """
-    view = _logits_view_fn(ctx)
-    return lambda idx: int(view(idx).argmax())
+    return lambda idx: int(logits_of(idx).argmax())
+
+
+def _as_lease(ctx):
+    """A ContextLease for a lease, or a non-claiming view over a Context the caller already holds."""
+    from .context import ContextLease
+
+    if isinstance(ctx, ContextLease):
+        return ctx
+    view = ContextLease.__new__(ContextLease)  # the caller holds ctx exclusively (the server engine)
+    view.ctx, view._lib, view._ptr, view._mem, view._held = ctx, ctx._lib, ctx._ptr, ctx._mem, False
+    return view
+
+
+class SamplerBinding:
+    """A Sampler claimed for one generation on one leased context: ``sample(idx) -> token``.
+
+    Holds the sampler exclusively (a second generation using it raises BusyError) and keeps
+    it from being freed until :meth:`release`.
+    """
+
+    def __init__(self, sampler: "Sampler", lease, held: bool = False) -> None:
+        sampler._begin_exclusive(held)
+        self._sampler = sampler
+        try:
+            self.sample: Callable[[int], int] = sampler._sample_fn(lease)
+        except BaseException:
+            sampler._end_exclusive()
+            raise
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._sampler._end_exclusive()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
 
 
 class Sampler(NativeHandle):
     """A llama.cpp sampler chain built from :class:`SamplingParams`.
 
-    Holds its own state (RNG, penalty history, grammar position), so it is not
-    thread-safe: use one per generation. ``reset()`` clears that state.
+    Holds its own state (RNG, penalty history, grammar position), so it serves
+    one generation at a time: a generation claims it from its first token to
+    its end, and a second concurrent use raises :class:`BusyError`. Closing it
+    while a generation runs is safe (it is freed when that generation ends).
+    ``reset()`` clears that state.
+
+    ``n_ctx`` is the window that ``-1`` penalty windows (``penalty_last_n``,
+    ``dry_penalty_last_n``) stand for: "the whole context". Default: the
+    model's training context, which covers any context made from it.
     """
 
     _kind = "Sampler"
 
-    def __init__(self, model: "Model", params: SamplingParams | None = None):
+    def __init__(self, model: "Model", params: SamplingParams | None = None, n_ctx: int | None = None):
         super().__init__()
         self._ptr = None
         self._grammar = None  # the grammar sampler, outside the chain (see _constrained_fn)
@@ -207,8 +239,9 @@ class Sampler(NativeHandle):
         self._lib = model._lib
         model._acquire()  # the chain may point into the model's vocabulary
         try:
+            self.n_ctx = max(int(n_ctx or 0), model.n_ctx_train, 1)
             if self.params.grammar is not None:
-                self._grammar = self._grammar_sampler(model._vocab)
+                self._grammar = self._grammar_sampler(model.vocab.native())
             self._ptr = self._build()
         except BaseException:
             if self._grammar:
@@ -224,8 +257,11 @@ class Sampler(NativeHandle):
         return cls(model, SamplingParams(**sampling))
 
     def _build(self):
-        lib, p, vocab = self._lib, self.params, self.model._vocab
+        lib, p, vocab = self._lib, self.params, self.model.vocab.native()
         n_vocab = lib.llama_vocab_n_tokens(vocab)
+        # llama.cpp clamps negative windows to 0, which turns the sampler off: -1 means the whole context.
+        penalty_last_n = self.n_ctx if p.penalty_last_n == -1 else p.penalty_last_n
+        dry_last_n = self.n_ctx if p.dry_penalty_last_n == -1 else p.dry_penalty_last_n
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -244,13 +280,13 @@ class Sampler(NativeHandle):
                 arr = (L.llama_logit_bias * len(p.logit_bias))(*[L.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
                 add(lib.llama_sampler_init_logit_bias(n_vocab, len(arr), arr), "logit_bias")
             if p.penalty_last_n != 0 and (p.penalty_repeat != 1.0 or p.penalty_freq != 0 or p.penalty_present != 0):
-                add(lib.llama_sampler_init_penalties(n_vocab, p.penalty_last_n, p.penalty_repeat, p.penalty_freq,
+                add(lib.llama_sampler_init_penalties(n_vocab, penalty_last_n, p.penalty_repeat, p.penalty_freq,
                                                      p.penalty_present), "penalties")
             if p.dry_multiplier > 0:
                 breakers = [s.encode() for s in p.dry_sequence_breakers]
                 arr = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
                 add(lib.llama_sampler_init_dry(vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
-                                               p.dry_penalty_last_n, arr, len(breakers)), "dry")
+                                               dry_last_n, arr, len(breakers)), "dry")
             if p.greedy:
                 add(lib.llama_sampler_init_greedy(), "greedy")
             elif p.mirostat == 1:
@@ -306,25 +342,48 @@ class Sampler(NativeHandle):
 
     # ---- use ---------------------------------------------------------------------
     def sample(self, ctx, idx: int = -1) -> int:
-        """Pick a token from the logits of row ``idx`` of ``ctx``'s last decode, and accept it."""
-        with self._exclusively():
-            return self.sample_fn(ctx)(idx)
+        """Pick a token from the logits of row ``idx`` of ``ctx``'s last decode, and accept it.
+
+        ``ctx`` is a Context (claimed for the call) or a ContextLease the caller holds.
+        """
+        from .context import ContextLease
+
+        if isinstance(ctx, ContextLease):
+            binding = self.bind(ctx)
+            try:
+                return binding.sample(idx)
+            finally:
+                binding.release()
+        with ctx.lease() as lease:
+            return self.sample(lease, idx)
+
+    def bind(self, lease, held: bool = False) -> SamplerBinding:
+        """Claim this sampler for a generation on a leased context (see :class:`SamplerBinding`).
+
+        ``held``: the caller keeps the sampler alive with :meth:`hold`, so a close requested
+        meanwhile does not stop the claim.
+        """
+        return SamplerBinding(self, lease, held)
 
     def sample_fn(self, ctx) -> Callable[[int], int]:
-        """A function ``idx -> token`` bound to ``ctx``, for hot loops (the caller holds both exclusively).
+        """A function ``idx -> token`` for hot loops; the caller holds ``ctx`` and this sampler exclusively.
 
-        Picks the cheapest exact strategy: a numpy argmax for plain greedy, the
-        llama.cpp chain otherwise, and grammar rejection sampling when a
-        grammar is set.
+        Prefer :meth:`bind`, which claims the sampler for you.
         """
-        if self._grammar:
-            return self._constrained_fn(ctx)
-        if self.params.plain_greedy:
-            return _argmax_fn(ctx)
-        sample, smpl, ctx_ptr = self._lib.llama_sampler_sample, self._ptr, ctx._ptr
-        return lambda idx: sample(smpl, ctx_ptr, idx)
+        return self._sample_fn(_as_lease(ctx))
 
-    def _constrained_fn(self, ctx) -> Callable[[int], int]:
+    def _sample_fn(self, lease) -> Callable[[int], int]:
+        # The cheapest exact strategy: a numpy argmax for plain greedy, the llama.cpp chain
+        # otherwise, and grammar rejection sampling when a grammar is set.
+        if self._ptr is None:
+            raise ClosedError("Sampler is closed")
+        if self._grammar:
+            return self._constrained_fn(lease)
+        if self.params.plain_greedy:
+            return _argmax_fn(lease.logits_view_fn())
+        return lease.sample_fn(self._ptr)
+
+    def _constrained_fn(self, lease) -> Callable[[int], int]:
         """Grammar sampling as llama.cpp's common sampler does it: sample first, check the grammar after.
 
         Checking one token against the grammar is cheap; masking a whole
@@ -333,14 +392,14 @@ class Sampler(NativeHandle):
         the full candidate list masked and sampled again. For greedy decoding
         the result is exactly the grammar-first result.
         """
-        lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, ctx.n_vocab
+        lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
         apply, accept = lib.llama_sampler_apply, lib.llama_sampler_accept
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         cand["id"] = np.arange(n_vocab, dtype=np.int32)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
         one = np.zeros(1, dtype=_TOKEN_DATA)
         one_arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
-        logits_of = _logits_view_fn(ctx)
+        logits_of = lease.logits_view_fn()
         arr_ref, one_ref = ctypes.byref(arr), ctypes.byref(one_arr)
 
         def reset_candidates(idx: int) -> None:

@@ -14,8 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, TypedDict
 
-from ..core.handle import Closeable
-from ..core.generation import FinishReason, GenerationParams, TextStream, Timings, stream
+from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings, stream
 from ..core.model import Model
 from ..core.params import ContextParams, split_options
 from ..core.sampler import SamplingParams
@@ -204,44 +203,52 @@ class ChatReply(str):
                 "prompt_tokens_details": {"cached_tokens": self.timings.cached_tokens if self.timings else 0}}
 
 
-class ChatStream(Closeable):
+def _chat_deltas(text_stream: Any, splitter: ReasoningSplitter | None, content: list[str],
+                 reasoning: list[str]) -> Iterator[tuple[str, str]]:
+    # A function, not a method: the generator must not refer back to its ChatStream, so that
+    # dropping the stream closes the generator (and stops generation) at once.
+    for piece in text_stream:
+        parts = splitter.feed(piece) if splitter is not None else [("content", piece)]
+        for kind, text in parts:
+            (reasoning if kind == "reasoning" else content).append(text)
+            yield kind, text
+    if splitter is not None:
+        for kind, text in splitter.flush():
+            (reasoning if kind == "reasoning" else content).append(text)
+            yield kind, text
+
+
+class ChatStream(LazyStream):
     """A lazy chat response. Iterating yields the answer's text pieces.
 
     ``deltas()`` yields ``(kind, text)`` with kind ``"reasoning"`` or
-    ``"content"``, for callers that show thinking. ``close()`` (or breaking out
-    and dropping the stream) stops generation. After the end, ``content``,
-    ``reasoning``, ``finish_reason`` and ``reply()`` describe the result.
+    ``"content"``, for callers that show thinking. ``close()``, ``cancel()``
+    (from any thread), or breaking out and dropping the stream stops
+    generation. After the end, ``content``, ``reasoning``, ``finish_reason``
+    and ``reply()`` describe the result.
     """
 
-    def __init__(self, text_stream: TextStream, splitter: ReasoningSplitter | None):
+    def __init__(self, text_stream: Any, splitter: ReasoningSplitter | None):
         self._stream = text_stream
         self._splitter = splitter
         self._content: list[str] = []
         self._reasoning: list[str] = []
-        self._deltas = self._generate()
-
-    def _generate(self) -> Iterator[tuple[str, str]]:
-        splitter = self._splitter
-        for piece in self._stream:
-            parts = splitter.feed(piece) if splitter is not None else [("content", piece)]
-            for kind, text in parts:
-                (self._reasoning if kind == "reasoning" else self._content).append(text)
-                yield kind, text
-        if splitter is not None:
-            for kind, text in splitter.flush():
-                (self._reasoning if kind == "reasoning" else self._content).append(text)
-                yield kind, text
+        self._deltas = _chat_deltas(text_stream, splitter, self._content, self._reasoning)
+        self._gen = (text for kind, text in self._deltas if kind == "content")
 
     def deltas(self) -> Iterator[tuple[str, str]]:
         return self._deltas
 
-    def __iter__(self) -> Iterator[str]:
-        for kind, text in self._deltas:
-            if kind == "content":
-                yield text
+    def cancel(self) -> None:
+        """Stop generation from any thread; the iterating thread then gets CancelledError."""
+        self._stream.cancel()
 
     def close(self) -> None:
-        self._deltas.close()
+        for gen in (self._gen, self._deltas):
+            try:
+                gen.close()
+            except ValueError:  # running in another thread
+                self._stream.cancel()
         self._stream.close()
 
     @property

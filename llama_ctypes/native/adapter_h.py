@@ -1,8 +1,9 @@
 """ctypes mirror of the llama_ctypes adapter (``build_scripts/adapter/llama_ctypes_adapter.cpp``).
 
 The adapter is a thin ``extern "C"`` layer over C++-only llama.cpp pieces:
-struct layouts, JSON-schema-to-GBNF conversion (common/) and the MTP
-hidden-state calls of ``src/llama-ext.h``.
+struct layouts, JSON-schema-to-GBNF conversion (common/), the MTP
+hidden-state calls of ``src/llama-ext.h``, and a C abort callback that reads a
+flag (so cancelling a decode costs no Python call per graph node).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ PROTOTYPES = [
     ("lcx_model_n_expert", [llama_model_p], c_int32),
     # int32_t lcx_model_n_devices(const llama_model * model);
     ("lcx_model_n_devices", [llama_model_p], c_int32),
+    # bool lcx_abort_requested(void * flag);   (used by address, as a ggml_abort_callback)
+    ("lcx_abort_requested", [c_void_p], c_bool),
     # ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32_t i);
     ("lcx_model_get_device", [llama_model_p, c_int32], c_void_p),
 ]

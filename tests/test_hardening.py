@@ -1,0 +1,300 @@
+"""Regression tests for the core defects of the hardening review (issue 17).
+
+Each test names the defect it covers. They misuse the API as a hostile user
+would; every failure must be a clear exception, never a crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.core.context_pool import ContextPool
+
+PROMPT = "The quick brown fox"
+
+
+def ids(model, text=PROMPT):
+    return lc.Tokenizer.encode(model, text)
+
+
+# ---- 1 / 12: a running stream holds its Sampler; one Sampler serves one generation ----------------------
+
+def test_stream_keeps_a_closed_sampler_alive(tiny_model):
+    with lc.Context.create(tiny_model, n_ctx=256) as ctx:
+        with lc.Sampler.create(tiny_model, temp=0.8, seed=1) as smp:
+            st = ctx.stream(smp, ids(tiny_model), max_tokens=20, ignore_eos=True)
+        assert smp.closed
+        out = st.completion()  # the stream still holds the sampler: no freed pointer reaches C
+        assert len(out.tokens) == 20
+        with pytest.raises(lc.ClosedError):
+            smp.sample(ctx)
+        with pytest.raises(lc.ClosedError):
+            ctx.stream(smp, ids(tiny_model), max_tokens=2)
+
+
+def test_stream_keeps_a_closed_context_alive(tiny_model):
+    smp = lc.Sampler.create(tiny_model, temp=0)
+    ctx = lc.Context.create(tiny_model, n_ctx=256)
+    st = ctx.stream(smp, ids(tiny_model), max_tokens=8, ignore_eos=True)
+    ctx.close()
+    assert len(st.completion().tokens) == 8
+    with pytest.raises(lc.ClosedError):
+        ctx.seq_pos_max(0)
+    smp.close()
+
+
+def test_one_sampler_shared_by_two_threads_raises_busy(tiny_model):
+    smp = lc.Sampler.create(tiny_model, temp=0.8, seed=3)
+    ctxs = [lc.Context.create(tiny_model, n_ctx=512) for _ in range(2)]
+    errors: list[BaseException] = []
+    done: list[int] = []
+    start = threading.Barrier(2)
+
+    def work(ctx):
+        start.wait()
+        for _ in range(20):
+            try:
+                done.append(len(ctx.generate(smp, ids(tiny_model), max_tokens=30, ignore_eos=True).tokens))
+            except lc.BusyError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in ctxs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done and all(n == 30 for n in done)
+    assert errors, "two threads generating with one Sampler must meet BusyError"
+    # and a stream holding the sampler refuses a second user at once
+    st = ctxs[0].stream(smp, ids(tiny_model), max_tokens=5)
+    next(st)
+    with pytest.raises(lc.BusyError):
+        ctxs[1].generate(smp, ids(tiny_model), max_tokens=2)
+    st.close()
+    for c in ctxs:
+        c.close()
+    smp.close()
+
+
+# ---- 2: -1 penalty windows mean the whole context ---------------------------------------------------
+
+def test_minus_one_penalty_windows_build_active_samplers(tiny_model):
+    with lc.Sampler.create(tiny_model, dry_multiplier=0.8) as smp:
+        assert "dry" in smp.names and "?dry" not in smp.names
+    with lc.Sampler.create(tiny_model, penalty_repeat=1.3, penalty_last_n=-1) as smp:
+        assert "penalties" in smp.names and "?penalties" not in smp.names
+
+
+def test_whole_context_presence_penalty_forbids_every_repeat(tiny_model):
+    # Greedy on random weights loops quickly; a huge presence penalty over the whole context
+    # (-1) makes every generated token new. With the window turned off, tokens repeat.
+    opts = dict(temp=0, max_tokens=60, ignore_eos=True)
+    plain = lc.generate(tiny_model, PROMPT, **opts)
+    assert len(set(plain.tokens)) < len(plain.tokens), "the test needs a model that repeats itself"
+    penalised = lc.generate(tiny_model, PROMPT, penalty_present=1e4, penalty_last_n=-1, **opts)
+    assert len(set(penalised.tokens)) == len(penalised.tokens) == 60
+
+
+# ---- 9: Model.close racing a finishing stream --------------------------------------------------------
+
+def test_model_close_racing_stream_end_frees_everything(tiny_model_path):
+    for i in range(12):
+        model = lc.load_model(tiny_model_path)
+        st = lc.stream(model, PROMPT, max_tokens=4, temp=0)
+        next(st)
+        finisher = threading.Thread(target=st.completion)
+        finisher.start()
+        if i % 2:
+            time.sleep(0.001)
+        model.close()
+        finisher.join()
+        assert model.freed, "an idle context put back after close keeps the weights alive"
+        with pytest.raises(lc.ClosedError):
+            ContextPool.of(model)
+
+
+# ---- 10: cancel from another thread, during a long prefill -----------------------------------------------
+
+@pytest.mark.gemma
+def test_cancel_from_another_thread_aborts_a_long_prefill(gemma):
+    prompt = ids(gemma, "word " * 6000)[:6000]
+    with lc.Context.create(gemma, n_ctx=8192, n_batch=8192, n_ubatch=512) as ctx, \
+            lc.Sampler.create(gemma, temp=0) as smp:
+        st = ctx.stream(smp, prompt, max_tokens=4)
+        result: dict = {}
+
+        def consume():
+            t0 = time.perf_counter()
+            try:
+                st.completion()
+            except BaseException as exc:
+                result["error"] = exc
+            result["s"] = time.perf_counter() - t0
+            result["end"] = time.perf_counter()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        time.sleep(0.5)
+        cancelled_at = time.perf_counter()
+        st.cancel()
+        t.join(60)
+        assert isinstance(result.get("error"), lc.CancelledError), result
+        assert result["end"] - cancelled_at < 1.5, "the decode in flight was not aborted"
+        assert st.cancelled
+        # the context is usable again, and consistent: a fresh generation works
+        assert len(ctx.generate(smp, ids(gemma, "Hello"), max_tokens=3, ignore_eos=True).tokens) == 3
+
+
+def _consume_in_thread(st):
+    out: dict = {"pieces": [], "error": None}
+
+    def consume():
+        try:
+            for piece in st:
+                out["pieces"].append(piece)
+                time.sleep(0.001)
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=consume)
+    t.start()
+    return t, out
+
+
+def test_cancel_and_close_from_another_thread(tiny_model):
+    pool = ContextPool.of(tiny_model)
+    opts = dict(max_tokens=-1, ignore_eos=True, temp=0, n_ctx=2048)
+    st = lc.stream(tiny_model, PROMPT, **opts)
+    t, out = _consume_in_thread(st)
+    time.sleep(0.1)
+    st.cancel()
+    t.join(10)
+    assert not t.is_alive() and isinstance(out["error"], lc.CancelledError) and out["pieces"]
+    assert st.cancelled and st.finish_reason is None
+    for _ in range(5):  # close() from another thread: the consumer ends, never "generator already executing"
+        st = lc.stream(tiny_model, PROMPT, **opts)
+        t, out = _consume_in_thread(st)
+        time.sleep(0.05)
+        st.close()
+        t.join(10)
+        assert not t.is_alive()
+        assert out["error"] is None or isinstance(out["error"], lc.CancelledError), out["error"]
+        assert pool.n_idle >= 1  # the context went back
+    # cancelling an unstarted stream: its first next() raises, and it releases everything
+    st2 = lc.stream(tiny_model, PROMPT, max_tokens=5)
+    st2.cancel()
+    with pytest.raises(lc.CancelledError):
+        next(st2)
+    # cancel after a normal end changes nothing
+    done = lc.stream(tiny_model, PROMPT, max_tokens=3, ignore_eos=True)
+    assert len(done.completion().tokens) == 3
+    done.cancel()
+    assert not done.cancelled and done.finish_reason == "length"
+
+
+# ---- 11: dropping a chat stream without the cycle collector ------------------------------------------------
+
+def test_dropped_chat_stream_releases_its_context_without_gc(tiny_model):
+    pool = ContextPool.of(tiny_model)
+    messages = [{"role": "user", "content": "Hello"}]
+    gc.disable()
+    try:
+        for _ in range(3):
+            for piece in lc.stream_chat(tiny_model, messages, max_tokens=200, ignore_eos=True, temp=0,
+                                        chat_template="chatml"):
+                break
+            assert pool.n_idle >= 1
+            st = lc.stream_chat(tiny_model, messages, max_tokens=200, ignore_eos=True, temp=0,
+                                chat_template="chatml")
+            next(iter(st))
+            n = pool.n_idle
+            del st
+            assert pool.n_idle == n + 1
+    finally:
+        gc.enable()
+
+
+# ---- 12: plain calls that used to crash the process ----------------------------------------------------
+
+def test_out_of_range_token_ids_raise(tiny_model):
+    n = tiny_model.n_vocab
+    for bad in (n, -1, 2**31):
+        with pytest.raises(lc.TokenizationError):
+            lc.Tokenizer.token_to_piece(tiny_model, bad)
+        with pytest.raises(lc.TokenizationError):
+            lc.Tokenizer.decode(tiny_model, [bad])
+        with pytest.raises(lc.TokenizationError):
+            lc.Tokenizer.is_eog(tiny_model, bad)
+        with pytest.raises(lc.LlamaError):
+            lc.generate(tiny_model, [1, bad], max_tokens=1)
+    assert lc.Tokenizer.token_to_piece(tiny_model, n - 1) is not None
+
+
+def test_deeply_nested_grammar_is_refused_before_c(tiny_model):
+    deep = "root ::= " + "(" * 20000 + '"a"' + ")" * 20000
+    with pytest.raises(lc.GrammarError, match="deep"):
+        lc.generate(tiny_model, PROMPT, grammar=deep, max_tokens=2)
+    ok = "root ::= " + "(" * 50 + '"a"' + ")" * 50
+    assert lc.generate(tiny_model, PROMPT, grammar=ok, max_tokens=4, temp=0) == "a"
+    with pytest.raises(lc.GrammarError, match="empty"):
+        lc.generate(tiny_model, PROMPT, grammar="", max_tokens=2)
+    with pytest.raises(lc.GrammarError, match="empty"):
+        lc.generate(tiny_model, PROMPT, grammar="  # only a comment\n", max_tokens=2)
+    # a string holding parentheses is not nesting
+    assert lc.generate(tiny_model, PROMPT, grammar='root ::= "(((" [)(]', max_tokens=6, temp=0).startswith("(((")
+
+
+# ---- smaller ones ------------------------------------------------------------------------------------------
+
+def test_lone_surrogates_and_odd_options(tiny_model):
+    with pytest.raises(lc.TokenizationError, match="surrogate"):
+        lc.generate(tiny_model, "bad \ud800 text", max_tokens=2)
+    with pytest.raises(lc.TokenizationError):
+        lc.Tokenizer.encode(tiny_model, "\udfff")
+    with pytest.raises(ValueError):
+        lc.generate(tiny_model, PROMPT, stop=["x\ud800"], max_tokens=2)
+    with pytest.raises(ValueError):
+        lc.generate(tiny_model, PROMPT, max_tokens=True)
+
+
+def test_huge_prompt_is_refused_before_tokenizing(tiny_model):
+    text = "lorem ipsum dolor sit amet " * 400_000  # 10.8 MB
+    t0 = time.perf_counter()
+    with pytest.raises(lc.ContextOverflowError):
+        lc.generate(tiny_model, text, max_tokens=2, n_ctx=512)
+    assert time.perf_counter() - t0 < 5
+    # a prompt under the byte bound still tokenizes and is checked exactly
+    with pytest.raises(lc.ContextOverflowError):
+        lc.generate(tiny_model, "word " * 600, max_tokens=2, n_ctx=512)
+
+
+def test_sampling_params_hash_agrees_with_equality():
+    a = lc.SamplingParams(temp=0.5, json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    b = lc.SamplingParams(temp=0.5, json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, lc.SamplingParams(temp=0.6)}) == 2
+    c = lc.SamplingParams(logit_bias={5: 1.0, 7: -2.0})
+    d = lc.SamplingParams(logit_bias={7: -2.0, 5: 1.0})
+    assert c == d and hash(c) == hash(d)
+
+
+def test_closed_handles_raise_and_never_crash(tiny_model_path):
+    model = lc.load_model(tiny_model_path)
+    ctx = lc.Context.create(model, n_ctx=128)
+    smp = lc.Sampler.create(model, temp=0)
+    model.close()  # deferred: the context and sampler hold it
+    assert not model.freed
+    out = ctx.generate(smp, [1, 450, 4996], max_tokens=3, ignore_eos=True)  # token ids: the model is closed
+    assert len(out.tokens) == 3
+    ctx.close()
+    smp.close()
+    assert model.freed
+    for call in (lambda: lc.generate(model, PROMPT), lambda: model.n_params, lambda: lc.Tokenizer.encode(model, "x"),
+                 lambda: ctx.logits(), lambda: smp.names, lambda: lc.Context.create(model)):
+        with pytest.raises(lc.ClosedError):
+            call()
