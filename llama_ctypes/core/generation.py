@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
-from ..errors import CancelledError, ContextOverflowError, DecodeError
+from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, DecodeError, InvalidArgumentError
 from .context import ABORTED, ContextLease, check_prompt, common_prefix
 from .context_pool import ContextPool
 from .handle import Closeable
@@ -58,10 +58,10 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < -1
                 or self.max_tokens == 0):
-            raise ValueError(f"max_tokens={self.max_tokens!r}: expected a positive integer or -1")
+            raise InvalidArgumentError(f"max_tokens={self.max_tokens!r}: expected a positive integer or -1")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop={self.stop!r}: expected non-empty strings")
+            raise InvalidArgumentError(f"stop={self.stop!r}: expected non-empty strings")
         for s in stop:
             encode_text(s)  # a lone surrogate can never appear in generated (UTF-8) text
         object.__setattr__(self, "stop", stop)
@@ -479,7 +479,7 @@ def prompt_tokens(model: "Model", prompt: str | Sequence[int], params: Generatio
                 f"the context window of {n_ctx} tokens", n_tokens=vocab.min_tokens(data_len), n_ctx=n_ctx)
         return vocab.tokenize(prompt, add_special=params.add_special, parse_special=params.parse_special)
     if isinstance(prompt, (bytes, bytearray)):
-        raise TypeError("prompt must be str or a sequence of token ids, not bytes")
+        raise ArgumentTypeError("prompt must be str or a sequence of token ids, not bytes")
     return vocab.check_tokens(prompt).tolist()
 
 

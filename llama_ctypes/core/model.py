@@ -10,7 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ClosedError, ModelLoadError
+from ..errors import ClosedError, ModelLoadError, ModelNotFoundError
 from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .handle import NativeHandle
@@ -70,9 +70,9 @@ class Model(NativeHandle):
     def _load(self):
         path = self.path
         if not path.exists():
-            raise FileNotFoundError(f"model file not found: {path}")
+            raise ModelNotFoundError(f"model file not found: {path}")
         if path.is_dir():
-            raise IsADirectoryError(f"model path is a directory: {path}")
+            raise ModelNotFoundError(f"model path is a directory: {path}")
         with open(path, "rb") as fh:
             magic = fh.read(4)
         if magic != _GGUF_MAGIC:

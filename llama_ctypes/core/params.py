@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Sequence
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..native import ggml_h
 from ..native import llama_h as L
 
@@ -39,14 +40,14 @@ _ATTN = {"unspecified": L.LLAMA_ATTENTION_TYPE_UNSPECIFIED, "causal": L.LLAMA_AT
 def _choice(name: str, value: Any, table: Mapping[str, int]) -> int:
     if isinstance(value, str) and value.lower() in table:
         return table[value.lower()]
-    raise ValueError(f"{name}={value!r}: expected one of {', '.join(table)}")
+    raise InvalidArgumentError(f"{name}={value!r}: expected one of {', '.join(table)}")
 
 
 def _non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+            raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -84,25 +85,25 @@ class ModelParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
-            raise ValueError(f"n_gpu_layers={self.n_gpu_layers!r}: expected -1 (all) or an integer >= 0")
+            raise InvalidArgumentError(f"n_gpu_layers={self.n_gpu_layers!r}: expected -1 (all) or an integer >= 0")
         _choice("split_mode", self.split_mode, _SPLIT)
         _non_negative(self, "main_gpu")
         if self.tensor_split is not None:
             split = list(self.tensor_split)
             if any((not isinstance(x, (int, float))) or x < 0 for x in split):
-                raise ValueError(f"tensor_split={self.tensor_split!r}: expected non-negative numbers")
+                raise InvalidArgumentError(f"tensor_split={self.tensor_split!r}: expected non-negative numbers")
             object.__setattr__(self, "tensor_split", tuple(float(x) for x in split))
         if self.kv_overrides is not None:
             for key, value in self.kv_overrides.items():
                 if not isinstance(key, str) or not 0 < len(key.encode()) < 128:
-                    raise ValueError(f"kv_overrides key {key!r}: expected a string of 1..127 bytes")
+                    raise InvalidArgumentError(f"kv_overrides key {key!r}: expected a string of 1..127 bytes")
                 if not isinstance(value, (bool, int, float, str)):
-                    raise ValueError(f"kv_overrides[{key!r}]={value!r}: expected bool, int, float or str")
+                    raise InvalidArgumentError(f"kv_overrides[{key!r}]={value!r}: expected bool, int, float or str")
                 if isinstance(value, str) and len(value.encode()) >= 128:
-                    raise ValueError(f"kv_overrides[{key!r}]: string values are limited to 127 bytes")
+                    raise InvalidArgumentError(f"kv_overrides[{key!r}]: string values are limited to 127 bytes")
             object.__setattr__(self, "kv_overrides", dict(self.kv_overrides))
         if self.progress_callback is not None and not callable(self.progress_callback):
-            raise TypeError("progress_callback must be callable")
+            raise ArgumentTypeError("progress_callback must be callable")
 
     def to_native(self, lib) -> tuple[L.llama_model_params, list]:
         """A ``llama_model_params`` struct (from llama.cpp's defaults) and the buffers it points into,
@@ -121,7 +122,7 @@ class ModelParams:
         if self.tensor_split:
             n_max = lib.llama_max_devices()
             if len(self.tensor_split) > n_max:
-                raise ValueError(f"tensor_split has {len(self.tensor_split)} entries; this build supports {n_max} devices")
+                raise InvalidArgumentError(f"tensor_split has {len(self.tensor_split)} entries; this build supports {n_max} devices")
             arr = (ctypes.c_float * n_max)(*self.tensor_split)
             keep_alive.append(arr)
             native.tensor_split = ctypes.cast(arr, ctypes.POINTER(ctypes.c_float))
@@ -221,13 +222,13 @@ class ContextParams:
         _non_negative(self, "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "yarn_orig_ctx", "n_rs_seq", "n_outputs_max")
         for name in ("n_batch", "n_ubatch", "n_seq_max"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected >= 1")
+                raise InvalidArgumentError(f"{name}={getattr(self, name)}: expected >= 1")
         if self.n_ubatch > self.n_batch:
-            raise ValueError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
+            raise InvalidArgumentError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
         for name in ("n_threads", "n_threads_batch"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: expected an integer >= 1 or None")
+                raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 1 or None")
         for name in ("type_k", "type_v"):
             _choice(name, getattr(self, name), ggml_h.GGML_TYPES)
         _choice("flash_attn", self.flash_attn, _FLASH)
@@ -289,7 +290,7 @@ def split_options(opts: Mapping[str, Any], *groups: type, where: str = "") -> li
             unknown.append(key)
     if unknown:
         valid = sorted(set().union(*names))
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{where or 'unexpected'} option(s) {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(valid)}"
         )

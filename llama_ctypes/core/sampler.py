@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError, GrammarError
+from ..errors import ArgumentTypeError, ClosedError, GrammarError, InvalidArgumentError
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .grammar_check import check_gbnf
@@ -97,7 +97,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         def check(cond: bool, name: str, expect: str) -> None:
             if not cond:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected {expect}")
+                raise InvalidArgumentError(f"{name}={getattr(self, name)!r}: expected {expect}")
 
         for name in ("temp", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                      "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "penalty_repeat",
@@ -129,18 +129,18 @@ class SamplingParams:
             bias = {}
             for tok, value in dict(self.logit_bias).items():
                 if not isinstance(tok, int) or tok < 0:
-                    raise ValueError(f"logit_bias key {tok!r}: expected a token id (int >= 0)")
+                    raise InvalidArgumentError(f"logit_bias key {tok!r}: expected a token id (int >= 0)")
                 if not isinstance(value, (int, float)) or math.isnan(value):
-                    raise ValueError(f"logit_bias[{tok}]={value!r}: expected a number")
+                    raise InvalidArgumentError(f"logit_bias[{tok}]={value!r}: expected a number")
                 bias[tok] = float(value)
             object.__setattr__(self, "logit_bias", bias)
         if self.grammar is not None:
             if not isinstance(self.grammar, str):
-                raise TypeError("grammar must be a GBNF string")
+                raise ArgumentTypeError("grammar must be a GBNF string")
             check_gbnf(self.grammar)
         if self.json_schema is not None:
             if self.grammar is not None:
-                raise ValueError("pass either grammar or json_schema, not both")
+                raise InvalidArgumentError("pass either grammar or json_schema, not both")
             from .grammar import json_schema_to_gbnf
 
             # Validated and converted once, here; the GBNF then drives the grammar sampler.
@@ -269,14 +269,14 @@ class Sampler(NativeHandle):
 
         def add(smpl, what: str) -> None:
             if not smpl:  # the chain is freed by the handler below
-                raise ValueError(f"llama.cpp rejected the {what} sampler settings")
+                raise InvalidArgumentError(f"llama.cpp rejected the {what} sampler settings")
             lib.llama_sampler_chain_add(chain, smpl)
 
         try:
             if p.logit_bias:
                 bad = [t for t in p.logit_bias if t >= n_vocab]
                 if bad:
-                    raise ValueError(f"logit_bias token ids {bad} are outside the vocabulary (size {n_vocab})")
+                    raise InvalidArgumentError(f"logit_bias token ids {bad} are outside the vocabulary (size {n_vocab})")
                 arr = (L.llama_logit_bias * len(p.logit_bias))(*[L.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
                 add(lib.llama_sampler_init_logit_bias(n_vocab, len(arr), arr), "logit_bias")
             if p.penalty_last_n != 0 and (p.penalty_repeat != 1.0 or p.penalty_freq != 0 or p.penalty_present != 0):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import TokenizationError
+from ..errors import ArgumentTypeError, TokenizationError
 from ..native import llama_h as L
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def _token_array(tokens: Iterable[int]) -> np.ndarray:
 def encode_text(text: str) -> bytes:
     """UTF-8 bytes of ``text``; a lone surrogate raises TokenizationError (it has no UTF-8 form)."""
     if not isinstance(text, str):
-        raise TypeError(f"text must be str, not {type(text).__name__}")
+        raise ArgumentTypeError(f"text must be str, not {type(text).__name__}")
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -78,7 +78,7 @@ class Vocab:
     def check_token(self, token: int) -> int:
         """``token`` as an int, or TokenizationError when it is not an id of this vocabulary."""
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
-            raise TypeError(f"token ids are integers, not {type(token).__name__}")
+            raise ArgumentTypeError(f"token ids are integers, not {type(token).__name__}")
         token = int(token)
         if not 0 <= token < self.n_tokens:
             raise TokenizationError(f"token id {token} is outside the vocabulary [0, {self.n_tokens})")
