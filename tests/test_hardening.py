@@ -319,3 +319,26 @@ def test_swa_cache_reuse_falls_back_when_the_window_is_gone(gemma):
         # ...while continuing the whole history reuses it.
         cont = ctx.tokens + gemma.tokenize(" more", add_special=False)
         assert ctx.generate(smp, cont, max_tokens=2, cache_prompt=True).timings.cached_tokens == len(cont) - 1
+
+
+# ---- issue 18.6: defaults follow llama.cpp's common defaults, every sampler is reachable --------------------
+
+def test_sampling_defaults_match_llama_cpp_common():
+    p = lc.SamplingParams()
+    common = dict(top_k=40, top_p=0.95, min_p=0.05, typical_p=1.0, temp=0.8, xtc_probability=0.0,
+                  xtc_threshold=0.1, dynatemp_range=0.0, dynatemp_exponent=1.0, penalty_last_n=64,
+                  penalty_repeat=1.0, penalty_freq=0.0, penalty_present=0.0, dry_multiplier=0.0, dry_base=1.75,
+                  dry_allowed_length=2, dry_penalty_last_n=64, mirostat=0, top_n_sigma=-1.0, mirostat_tau=5.0,
+                  mirostat_eta=0.1, min_keep=0, adaptive_target=-1.0, adaptive_decay=0.9)
+    assert {k: getattr(p, k) for k in common} == common
+    assert tuple(p.dry_sequence_breakers) == ("\n", ":", '"', "*")
+
+
+def test_adaptive_p_ends_the_chain_and_generates(tiny_model):
+    with lc.Sampler.create(tiny_model, adaptive_target=0.3, seed=7, min_p=0.05) as smp:
+        assert "adaptive-p" in smp.names[-1] and "dist" not in smp.names
+    a = lc.generate(tiny_model, PROMPT, adaptive_target=0.3, seed=7, max_tokens=12, ignore_eos=True)
+    b = lc.generate(tiny_model, PROMPT, adaptive_target=0.3, seed=7, max_tokens=12, ignore_eos=True)
+    assert a.tokens == b.tokens and len(a.tokens) == 12
+    with pytest.raises(ValueError):
+        lc.SamplingParams(adaptive_decay=1.5)

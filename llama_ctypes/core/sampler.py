@@ -69,10 +69,14 @@ class SamplingParams:
     """DRY exponential base."""
     dry_allowed_length: int = 2
     """DRY: repeats up to this length are free."""
-    dry_penalty_last_n: int = -1
-    """DRY look-back in tokens; -1 = the whole context."""
+    dry_penalty_last_n: int = 64
+    """DRY look-back in tokens; 0 disables, -1 = the whole context."""
     dry_sequence_breakers: Sequence[str] = ("\n", ":", '"', "*")
     """DRY: strings that end a repeated sequence."""
+    adaptive_target: float = -1.0
+    """Adaptive-p: pick tokens near this probability (0..1), replacing the random draw; < 0 disables."""
+    adaptive_decay: float = 0.9
+    """Adaptive-p: EMA decay of the observed probabilities (0..0.99); history is about 1/(1-decay) tokens."""
     logit_bias: Mapping[int, float] | None = None
     """Added to the logits of the given token ids (-inf bans a token)."""
     seed: int | None = None
@@ -101,7 +105,8 @@ class SamplingParams:
 
         for name in ("temp", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                      "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "penalty_repeat",
-                     "penalty_freq", "penalty_present", "dry_multiplier", "dry_base"):
+                     "penalty_freq", "penalty_present", "dry_multiplier", "dry_base", "adaptive_target",
+                     "adaptive_decay"):
             value = getattr(self, name)
             check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                   name, "a finite number")
@@ -123,6 +128,8 @@ class SamplingParams:
         check(self.dry_allowed_length >= 0, "dry_allowed_length", "a value >= 0")
         check(self.min_keep >= 0, "min_keep", "a value >= 0")
         check(self.dynatemp_range >= 0, "dynatemp_range", "a value >= 0")
+        check(self.adaptive_target <= 1.0, "adaptive_target", "a value <= 1 (negative disables)")
+        check(0.0 <= self.adaptive_decay <= 0.99, "adaptive_decay", "a value in [0, 0.99]")
         if self.seed is not None:
             check(isinstance(self.seed, int) and 0 <= self.seed < 0xFFFFFFFF, "seed", "an integer in [0, 2**32 - 1)")
         if self.logit_bias is not None:
@@ -309,7 +316,10 @@ class Sampler(NativeHandle):
                 if p.xtc_probability > 0:
                     add(lib.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, seed), "xtc")
                 add(lib.llama_sampler_init_temp_ext(p.temp, p.dynatemp_range, p.dynatemp_exponent), "temp")
-                add(lib.llama_sampler_init_dist(seed), "dist")
+                if p.adaptive_target >= 0:  # like dist, it picks the token: it ends the chain
+                    add(lib.llama_sampler_init_adaptive_p(p.adaptive_target, p.adaptive_decay, seed), "adaptive_p")
+                else:
+                    add(lib.llama_sampler_init_dist(seed), "dist")
         except BaseException:
             lib.llama_sampler_free(chain)
             raise
