@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import llama_ctypes as lc
-from tiny_models import write_tiny_bert, write_tiny_t5_encoder
+from tiny_models import write_tiny_bert, write_tiny_gemma_embedding, write_tiny_t5_encoder
 
 TEXTS = [f"Sentence {i} is about topic {i % 5}." + " More words." * (i % 4) for i in range(12)]
 
@@ -35,6 +35,15 @@ def t5_encoder(tmp_path_factory, vocab_dir):
         yield model
 
 
+@pytest.fixture(scope="module")
+def narrow_out(tmp_path_factory, vocab_dir):
+    """A gemma-embedding whose dense_2 projection makes its output (48) narrower than n_embd (64)."""
+    path = write_tiny_gemma_embedding(tmp_path_factory.mktemp("gemma-emb") / "tiny-gemma-embedding.gguf",
+                                      vocab_dir / "ggml-vocab-llama-spm.gguf", n_embd=64, n_embd_out=48)
+    with lc.load_model(path) as model:
+        yield model
+
+
 @pytest.mark.parametrize("name", ["tiny_model", "bert", "t5_encoder"])
 def test_normalised_vectors_and_list_equals_one_by_one(request, name):
     model = request.getfixturevalue(name)
@@ -45,21 +54,83 @@ def test_normalised_vectors_and_list_equals_one_by_one(request, name):
     assert many.shape == (len(TEXTS), model.n_embd)
     assert np.allclose(np.linalg.norm(many, axis=1), 1.0, atol=1e-5)
     alone = np.stack([lc.embed(model, t) for t in TEXTS])
-    assert np.abs(many - alone).max() < 1e-4
+    assert np.abs(many - alone).max() < 1e-6  # rows aligned: identical here (1.5e-5 on bert unaligned)
     raw = lc.embed(model, TEXTS[0], normalize=False)
     assert np.allclose(raw / np.linalg.norm(raw), one, atol=1e-6)
 
 
+def test_rows_are_n_embd_out_wide_when_it_differs_from_n_embd(narrow_out):
+    model = narrow_out
+    assert (model.n_embd, model.n_embd_out) == (64, 48)
+    one = lc.embed(model, TEXTS[0])
+    assert one.shape == (48,) and np.isfinite(one).all()
+    assert np.linalg.norm(one) == pytest.approx(1.0, abs=1e-5)
+    raw = lc.embed(model, TEXTS[0], normalize=False)
+    assert np.isfinite(raw).all() and np.allclose(raw / np.linalg.norm(raw), one, atol=1e-6)
+    many = lc.embed(model, TEXTS)
+    assert many.shape == (len(TEXTS), 48) and np.isfinite(many).all()
+    assert np.allclose(np.linalg.norm(many, axis=1), 1.0, atol=1e-5)
+    alone = np.stack([lc.embed(model, t) for t in TEXTS])
+    assert np.abs(many - alone).max() < 1e-6
+    assert np.allclose(many[0], one, atol=1e-6)
+    rows = lc.embed(model, "Hello there world", pooling="none")
+    assert rows.shape == (len(model.tokenize("Hello there world")), 48) and np.isfinite(rows).all()
+    assert np.allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+    per_text = lc.embed(model, ["a b", "Hello there world"], pooling="none")
+    assert [r.shape for r in per_text] == [(len(model.tokenize("a b")), 48), rows.shape]
+    assert np.abs(per_text[1] - rows).max() < 1e-4
+    assert lc.embed(model, []).shape == (0, 48)
+
+
+# Different lengths (2 to ~300 tokens), scripts and shapes: a text's place in a packed batch varies.
+VARIED = TEXTS + [
+    "A",
+    "日本語のテキストです。埋め込みを計算します。",
+    "def f(x):\n    return [i * x for i in range(10)]\n",
+    " ".join(f"word{i % 17} and the {i}th clause of a long rambling paragraph," for i in range(20)),
+]
+
+
 @pytest.mark.gemma
 def test_gemma_embeddings(gemma):
-    many = lc.embed(gemma, TEXTS)
-    alone = np.stack([lc.embed(gemma, t) for t in TEXTS])
-    assert many.shape == (len(TEXTS), 640)
-    # Q4_K kernels choose paths by batch shape: equal to ~1e-3, cosine > 0.9999
-    assert np.abs(many - alone).max() < 5e-3
-    assert (many * alone).sum(axis=1).min() > 0.9999
+    many = lc.embed(gemma, VARIED)
+    alone = np.stack([lc.embed(gemma, t) for t in VARIED])
+    assert many.shape == (len(VARIED), 640)
+    # Rows are aligned so the repacked Q4_K kernels treat every row alike: a list equals one-by-one
+    # (measured 6e-8; unaligned it was 2e-3 here, 8e-3 and cosine 0.9992 on other texts).
+    assert np.abs(many - alone).max() < 1e-4
+    assert (many * alone).sum(axis=1).min() > 0.99999
     similar = lc.embed(gemma, ["The cat sat on the mat.", "A cat was sitting on the mat.", "Stock prices fell."])
     assert similar[0] @ similar[1] > similar[0] @ similar[2]
+
+
+def test_packed_texts_start_on_aligned_rows(tiny_model, monkeypatch):
+    """Repacked CPU kernels round a row by its place in the batch: every text starts on a multiple
+    of ROW_ALIGN rows and every decode is a multiple of it, so a list equals one-by-one."""
+    from llama_ctypes.core.context import ContextLease
+    from llama_ctypes.features.embeddings import MAX_SEQUENCES, ROW_ALIGN
+
+    decodes = []
+    real = ContextLease.decode
+
+    def recording(self, batch):
+        n = batch.n_tokens
+        decodes.append((batch.seq_ids[:n, 0].copy(), batch.pos[:n].copy(), batch.logits[:n].copy()))
+        return real(self, batch)
+
+    monkeypatch.setattr(ContextLease, "decode", recording)
+    texts = TEXTS + ["x"]
+    many = lc.embed(tiny_model, texts, n_batch=100)  # not a multiple of n_seq_max: llama.cpp used to abort
+    assert len(decodes) > 1
+    for seqs, pos, out in decodes:
+        assert len(seqs) % ROW_ALIGN == 0 and out.all()
+        starts = [r for r in range(len(seqs)) if pos[r] == 0 and seqs[r] < MAX_SEQUENCES // 2]
+        assert starts and all(r % ROW_ALIGN == 0 for r in starts)
+    n_texts = sum(int(((p == 0) & (s < MAX_SEQUENCES // 2)).sum()) for s, p, _ in decodes)
+    assert n_texts == len(texts)
+    monkeypatch.undo()
+    alone = np.stack([lc.embed(tiny_model, t) for t in texts])
+    assert np.abs(many - alone).max() < 1e-6
 
 
 def test_per_token_output_has_one_row_per_token(tiny_model, bert):

@@ -249,3 +249,59 @@ def write_tiny_t5_encoder(path: Path, vocab_path: Path, *, n_layer: int = 2, n_e
         writer.add_tensor(f"enc.blk.{i}.ffn_down.weight", w(n_embd, n_ff))
     _finish(writer)
     return path
+
+
+def write_tiny_gemma_embedding(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64,
+                               n_embd_out: int = 48, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
+                               n_ctx_train: int = 512, seed: int = 0) -> Path:
+    """A 2-layer ``gemma-embedding`` (non-causal, mean-pooled) whose output is ``n_embd_out`` wide.
+
+    llama.cpp applies the ``dense_2`` projection (n_embd -> n_embd_out) after pooling, and
+    ``<arch>.embedding_length_out`` tells it (and callers, through llama_model_n_embd_out) the
+    output width; with ``n_embd_out != n_embd`` an embedding row is not n_embd floats.
+    """
+    rng = np.random.default_rng(seed)
+    arch = "gemma-embedding"
+    head_dim = n_embd // n_head
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-gemma-embedding-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_uint32(f"{arch}.embedding_length_out", n_embd_out)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_sliding_window(32)
+    writer.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)  # layer 0 sliding, layer 1 full
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_uint32(f"{arch}.dense_2_feat_in", n_embd)
+    writer.add_uint32(f"{arch}.dense_2_feat_out", n_embd_out)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+
+    w = _random(rng, 0.3)
+
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd, scale=0.1))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    writer.add_tensor("dense_2.weight", w(n_embd_out, n_embd))
+    for i in range(n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", w(n_head * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_head * head_dim))
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", _ones(head_dim))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", _ones(head_dim))
+        writer.add_tensor(f"blk.{i}.post_attention_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", _ones(n_embd))
+    _finish(writer)
+    return path

@@ -14,17 +14,25 @@ from typing import Any, Literal, Sequence, overload
 import numpy as np
 
 from ..core.batch import Batch
+from ..core.context import ContextLease
+from ..core.context_pool import ContextPool
 from ..core.model import Model
 from ..core.params import POOLING, ContextParams, split_options
 from ..core.tokenizer import Tokenizer
-from ..errors import ContextOverflowError, DecodeError, LlamaError
-from ..native import llama_h as L
+from ..errors import ArgumentTypeError, ContextOverflowError, DecodeError, InvalidArgumentError, LlamaError
 
 PoolingName = Literal["none", "mean", "cls", "last", "rank"]
 _POOLING_NAMES = {v: k for k, v in POOLING.items()}
 
-#: Most sequences packed into one decode.
+#: Sequences in an embedding context: half hold texts, half the padding after each text.
 MAX_SEQUENCES = 64
+
+#: Every text starts at a row that is a multiple of this, and every decode is a multiple of it
+#: (padding sequences fill the gaps). CPU matrix kernels round a row differently depending on
+#: where it falls in the batch (the repacked Q4_K ones take 16-row, 4-row or 1-row paths), so
+#: without this a text's vector depended on its batch-mates: up to 8e-3 (cosine 0.9992) on Gemma
+#: 270M Q4_K_M, 1.5e-5 on f32 models. With it a list equals one-by-one (6e-8 on Gemma, 0 on f32).
+ROW_ALIGN = 16
 
 
 class EmbeddingError(LlamaError, ValueError):
@@ -53,13 +61,15 @@ class _Embedder:
     def __init__(self, model: Model, pooling: PoolingName, n_batch: int, ctx_opts: dict[str, Any]):
         self.model = model
         self.pooling = pooling
-        self.n_seq = MAX_SEQUENCES
+        self.n_seq = MAX_SEQUENCES // 2  # texts per decode; text j's padding is sequence n_seq + j
+        # A multiple of n_seq_max (llama.cpp reserves its graph for a multiple of n_seq_max tokens,
+        # and mean pooling aborts otherwise) and so of ROW_ALIGN: an aligned n_batch-token text fits.
+        self.capacity = -(-n_batch // MAX_SEQUENCES) * MAX_SEQUENCES
         self.params = ContextParams(**{
-            "n_ctx": n_batch, "n_batch": n_batch, "n_ubatch": n_batch, "n_seq_max": self.n_seq,
-            "kv_unified": True, "embeddings": True, "pooling": pooling,
+            "n_ctx": self.capacity, "n_batch": self.capacity, "n_ubatch": self.capacity,
+            "n_seq_max": MAX_SEQUENCES, "kv_unified": True, "embeddings": True, "pooling": pooling,
             # CPU flash attention accumulates in f16 over the whole packed batch: a text's vector
-            # would then depend on its batch-mates (1e-2 on Gemma). Off, a list equals one-by-one
-            # to 1e-7 (f32 models) or 2e-3 (Q4_K kernels pick paths by batch shape).
+            # would then depend on its batch-mates (1e-2 on Gemma).
             "flash_attn": "disabled",
             **ctx_opts,
         })
@@ -67,78 +77,70 @@ class _Embedder:
         self.encoder_only = model.has_encoder and not model.has_decoder
 
     def run(self, token_lists: list[list[int]]) -> list[np.ndarray]:
-        model = self.model
-        ctx = model._checkout_context(self.params)
+        pool = ContextPool.of(self.model)
+        ctx = pool.checkout(self.model, self.params)
         try:
-            ctx._begin_exclusive()
-            try:
-                return self._run(ctx, token_lists)
-            finally:
-                ctx._end_exclusive()
+            with ctx.lease() as lease:
+                return self._run(lease, token_lists)
         finally:
-            model._return_context(ctx)
+            pool.checkin(ctx)
 
-    def _run(self, ctx, token_lists: list[list[int]]) -> list[np.ndarray]:
-        lib = ctx._lib
-        actual = _POOLING_NAMES.get(lib.llama_pooling_type(ctx._ptr), "none")
+    def _run(self, lease: ContextLease, token_lists: list[list[int]]) -> list[np.ndarray]:
+        actual = _POOLING_NAMES.get(lease.pooling_type(), "none")
         if self.pooling == "rank" and actual != "rank":
             raise EmbeddingError(f"{self.model.path.name} has no ranking head (rank pooling)")
-        n_out = lib.llama_model_n_cls_out(self.model._ptr) if actual == "rank" else self.model.n_embd
+        # Output rows are n_embd_out wide (it differs from n_embd for some embedding models).
+        n_out = self.model.n_cls_out if actual == "rank" else self.model.n_embd_out
         n_out = n_out or 1
-        batch = Batch(ctx.n_batch, 1)
+        batch = Batch(self.capacity, 1)
         results: list[np.ndarray | None] = [None] * len(token_lists)
-        order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]), reverse=True)
-        pending: list[int] = []
-        for i in order + [None]:  # type: ignore[list-item]
-            fits = i is not None and len(pending) < self.n_seq and batch.free >= len(token_lists[i])
-            if i is not None and fits:
-                batch.add_sequence(token_lists[i], 0, len(pending), output_last=False)
-                batch.logits[batch.n_tokens - len(token_lists[i]):batch.n_tokens] = 1
-                pending.append(i)
-                continue
-            if pending:
-                self._decode(ctx, batch)
-                self._collect(ctx, batch, pending, token_lists, results, actual, n_out)
+        pending: list[tuple[int, int]] = []  # (text index, its first row in the batch)
+        for i in sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]), reverse=True):
+            ids = token_lists[i]
+            size = -(-len(ids) // ROW_ALIGN) * ROW_ALIGN
+            if pending and (len(pending) == self.n_seq or batch.n_tokens + size > self.capacity):
+                self._decode(lease, batch)
+                self._collect(lease, pending, token_lists, results, actual, n_out)
                 batch.clear()
                 pending = []
-            if i is not None:
-                batch.add_sequence(token_lists[i], 0, 0, output_last=False)
-                batch.logits[:batch.n_tokens] = 1
-                pending.append(i)
+            pending.append((i, batch.n_tokens))
+            seq = len(pending) - 1
+            batch.add_sequence(ids, 0, seq, output_last=False)
+            pad = size - len(ids)
+            if pad:  # a throwaway sequence; its tokens are outputs too, as the last layer keeps only outputs
+                batch.add_sequence([ids[0]] * pad, 0, self.n_seq + seq, output_last=False)
+            batch.logits[pending[-1][1]:batch.n_tokens] = 1
+        if pending:
+            self._decode(lease, batch)
+            self._collect(lease, pending, token_lists, results, actual, n_out)
         return results  # type: ignore[return-value]
 
-    def _decode(self, ctx, batch: Batch) -> None:
-        lib = ctx._lib
-        if not self.encoder_only:
-            lib.llama_memory_clear(ctx._mem, True)
-        fn = lib.llama_encode if self.encoder_only else lib.llama_decode
-        rc = fn(ctx._ptr, batch.as_native())
-        if rc != 0:
-            raise DecodeError(f"embedding decode failed with {rc}", code=rc)
+    def _decode(self, lease: ContextLease, batch: Batch) -> None:
+        if self.encoder_only:
+            lease.encode(batch)
+        else:
+            lease.clear()
+            lease.decode(batch)
 
-    def _collect(self, ctx, batch, pending, token_lists, results, pooling, n_out) -> None:
-        lib = ctx._lib
-        if pooling == "none":
-            row = 0
-            for seq, i in enumerate(pending):
-                n = len(token_lists[i])
-                rows = [np.ctypeslib.as_array(lib.llama_get_embeddings_ith(ctx._ptr, row + k), shape=(n_out,))
-                        for k in range(n)]
+    def _collect(self, lease: ContextLease, pending, token_lists, results, pooling, n_out) -> None:
+        for seq, (i, row) in enumerate(pending):
+            if pooling == "none":
+                rows = [lease.embeddings_ith(row + k, n_out) for k in range(len(token_lists[i]))]
+                if any(r is None for r in rows):
+                    raise DecodeError("no token embeddings in the decode's output")
                 results[i] = np.array(rows, dtype=np.float32)
-                row += n
-            return
-        for seq, i in enumerate(pending):
-            ptr = lib.llama_get_embeddings_seq(ctx._ptr, seq)
-            if not ptr:
-                raise DecodeError(f"no pooled embedding for sequence {seq}")
-            results[i] = np.ctypeslib.as_array(ptr, shape=(n_out,)).astype(np.float32, copy=True)
+            else:
+                vec = lease.embeddings_seq(seq, n_out)
+                if vec is None:
+                    raise DecodeError(f"no pooled embedding for sequence {seq}")
+                results[i] = vec.astype(np.float32, copy=False)
 
 
 def _tokenize_all(model: Model, texts: Sequence[str], max_tokens: int, truncate: bool) -> list[list[int]]:
     out = []
     for text in texts:
         if not isinstance(text, str):
-            raise TypeError(f"texts must be str, not {type(text).__name__}")
+            raise ArgumentTypeError(f"texts must be str, not {type(text).__name__}")
         ids = Tokenizer.encode(model, text, add_special=True, parse_special=False)
         if not ids:
             raise EmbeddingError("cannot embed an empty text (it has no tokens)")
@@ -165,10 +167,10 @@ def embed(model: Model, texts: Sequence[str], **opts: Any) -> np.ndarray | list[
 
 def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, pooling: PoolingName | None = None,
           truncate: bool = True, n_batch: int = 2048, **ctx_opts: Any):
-    """Embed one text (→ 1-D float32 array) or a list (→ 2-D array, one row per text).
+    """Embed one text (→ 1-D float32 array of ``model.n_embd_out``) or a list (→ 2-D array, one row per text).
 
     ``pooling`` overrides the model's (none/mean/cls/last/rank); with ``"none"``
-    each text gives a (n_tokens, n_embd) array (a list of them for a list).
+    each text gives a (n_tokens, n_embd_out) array (a list of them for a list).
     Vectors are L2-normalised unless ``normalize=False``. Texts longer than
     what one embedding can take are cut (``truncate=True``) or raise
     :class:`ContextOverflowError`. Other options are :class:`ContextParams`
@@ -177,13 +179,13 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
     single = isinstance(texts, str)
     items = [texts] if single else list(texts)
     if not items:
-        return np.zeros((0, model.n_embd), dtype=np.float32)
+        return np.zeros((0, model.n_embd_out), dtype=np.float32)
     if pooling is not None and pooling not in ("none", "mean", "cls", "last", "rank"):
-        raise ValueError(f"pooling={pooling!r}: expected none, mean, cls, last or rank")
+        raise InvalidArgumentError(f"pooling={pooling!r}: expected none, mean, cls, last or rank")
     split_options(ctx_opts, ContextParams, where="embed: unknown")
     for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx"):
         if reserved in ctx_opts:
-            raise TypeError(f"embed sets {reserved} itself")
+            raise ArgumentTypeError(f"embed sets {reserved} itself")
     embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts)
     vectors = embedder.run(_tokenize_all(model, items, embedder.max_tokens, truncate))
     if embedder.pooling == "none":
@@ -224,19 +226,17 @@ def _rerank_tokens(model: Model, query: str, doc: str) -> list[int]:
     if template is not None:
         text = template.replace("{query}", query).replace("{document}", doc)
         return Tokenizer.encode(model, text, add_special=False, parse_special=True)
-    lib, vocab = model._lib, model._vocab
-    eos = Tokenizer.eos(model)
-    if eos is None:
-        eos = int(lib.llama_vocab_sep(vocab))
-    out: list[int] = []
-    if lib.llama_vocab_get_add_bos(vocab):
-        out.append(int(lib.llama_vocab_bos(vocab)))
-    out += Tokenizer.encode(model, query, add_special=False)
-    if lib.llama_vocab_get_add_eos(vocab):
+    vocab = model.vocab
+    eos = vocab.eos if vocab.eos is not None else vocab.sep
+    out: list[int | None] = []
+    if vocab.add_bos:
+        out.append(vocab.bos)
+    out += vocab.tokenize(query, add_special=False)
+    if vocab.add_eos:
         out.append(eos)
-    if lib.llama_vocab_get_add_sep(vocab):
-        out.append(int(lib.llama_vocab_sep(vocab)))
-    out += Tokenizer.encode(model, doc, add_special=False)
-    if lib.llama_vocab_get_add_eos(vocab):
+    if vocab.add_sep:
+        out.append(vocab.sep)
+    out += vocab.tokenize(doc, add_special=False)
+    if vocab.add_eos:
         out.append(eos)
-    return [t for t in out if t != L.LLAMA_TOKEN_NULL]
+    return [t for t in out if t is not None]
