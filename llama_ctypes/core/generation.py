@@ -495,6 +495,9 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
         opts, GenerationParams, SamplingParams, ContextParams, where="unknown")
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
+    # One logits row per decode is all a single sequence needs; llama.cpp's default reserves
+    # n_batch rows (for Gemma's 262k vocabulary a 514 MiB compute buffer instead of 26 MiB).
+    ctx_opts.setdefault("n_outputs_max", 1)
     cparams = ContextParams(**ctx_opts)
     tokens = prompt_tokens(model, prompt, gparams, cparams.n_ctx or model.n_ctx_train)
     pool = ContextPool.of(model)

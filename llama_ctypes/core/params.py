@@ -216,7 +216,8 @@ class ContextParams:
     n_rs_seq: int = 0
     """Recurrent-state snapshots per sequence for rollback (speculative decoding)."""
     n_outputs_max: int = 0
-    """Most outputs (logit rows) per micro-batch; 0 = n_batch."""
+    """Most outputs (logit rows) per micro-batch; 0 = n_batch. Each row reserves n_vocab floats of
+    compute buffer: ``generate``/``stream`` use 1, a Server one per slot."""
 
     def __post_init__(self) -> None:
         _non_negative(self, "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "yarn_orig_ctx", "n_rs_seq", "n_outputs_max")
