@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence, TypedDict
 
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings, stream
 from ..core.model import Model
 from ..core.params import ContextParams, split_options
@@ -41,7 +42,11 @@ class ChatParams:
     tools: Sequence[Mapping[str, Any]] | None = None
     """Tool (function) definitions, in the OpenAI format, passed to the template."""
     enable_thinking: bool | None = None
-    """Ask a thinking model to think (True) or not (False); None = the template's default."""
+    """Ask a thinking model to think (True) or not (False); None = the template's default
+    (llama-server instead passes True to every template that can think)."""
+    preserve_reasoning: bool | None = None
+    """Keep (True) or drop (False) the ``reasoning_content`` of past assistant turns, for templates
+    that offer the choice; None = the template's default (llama-server passes True)."""
     add_generation_prompt: bool = True
     """End the prompt with the assistant turn's opening."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -51,9 +56,9 @@ class ChatParams:
 
     def __post_init__(self) -> None:
         if self.tools is not None and not all(isinstance(t, Mapping) for t in self.tools):
-            raise ValueError("tools must be a list of tool definitions (dicts)")
+            raise InvalidArgumentError("tools must be a list of tool definitions (dicts)")
         if not isinstance(self.template_kwargs, Mapping):
-            raise ValueError("template_kwargs must be a mapping")
+            raise InvalidArgumentError("template_kwargs must be a mapping")
 
 
 class BuiltinChatTemplate:
@@ -140,19 +145,28 @@ def template_for(model: Model, params: ChatParams) -> ChatTemplate | BuiltinChat
 def render_prompt(model: Model, messages: Sequence[Message], params: ChatParams) -> tuple[str, Any]:
     """Render ``messages`` with the chat template; returns (prompt text, template)."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        raise ArgumentTypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+            raise InvalidArgumentError(f"messages[{i}] must be a dict with a 'role'")
     msgs = list(messages)
     if params.system is not None and not (msgs and msgs[0].get("role") == "system"):
         msgs.insert(0, {"role": "system", "content": params.system})
     template = template_for(model, params)
+    text = template.render(msgs, add_generation_prompt=params.add_generation_prompt, tools=params.tools,
+                           **chat_variables(params))
+    return text, template
+
+
+def chat_variables(params: ChatParams) -> dict[str, Any]:
+    """The template variables a request sets: ``template_kwargs``, then ``enable_thinking`` and
+    ``preserve_reasoning`` where given."""
     kwargs = dict(params.template_kwargs)
     if params.enable_thinking is not None:
         kwargs["enable_thinking"] = params.enable_thinking
-    text = template.render(msgs, add_generation_prompt=params.add_generation_prompt, tools=params.tools, **kwargs)
-    return text, template
+    if params.preserve_reasoning is not None:
+        kwargs["preserve_reasoning"] = params.preserve_reasoning
+    return kwargs
 
 
 def prompt_tokens(model: Model, text: str) -> list[int]:
@@ -309,7 +323,7 @@ def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatS
     if server is not None:
         model = server.get_model()
     elif session is not None:
-        raise TypeError("session= needs a Server (it keeps a conversation on its slot)")
+        raise ArgumentTypeError("session= needs a Server (it keeps a conversation on its slot)")
     params, rest = _split_chat_options(opts)
     text, template = render_prompt(model, messages, params)
     formats = formats_for_template(template.source) if params.parse_reasoning else ()

@@ -152,6 +152,39 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _safe(value: Any) -> Any:
+    # Autoescaping is off, so ``|safe`` has nothing to protect; as a Markup it would HTML-escape
+    # whatever is concatenated to it ('"'|safe + x|tojson gives &#34;), which no prompt wants.
+    return str(value) if isinstance(value, str) else value
+
+
+# Template variables llama.cpp's ``preserve_reasoning`` sets (keep or drop past turns' thinking).
+_PRESERVE_REASONING_VARIABLES = (("preserve_thinking", True), ("clear_thinking", False),
+                                 ("truncate_history_thinking", False), ("drop_thinking", False))
+
+
+def default_variables(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Variables llama.cpp gives every template, derived from the caller's ``kwargs``.
+
+    * ``date_string`` ("26 Jul 2024" style) and ``datetime`` ("Jul 26 2024" style): today
+      (Llama 3.x and FireFunction print them; their own fallback is a fixed date);
+    * ``preserve_reasoning=True/False``: also ``preserve_thinking``, ``clear_thinking``,
+      ``truncate_history_thinking`` and ``drop_thinking``, the names templates use for it;
+    * ``reasoning_effort``: also ``reasoning_strength``.
+
+    The caller's own ``kwargs`` take precedence over all of these.
+    """
+    now = datetime.now()
+    out: dict[str, Any] = {"date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y")}
+    preserve = kwargs.get("preserve_reasoning")
+    if isinstance(preserve, bool):
+        out.update((name, preserve if keep else not preserve) for name, keep in _PRESERVE_REASONING_VARIABLES)
+    effort = kwargs.get("reasoning_effort")
+    if isinstance(effort, str) and effort:
+        out["reasoning_strength"] = effort
+    return out
+
+
 _HUGE_WIDTH = re.compile(r"\{[^{}]*:[^{}]*?\d{7,}")
 _HUGE_PERCENT = re.compile(r"%[-#0 +]*\d{7,}")
 
@@ -213,6 +246,7 @@ def _make_env() -> _Sandbox:
     )
     env.filters["center"] = _center
     env.filters["tojson"] = _tojson
+    env.filters["safe"] = _safe
     # Compiled templates call filters directly, so the size checks wrap each filter.
     for name, fn in list(env.filters.items()):
         env.filters[name] = _checked_filter(name, fn)
@@ -259,8 +293,13 @@ def _render_traced(template: jinja2.Template, context: Mapping[str, Any], budget
 
 
 def _normalise_tool_arguments(messages: list, as_object: bool) -> list:
-    """Give every tool call's ``arguments`` the form the template expects (object or JSON text)."""
+    """Give every tool call's ``arguments`` the form the template expects (object or JSON text).
+
+    A ``None`` content (OpenAI clients send it with tool calls) becomes ``""``, as llama.cpp passes it.
+    """
     for message in messages:
+        if isinstance(message, dict) and "content" in message and message["content"] is None:
+            message["content"] = ""
         for call in message.get("tool_calls") or ():
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or "arguments" not in fn:
@@ -276,11 +315,40 @@ def _normalise_tool_arguments(messages: list, as_object: bool) -> list:
     return messages
 
 
+# A template that reads past reasoning from content blocks ({"type": "thinking", "thinking": ...}), as
+# Mistral's reasoning models do.
+_THINKING_BLOCKS = re.compile(r"""\[\s*['"]type['"]\s*\]\s*==\s*['"]thinking['"]|\.type\s*==\s*['"]thinking['"]""")
+
+
+def _adapt_reasoning(messages: list, as_blocks: bool) -> list:
+    """Give an assistant turn's ``reasoning_content`` the shape the template reads.
+
+    Templates read past reasoning as ``reasoning_content`` (most), ``thinking`` (gpt-oss,
+    LFM2) or, for Mistral's, a ``thinking`` content block before the text; llama.cpp's
+    server adapts the message the same way.
+    """
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("reasoning_content"), str):
+            continue
+        message.setdefault("thinking", message["reasoning_content"])
+        if as_blocks and message.get("role") in ("assistant", "system"):
+            content = message.get("content")
+            blocks = [{"type": "thinking", "thinking": message.pop("reasoning_content")}]
+            if isinstance(content, str):
+                blocks.append({"type": "text", "text": content})
+            elif isinstance(content, list):
+                blocks.extend(content)
+            message["content"] = blocks
+            del message["thinking"]
+    return messages
+
+
 def _merge_system(messages: list) -> list | None:
+    # Joined with one newline, as llama.cpp's server does for these templates.
     system, rest = messages[0], messages[1:]
     for i, message in enumerate(rest):
         if message.get("role") == "user" and isinstance(message.get("content"), str):
-            merged = dict(message, content=f"{system.get('content', '')}\n\n{message['content']}")
+            merged = dict(message, content=f"{system.get('content', '')}\n{message['content']}")
             return rest[:i] + [merged] + rest[i + 1:]
     return None
 
@@ -321,10 +389,12 @@ class ChatTemplate:
         """Render a conversation to prompt text.
 
         ``kwargs`` become template variables (``enable_thinking=False``,
-        ``reasoning_effort="low"``, ...). Errors from the template, and budget
-        overruns, raise :class:`ChatTemplateError`.
+        ``reasoning_effort="low"``, ...), over the defaults of :func:`default_variables`
+        (today's date, ...). Errors from the template, and budget overruns, raise
+        :class:`ChatTemplateError`.
         """
         msgs = _normalise_tool_arguments(copy.deepcopy(list(messages)), self.tool_arguments_as_object)
+        msgs = _adapt_reasoning(msgs, self.reads_thinking_blocks)
         try:
             return self._render(msgs, add_generation_prompt, tools, timeout, kwargs)
         except ChatTemplateError as exc:
@@ -336,6 +406,12 @@ class ChatTemplate:
             if merged is None:
                 raise
             return self._render(merged, add_generation_prompt, tools, timeout, kwargs)
+
+    @cached_property
+    def reads_thinking_blocks(self) -> bool:
+        """Whether past reasoning goes to the template as a ``thinking`` content block (it reads
+        such blocks and not ``reasoning_content``)."""
+        return "reasoning_content" not in self.source and bool(_THINKING_BLOCKS.search(self.source))
 
     @cached_property
     def tool_arguments_as_object(self) -> bool:
@@ -363,6 +439,7 @@ class ChatTemplate:
     def _render(self, messages: list, add_generation_prompt: bool, tools, timeout: float,
                 kwargs: Mapping[str, Any]) -> str:
         context = {
+            **default_variables(kwargs),
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
@@ -379,6 +456,9 @@ class ChatTemplate:
             raise
         except jinja2.exceptions.SecurityError as exc:
             raise ChatTemplateError(f"the chat template tried an unsafe operation: {exc}") from exc
+        except jinja2.UndefinedError as exc:
+            raise ChatTemplateError(f"the chat template failed: UndefinedError: {exc} (if the template expects "
+                                    "a variable of its own, pass it with template_kwargs={...})") from exc
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
                 ZeroDivisionError, RecursionError) as exc:
             raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
