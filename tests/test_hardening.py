@@ -305,15 +305,16 @@ def test_closed_handles_raise_and_never_crash(tiny_model_path):
 @pytest.mark.gemma
 def test_swa_cache_reuse_falls_back_when_the_window_is_gone(gemma):
     assert gemma.n_swa > 0
-    with lc.Context.create(gemma, n_ctx=1024, swa_full=False) as ctx, lc.Sampler.create(gemma, temp=0) as smp:
-        prompt = ids(gemma, "word " * 700)[:700]
+    # The window cache holds n_swa + n_ubatch = 1024 cells: a 1300-token prompt overwrites the oldest.
+    with lc.Context.create(gemma, n_ctx=2048, swa_full=False) as ctx, lc.Sampler.create(gemma, temp=0) as smp:
+        prompt = ids(gemma, "word " * 1300)[:1300]
         ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True, cache_prompt=True)
         held = ctx.tokens
         # Cut back into the part whose window cells the cache has dropped: reuse must not happen...
         early = held[:300] + gemma.tokenize(" and then", add_special=False)
         out = ctx.generate(smp, early, max_tokens=8, cache_prompt=True, ignore_eos=True)
         assert out.timings.cached_tokens == 0
-        with lc.Context.create(gemma, n_ctx=1024, swa_full=False) as cold_ctx:
+        with lc.Context.create(gemma, n_ctx=2048, swa_full=False) as cold_ctx:
             cold = cold_ctx.generate(smp, early, max_tokens=8, ignore_eos=True)
         assert out.tokens == cold.tokens  # ...so the result is the cold run's
         # ...while continuing the whole history reuses it.
@@ -342,3 +343,18 @@ def test_adaptive_p_ends_the_chain_and_generates(tiny_model):
     assert a.tokens == b.tokens and len(a.tokens) == 12
     with pytest.raises(ValueError):
         lc.SamplingParams(adaptive_decay=1.5)
+
+
+@pytest.mark.gemma
+def test_server_swa_prefix_reuse_falls_back_when_the_window_is_gone(gemma):
+    prompt = ids(gemma, "word " * 1300)[:1300]  # longer than the window cache (n_swa + n_ubatch cells)
+    with lc.Server(model=gemma, n_parallel=1, n_ctx=2048, swa_full=False, temp=0) as srv:
+        first = srv.generate_tokens(prompt, max_tokens=4, ignore_eos=True)
+        cont = prompt + first.tokens + gemma.tokenize(" more", add_special=False)
+        second = srv.generate_tokens(cont, max_tokens=2, ignore_eos=True)
+        assert second.timings.cached_tokens >= len(prompt)  # continuing the whole history reuses it
+        early = prompt[:300] + gemma.tokenize(" and then", add_special=False)
+        out = srv.generate_tokens(early, max_tokens=8, ignore_eos=True)
+        assert out.timings.cached_tokens == 0  # the window before token 300 is gone: recomputed
+    with lc.Server(model=gemma, n_parallel=1, n_ctx=2048, swa_full=False, temp=0) as cold:
+        assert cold.generate_tokens(early, max_tokens=8, ignore_eos=True).tokens == out.tokens

@@ -183,6 +183,9 @@ class FakeKV:
         self.partial = partial
         self.calls = []
 
+    def complete(self, seq, n):
+        return True
+
     def forget(self, seq):
         self.calls.append(("forget", seq))
 
@@ -234,19 +237,44 @@ def test_dense_memory_reuses_partial_prefixes_and_adopts_across_slots():
     assert pool.acquire(c_req) is a and c_req.cached_tokens == 4 and ("truncate", a.seq_id, 4) in kv.calls
 
 
+class WindowKV(FakeKV):
+    """A sliding-window cache: sequence ``seq`` still holds cells from ``pos_min[seq]`` on."""
+
+    def __init__(self, n_swa, pos_min):
+        super().__init__()
+        self.n_swa, self.pos_min = n_swa, pos_min
+
+    def complete(self, seq, n):
+        return self.pos_min.get(seq, 0) <= max(0, n - self.n_swa)
+
+
+def test_sliding_window_prefixes_are_reused_only_while_their_window_is_held():
+    kv = WindowKV(n_swa=4, pos_min={0: 6, 1: 0})
+    pool = SlotPool(2, kv, unified=True, partial_reuse=True)
+    a = pool.acquire(_request(range(1, 11)))
+    a.tokens = list(range(1, 13))  # seq 0 grew to 12 tokens; cells below position 6 are gone
+    pool.release(a, keep=True)
+    short = _request(list(range(1, 6)) + [99, 98])  # shares 5 tokens: the window before 5 is gone
+    got = pool.acquire(short)
+    assert short.cached_tokens == 0 and not any(c[0] == "copy" for c in kv.calls)
+    pool.release(got, keep=False)
+    long = _request(list(range(1, 13)) + [50, 51])  # continues the whole history: its window is there
+    assert pool.acquire(long) is a and long.cached_tokens == 12
+
+
 def test_prompt_cache_lru_budget_and_longest_prefix():
-    cache = PromptCache(budget_bytes=250)
-    assert cache.put([1, 2, 3], b"a" * 100)
-    assert cache.put([1, 2, 4, 5], b"b" * 100)
+    cache = PromptCache(budget_bytes=250_000)
+    assert cache.put([1, 2, 3], b"a" * 100_000)
+    assert cache.put([1, 2, 4, 5], b"b" * 100_000)
     entry, n = cache.lookup([1, 2, 4, 5, 6])
     assert entry.tokens == (1, 2, 4, 5) and n == 4
     partial, n = cache.lookup([1, 2, 9])  # partial: some entry under [1, 2] (now the most recently used)
     assert partial is not None and n == 2
     assert cache.lookup([1, 2, 9], exact_only=True) == (None, 0)
     other = (1, 2, 4, 5) if partial.tokens == (1, 2, 3) else (1, 2, 3)
-    assert cache.put([7, 7, 7], b"c" * 100)  # over budget: the least recently used entry goes
-    assert len(cache) == 2 and cache.used <= 250
+    assert cache.put([7, 7, 7], b"c" * 100_000)  # over budget: the least recently used entry goes
+    assert len(cache) == 2 and cache.used <= 250_000
     assert cache.lookup(list(other), exact_only=True)[0] is None
     assert cache.lookup(list(partial.tokens), exact_only=True)[0] is partial
-    assert not cache.put([8], b"d" * 300)  # larger than the whole budget
+    assert not cache.put([8], b"d" * 300_000)  # larger than the whole budget
     assert cache.lookup([9]) == (None, 0)

@@ -232,19 +232,14 @@ def test_close_under_load_ends_every_request(tiny_model):
 
 def test_a_failed_decode_fails_only_its_requests(server, monkeypatch):
     engine = server._engine
-    real = engine._lib.llama_decode
+    real = engine._decode
     calls = {"n": 0}
 
-    class FailOnce:
-        def __getattr__(self, name):
-            return getattr(real_lib, name)
+    def fail_once(batch):
+        calls["n"] += 1
+        return 1 if calls["n"] == 1 else real(batch)
 
-        def llama_decode(self, ctx, batch):
-            calls["n"] += 1
-            return 1 if calls["n"] == 1 else real(ctx, batch)
-
-    real_lib = engine._lib
-    monkeypatch.setattr(engine, "_lib", FailOnce())
+    monkeypatch.setattr(engine, "_decode", fail_once)
     with pytest.raises(lc.DecodeError):
         server.generate("this one fails", max_tokens=5, temp=0)
     assert server.generate("this one works", max_tokens=5, temp=0, ignore_eos=True).tokens

@@ -35,6 +35,8 @@ _DECODE_ERRORS = {
 
 ABORTED = 2
 
+_P_U8 = ctypes.POINTER(ctypes.c_uint8)
+
 
 def check_decode(rc: int, what: str, n_tokens: int) -> None:
     """Raise :class:`DecodeError` for a non-zero ``llama_decode``/``llama_encode`` return code."""
@@ -456,17 +458,21 @@ class ContextLease:
     def seq_pos_min(self, seq_id: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq_id))
 
-    def state_seq_get(self, seq_id: int) -> bytes:
-        """The KV state of one sequence, as bytes."""
-        size = self._lib.llama_state_seq_get_size(self._ptr, seq_id)
-        buf = (ctypes.c_uint8 * size)()
-        n = self._lib.llama_state_seq_get_data(self._ptr, buf, size, seq_id)
-        return ctypes.string_at(buf, n)
+    def state_seq_get(self, seq_id: int) -> np.ndarray:
+        """The KV state of one sequence, as a uint8 array (bytes-like).
 
-    def state_seq_set(self, seq_id: int, state: bytes) -> bool:
-        """Restore one sequence's KV state from ``state_seq_get``; False if llama.cpp refused it."""
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        ok = self._lib.llama_state_seq_set_data(self._ptr, buf, len(state), seq_id) > 0
+        llama.cpp writes straight into a numpy buffer: no zero-fill and no copy while
+        holding the GIL (a state can be tens of MB; the ctypes call releases the GIL).
+        """
+        size = self._lib.llama_state_seq_get_size(self._ptr, seq_id)
+        buf = np.empty(size, dtype=np.uint8)
+        n = self._lib.llama_state_seq_get_data(self._ptr, buf.ctypes.data_as(_P_U8), size, seq_id)
+        return buf if n == size else buf[:n].copy()
+
+    def state_seq_set(self, seq_id: int, state) -> bool:
+        """Restore one sequence's KV state from ``state_seq_get`` (bytes-like); False if llama.cpp refused it."""
+        arr = state if isinstance(state, np.ndarray) else np.frombuffer(state, dtype=np.uint8)
+        ok = self._lib.llama_state_seq_set_data(self._ptr, arr.ctypes.data_as(_P_U8), arr.size, seq_id) > 0
         if seq_id == 0:
             del self.ctx._tokens[:]
         return ok

@@ -1,6 +1,6 @@
-"""The continuous-batching server: request state, slot pool, batching strategies, the tick loop, the API."""
+"""The continuous-batching server: requests, slot pool, strategies, the scheduler, the tick loop, the API."""
 
-from .engine import QueueFullError, ServerClosedError
+from .scheduler import QueueFullError, ServerClosedError
 from .server import Server, ServerStream
 from .strategies import Balanced, BatchStrategy, DecodeMaximal, Plan, PrefillPriority
 

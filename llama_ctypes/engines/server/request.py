@@ -1,4 +1,4 @@
-"""A server request: its state, its options, and the channel its tokens travel back on."""
+"""A server request: its state, its options, its text, and the channel its pieces travel back on."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import itertools
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from ...core.generation import GenerationParams, Timings
-from ...core.sampler import Sampler
+from ...core.generation import GenerationParams, StopFilter, Timings
 
 
 class Status(enum.IntEnum):
@@ -39,25 +38,29 @@ _ids = itertools.count(1)
 
 
 class Channel:
-    """Where the scheduler thread puts a request's items (token ids, then End or an exception).
+    """Where the scheduler thread puts a request's items (text pieces, then End or an exception).
 
     Synchronous consumers block on a queue; asyncio consumers get items through
     their event loop, so waiting never blocks the loop.
     """
+
+    __slots__ = ("loop", "sync", "aio")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop
         self.sync: queue.SimpleQueue | None = None if loop else queue.SimpleQueue()
         self.aio: asyncio.Queue | None = asyncio.Queue() if loop else None
 
-    def put(self, item: Any) -> None:
+    def put(self, item: Any) -> bool:
+        """Deliver ``item``; False when nobody can receive it any more (its event loop was closed)."""
         if self.sync is not None:
             self.sync.put(item)
-        else:
-            try:
-                self.loop.call_soon_threadsafe(self.aio.put_nowait, item)  # type: ignore[union-attr]
-            except RuntimeError:  # the loop was closed: nobody is listening any more
-                pass
+            return True
+        try:
+            self.loop.call_soon_threadsafe(self.aio.put_nowait, item)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop was closed: nobody is listening any more
+            return False
+        return True
 
     def get(self) -> Any:
         return self.sync.get()  # type: ignore[union-attr]
@@ -66,38 +69,98 @@ class Channel:
         return await self.aio.get()  # type: ignore[union-attr]
 
 
+class Detokenizer(Protocol):
+    """Token ids to UTF-8-safe text pieces (core's StreamDecoder)."""
+
+    def push(self, token: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class TextOut:
+    """A request's text as its tokens are produced: incremental detokenization, then stop strings.
+
+    It runs in the scheduler thread, where the tokens are sampled, so a request
+    ends at the token that completes a stop string however slowly its consumer
+    reads, and counts tokens exactly as the single-sequence path does.
+    """
+
+    __slots__ = ("_decoder", "_stops", "push")
+
+    def __init__(self, decoder: Detokenizer, stops: tuple[str, ...] = ()):
+        self._decoder = decoder
+        self._stops = StopFilter(stops) if stops else None
+        #: ``push(token) -> str``: the text that can be shown after ``token`` ("" while a character
+        #: or a possible stop string is incomplete). Without stops it is the decoder's own push.
+        self.push = self._push_with_stops if stops else decoder.push
+
+    def _push_with_stops(self, token: int) -> str:
+        return self._stops.feed(self._decoder.push(token))  # type: ignore[union-attr]
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string appeared (it is not part of the text)."""
+        return self._stops is not None and self._stops.stopped
+
+    def flush(self) -> str:
+        """The rest of the text at a natural end (eog, length); may complete a stop (see ``stopped``)."""
+        out = self._decoder.flush()
+        if self._stops is None:
+            return out
+        out = self._stops.feed(out)
+        return out if self._stops.stopped else out + self._stops.flush()
+
+
+class _Unset:
+    """Placeholder sampler for requests built without one (scheduler tests)."""
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(eq=False)
 class Request:
-    """One generation request, from submission to its end. Owned by the scheduler once admitted."""
+    """One generation request, from submission to its end. Owned by the scheduler once admitted.
+
+    ``generated`` and :meth:`timings` are frozen when the request ends.
+    """
 
     prompt: list[int]
     params: GenerationParams
-    sampler: Sampler
+    sampler: Any  # a core Sampler (closed by the scheduler when the request ends)
     channel: Channel
     session: Any = None
+    text: TextOut | None = None  # None: no text (token-only consumers, scheduler tests)
+    binding: Any = None  # the sampler's claim while running (a SamplerBinding), released at the end
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # admitted into a slot
     first_token: float | None = None
+    ended: float | None = None
     n_prefilled: int = 0  # prompt tokens already in the KV cache
     cached_tokens: int = 0  # of those, tokens reused from a cache instead of computed
     seq_id: int | None = None  # the slot that served it
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cancel_requested: bool = False
-    stop_reason: str | None = None  # set when the consumer ends it normally (a stop string)
+    queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
+
+    def __post_init__(self) -> None:
+        if self.sampler is None:
+            self.sampler = _Unset()
 
     @property
     def prefill_remaining(self) -> int:
         return len(self.prompt) - self.n_prefilled
 
     def timings(self) -> Timings:
+        """Timings so far; fixed once the request has ended."""
         t = Timings(prompt_tokens=len(self.prompt), generated_tokens=len(self.generated),
                     cached_tokens=self.cached_tokens)
+        now = self.ended if self.ended is not None else time.perf_counter()
         if self.first_token is not None:
             t.ttft_ms = (self.first_token - self.arrived) * 1e3
-            t.generation_ms = (time.perf_counter() - self.first_token) * 1e3
+            t.generation_ms = (now - self.first_token) * 1e3
         if self.started is not None:
-            t.prompt_ms = ((self.first_token or time.perf_counter()) - self.started) * 1e3
+            t.prompt_ms = ((self.first_token or now) - self.started) * 1e3
         return t

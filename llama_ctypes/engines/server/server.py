@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Mapping, Sequence
+import threading
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
+from ...errors import ArgumentTypeError, InvalidArgumentError
 from ...core.context import Context
-from ...core.generation import Completion, GenerationParams, LazyStream, StopFilter, check_prompt
+from ...core.generation import Completion, GenerationParams, LazyStream, check_prompt, prompt_tokens
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
-from ...core.tokenizer import StreamDecoder, Tokenizer
-from ...errors import ContextOverflowError
-from .engine import Engine, QueueFullError, ServerClosedError
-from .request import Channel, End, Request
+from ...core.tokenizer import StreamDecoder
+from .engine import Engine
+from .request import Channel, End, Request, TextOut
+from .scheduler import QueueFullError, ServerClosedError
 from .strategies import DecodeMaximal, resolve
 
 __all__ = ["Server", "ServerStream", "QueueFullError", "ServerClosedError"]
@@ -37,59 +39,72 @@ _RESERVED = ("n_seq_max", "embeddings")
 
 
 class _Consumer:
-    """Turns a request's channel items into text: UTF-8 assembly, stop strings, the end or an error."""
+    """The consumer's end of a request: collects its text pieces, ends on End, raises its error."""
+
+    __slots__ = ("server", "engine", "request", "pieces", "finish_reason", "error")
 
     def __init__(self, server: "Server", request: Request):
-        self.server = server
+        self.server = server  # a stream keeps its server alive (the server never refers to its streams)
+        self.engine = server._engine
         self.request = request
-        self.decoder = StreamDecoder(server.model, special=request.params.special)
-        self.stops = StopFilter(request.params.stop)
         self.pieces: list[str] = []
         self.finish_reason: str | None = None
+        self.error: BaseException | None = None
 
     def handle(self, item: Any) -> str:
-        """Text for one item ("" if none yet); sets finish_reason at the end; raises the request's error."""
-        if isinstance(item, int):
-            out = self.stops.feed(self.decoder.push(item))
-            if self.stops.stopped:
-                self.finish_reason = "stop"
-                self.server._engine.cancel(self.request, "stop")  # frees the slot at the next tick
-        elif isinstance(item, End):
+        """The text of one channel item ("" at the end); sets finish_reason at the end; raises errors."""
+        if item.__class__ is str:
+            self.pieces.append(item)
+            return item
+        if isinstance(item, End):
             self.finish_reason = item.finish_reason
-            out = self.stops.feed(self.decoder.flush())
-            if self.stops.stopped:
-                self.finish_reason = "stop"
-            else:
-                out += self.stops.flush()
-        else:
-            raise item
-        if out:
-            self.pieces.append(out)
-        return out
+            return ""
+        self.error = item
+        raise item
 
     def end(self) -> None:
         """Cancel the request if the consumer leaves before its end."""
-        if not self.request.status.done and self.finish_reason is None:
-            self.server._engine.cancel(self.request)
+        if self.finish_reason is None and self.error is None and not self.request.status.done:
+            self.engine.cancel(self.request)
 
     def completion(self) -> Completion:
-        return Completion("".join(self.pieces), list(self.request.generated), self.finish_reason or "length",
-                          len(self.request.prompt), self.request.timings())
+        request = self.request
+        return Completion("".join(self.pieces), list(request.generated), self.finish_reason or "length",
+                          len(request.prompt), request.timings())
+
+
+def _pieces(consumer: _Consumer) -> Iterator[str]:
+    """A stream's text pieces. It refers to the consumer, never to the stream, so dropping the stream
+    frees it at once by reference counting (closing this generator cancels the request)."""
+    get = consumer.request.channel.get
+    try:
+        while consumer.finish_reason is None:
+            out = consumer.handle(get())
+            if out:
+                yield out
+    finally:
+        consumer.end()
 
 
 class ServerStream(LazyStream):
     """A lazy stream of a server request's text pieces.
 
-    Breaking out, ``close()``, or dropping the stream cancels the request: its
-    slot and KV are freed at the next tick. After the end, ``finish_reason``,
-    ``tokens`` and ``text`` describe the result; ``request`` identifies it for
+    Breaking out of the loop and dropping the stream, ``close()``, or leaving a
+    ``with`` block cancels the request: its slot and KV are freed at the next
+    tick, with no wait for the garbage collector. ``cancel()`` may be called
+    from any thread, also while another thread iterates: the iterating thread
+    then gets :class:`~llama_ctypes.CancelledError` (after the pieces already
+    produced). ``close()`` from another thread cancels too: a thread waiting in
+    ``next()`` gets CancelledError, a later ``next()`` ends the iteration.
+    After the end, ``finish_reason``, ``tokens``, ``text`` and ``timings``
+    describe the result (frozen); ``request`` identifies it for
     :meth:`Server.cancel`.
     """
 
     def __init__(self, server: "Server", request: Request):
         self.request = request
         self._consumer = _Consumer(server, request)
-        self._gen = self._generate()
+        self._gen = _pieces(self._consumer)
 
     @property
     def finish_reason(self) -> str | None:
@@ -111,24 +126,17 @@ class ServerStream(LazyStream):
     def prompt_tokens(self) -> int:
         return len(self.request.prompt)
 
-    def _generate(self):
-        consumer, channel = self._consumer, self.request.channel
-        try:
-            while consumer.finish_reason is None:
-                out = consumer.handle(channel.get())
-                if out:
-                    yield out
-        finally:
-            consumer.end()
+    def cancel(self) -> None:
+        """Cancel the request (any thread): a waiting one leaves the queue at once, a running one ends
+        at the next tick. The iterating thread gets CancelledError."""
+        self._consumer.engine.cancel(self.request)
 
-    def close(self) -> None:
-        """Stop the request (if still running)."""
-        self._gen.close()
-        self._consumer.end()
+    def _after_close(self) -> None:
+        self._consumer.end()  # an unstarted generator's ``finally`` never runs
 
     def completion(self) -> Completion:
         """Run to the end and return the :class:`Completion`."""
-        for _ in self._gen:
+        for _ in self:
             pass
         return self._consumer.completion()
 
@@ -158,16 +166,16 @@ class Server:
                  n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
                  cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True, **opts: Any):
         if (model_path is None) == (model is None):
-            raise TypeError("pass exactly one of model_path or model")
+            raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
             if name in opts:
-                raise TypeError(f"the server sets {name} itself")
+                raise ArgumentTypeError(f"the server sets {name} itself")
         if not isinstance(n_parallel, int) or n_parallel < 1:
-            raise ValueError(f"n_parallel={n_parallel!r}: expected an integer >= 1")
+            raise InvalidArgumentError(f"n_parallel={n_parallel!r}: expected an integer >= 1")
         if not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue={max_queue!r}: expected an integer >= 0")
+            raise InvalidArgumentError(f"max_queue={max_queue!r}: expected an integer >= 0")
         if not isinstance(prompt_cache_ram_mb, (int, float)) or prompt_cache_ram_mb < 0:
-            raise ValueError(f"prompt_cache_ram_mb={prompt_cache_ram_mb!r}: expected a number >= 0")
+            raise InvalidArgumentError(f"prompt_cache_ram_mb={prompt_cache_ram_mb!r}: expected a number >= 0")
         model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="Server: unknown")
         SamplingParams(**sampling_opts)  # validate the defaults now
@@ -179,14 +187,16 @@ class Server:
             self._owns_model = True
         else:
             if model_opts:
-                raise TypeError(f"model options {sorted(model_opts)} need model_path (the model is already loaded)")
+                raise ArgumentTypeError(f"model options {sorted(model_opts)} need model_path (the model is already loaded)")
             self._owns_model = False
         self.model = model
         try:
             self._ctx = Context(model, ContextParams(**{
                 "n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
-                "n_seq_max": n_parallel, "kv_unified": kv_unified, **ctx_opts}))
-            self._ctx._begin_exclusive()  # the scheduler thread is its only user from now on
+                "n_seq_max": n_parallel, "kv_unified": kv_unified,
+                # one logits row per slot per tick (llama.cpp's default reserves n_batch rows)
+                "n_outputs_max": n_parallel, **ctx_opts}))
+            self._lease = self._ctx.lease()  # the scheduler thread is its only user from now on
         except BaseException:
             if self._owns_model:
                 model.close()
@@ -194,10 +204,11 @@ class Server:
         self.n_parallel = n_parallel
         self.n_ctx = min(n_ctx, self._ctx.n_ctx_seq)
         self.batch_strategy = strategy
-        self._engine = Engine(self._ctx, strategy, max_queue, n_ctx_seq=self.n_ctx,
+        self._engine = Engine(self._lease, strategy, max_queue, n_ctx_seq=self.n_ctx,
                               prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20))
-        self._engine.thread.start()
+        self._close_lock = threading.Lock()
         self._closed = False
+        self._engine.thread.start()
 
     # ---- submission ------------------------------------------------------------------------
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
@@ -209,19 +220,17 @@ class Server:
         merged = {**self._defaults, **opts}
         sampling_opts, gen_opts = split_options(merged, SamplingParams, GenerationParams, where="unknown request")
         params = GenerationParams(**gen_opts)
-        if isinstance(prompt, str):
-            tokens = Tokenizer.encode(self.model, prompt, add_special=params.add_special,
-                                      parse_special=params.parse_special)
-        else:
-            tokens = [int(t) for t in prompt]
-        check_prompt(self._ctx, tokens)
-        if len(tokens) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"prompt of {len(tokens)} tokens does not fit a server slot of {self.n_ctx} tokens "
-                "(at least one token must be generated); use a larger n_ctx", n_tokens=len(tokens), n_ctx=self.n_ctx)
-        sampler = Sampler(self.model, SamplingParams(**sampling_opts))
-        request = Request(tokens, params, sampler, Channel(loop), session=session)
-        self._engine.submit(request)
+        # (a text too long for a slot is refused before it is tokenized)
+        tokens = prompt_tokens(self.model, prompt, params, self.n_ctx)
+        check_prompt(self._ctx, tokens, self.n_ctx)
+        sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx)
+        try:
+            text = TextOut(StreamDecoder(self.model, special=params.special), params.stop)
+            request = Request(tokens, params, sampler, Channel(loop), session=session, text=text)
+        except BaseException:
+            sampler.close()
+            raise
+        self._engine.submit(request)  # closes the sampler when it refuses the request
         return request
 
     def stream(self, prompt: str, **opts: Any) -> ServerStream:
@@ -248,10 +257,10 @@ class Server:
         Cancelling the consuming task (or closing the iterator) cancels the request.
         """
         consumer = _Consumer(self, self._request(prompt, opts, asyncio.get_running_loop()))
-        channel = consumer.request.channel
+        aget = consumer.request.channel.aget
         try:
             while consumer.finish_reason is None:
-                out = consumer.handle(await channel.aget())
+                out = consumer.handle(await aget())
                 if out:
                     yield out
         finally:
@@ -270,7 +279,9 @@ class Server:
 
     # ---- control ------------------------------------------------------------------------------
     def cancel(self, request: Request | ServerStream) -> None:
-        """Cancel a request (or the request of a stream); its slot is freed at the next tick."""
+        """Cancel a request (or the request of a stream), from any thread: a waiting request leaves the
+        queue at once, a running one ends at the next tick, freeing its slot. Its consumer gets
+        CancelledError."""
         if isinstance(request, ServerStream):
             request = request.request
         self._engine.cancel(request)
@@ -302,22 +313,34 @@ class Server:
         }
 
     def kv_positions(self) -> list[int]:
-        """Largest KV position held by each slot's sequence (-1 = empty); for tests and debugging."""
-        lib, mem = self._ctx._lib, self._ctx._mem
-        return [int(lib.llama_memory_seq_pos_max(mem, s)) for s in range(self.n_parallel)]
+        """Largest KV position held by each slot's sequence (-1 = empty); for tests and debugging.
+
+        Asked on the scheduler thread between two ticks; raises ServerClosedError (a ClosedError)
+        after :meth:`close`."""
+        if self._closed:
+            raise ServerClosedError("the server is closed")
+        lease, n = self._lease, self.n_parallel
+        return self._engine.call(lambda: [lease.seq_pos_max(s) for s in range(n)])
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop the server: requests still waiting or running end with ServerClosedError."""
-        if self._closed:
-            return
-        self._closed = True
-        self._engine.close(timeout)
-        if self._engine.thread.is_alive():
-            # Still inside a decode after the timeout: freeing the context under it would crash
-            # the process, so it is left to the thread (and leaked if the thread never ends).
-            logger.warning("server scheduler did not stop within %s s; its context is not freed", timeout)
-            return
-        self._ctx._end_exclusive()
+        """Stop the server: requests still waiting or running end with ServerClosedError.
+
+        Waits up to ``timeout`` seconds for the scheduler thread to finish its tick. If it has not
+        (a decode still running), the thread frees the context (and the model, when the server
+        loaded it) itself as it ends: freeing them under a running decode would crash the process.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._engine.close(timeout, on_exit=self._free_native) \
+                and threading.current_thread() is not self._engine.thread:
+            logger.warning("server scheduler did not stop within %s s; it frees its context when it ends",
+                           timeout)
+
+    def _free_native(self) -> None:
+        """Free the context (and an owned model) once the scheduler thread has ended."""
+        self._lease.release()
         self._ctx.close()
         if self._owns_model:
             self.model.close()

@@ -10,7 +10,10 @@ second-level RAM cache keeps the states of evicted prefixes (see
 ``prompt_cache.py``).
 
 Recurrent and hybrid memories cannot drop a tail of their state: there only
-a request that continues a slot's whole history exactly reuses it.
+a request that continues a slot's whole history exactly reuses it. A
+sliding-window cache (``swa_full=False``) drops cells that fell out of the
+window; a prefix is reused, adopted or restored only while the window before
+its end is still held (``KVOps.complete``), as llama-server checks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class KVOps(Protocol):
     """The KV operations the pool needs (implemented over the server's context)."""
 
     def forget(self, seq: int) -> None: ...
+    def complete(self, seq: int, n: int) -> bool: ...
     def truncate(self, seq: int, keep: int) -> bool: ...
     def copy(self, src: int, dst: int, n: int) -> None: ...
     def save(self, seq: int) -> bytes: ...
@@ -87,14 +91,21 @@ class SlotPool:
 
     @property
     def n_free(self) -> int:
-        return sum(1 for s in self.slots if s.free)
+        return sum(1 for s in self.slots if s.request is None)
+
+    @property
+    def n_active(self) -> int:
+        return sum(1 for s in self.slots if s.request is not None)
 
     # ---- acquire ------------------------------------------------------------------------------
-    def _reusable(self, tokens: list[int], prompt: list[int]) -> int:
-        """Prompt tokens a sequence holding ``tokens`` can serve (at least one prompt token stays to decode)."""
+    def _reusable(self, slot: Slot, prompt: list[int]) -> int:
+        """Prompt tokens ``slot``'s sequence can serve (at least one prompt token stays to decode)."""
+        tokens = slot.tokens
         c = min(common_prefix(tokens, prompt), len(prompt) - 1)
         if not self.partial_reuse and c < len(tokens):
             return 0  # a recurrent state cannot be cut back
+        if c > 0 and not self.kv.complete(slot.seq_id, c):
+            return 0  # a sliding-window cache already dropped cells this prefix needs
         return c
 
     def acquire(self, request: Request) -> Slot | None:
@@ -108,12 +119,13 @@ class SlotPool:
         if cache and request.session is not None:
             slot = next((s for s in free if s.session == request.session), None)
         if slot is None and cache:
-            best = max(free, key=lambda s: (self._reusable(s.tokens, prompt), -s.last_used))
-            if self._reusable(best.tokens, prompt) > 0:
+            reuse = {s.seq_id: self._reusable(s, prompt) for s in free}
+            best = max(free, key=lambda s: (reuse[s.seq_id], -s.last_used))
+            if reuse[best.seq_id] > 0:
                 slot = best
         if slot is None:
             slot = min(free, key=lambda s: s.last_used)
-        reused = self._reusable(slot.tokens, prompt) if cache else 0
+        reused = self._reusable(slot, prompt) if cache else 0
         if cache and request.session is not None and slot.session == request.session \
                 and 0 < common_prefix(slot.tokens, prompt) < len(slot.tokens) - 1:
             # The session's history changed before its end (e.g. a template rewrote earlier turns).
@@ -143,7 +155,7 @@ class SlotPool:
             for other in self.slots:
                 if other is not slot:
                     c = min(common_prefix(other.tokens, prompt), len(prompt) - 1)
-                    if c > n:
+                    if c > n and self.kv.complete(other.seq_id, c):
                         donor, n = other, c
             if donor is not None:
                 self._evict(slot)
@@ -157,7 +169,8 @@ class SlotPool:
             if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
                 self._evict(slot)
                 if self.kv.restore(slot.seq_id, entry.state) and (
-                        n == len(entry.tokens) or self.kv.truncate(slot.seq_id, n)):
+                        n == len(entry.tokens) or self.kv.truncate(slot.seq_id, n)) \
+                        and self.kv.complete(slot.seq_id, n):
                     slot.tokens = prompt[:n]
                     self.stats.restored += 1
                     return n

@@ -16,6 +16,8 @@ the model, so it is tested with plain numbers.
 
 from __future__ import annotations
 
+from ...errors import ArgumentTypeError, InvalidArgumentError
+
 from dataclasses import dataclass
 from typing import Protocol, Sequence, TypeVar
 
@@ -81,7 +83,7 @@ class Balanced:
 
     def __init__(self, prefill_share: float = 0.5):
         if not 0.0 < prefill_share < 1.0:
-            raise ValueError(f"prefill_share={prefill_share}: expected a value in (0, 1)")
+            raise InvalidArgumentError(f"prefill_share={prefill_share}: expected a value in (0, 1)")
         self.prefill_share = prefill_share
 
     def plan(self, decoding, prefilling, budget):
@@ -100,6 +102,6 @@ def resolve(strategy) -> BatchStrategy:
     if isinstance(strategy, type):
         strategy = strategy()
     if not callable(getattr(strategy, "plan", None)):
-        raise TypeError(f"batch_strategy must be DecodeMaximal, PrefillPriority, Balanced or have plan(); "
+        raise ArgumentTypeError(f"batch_strategy must be DecodeMaximal, PrefillPriority, Balanced or have plan(); "
                         f"got {strategy!r}")
     return strategy

@@ -1,0 +1,333 @@
+"""The scheduler: the wait queue, admission, each tick's plan, and what a tick's outputs mean.
+
+It never calls llama.cpp itself (KV work goes through the pool's ``KVOps``,
+sampling and decoding are the engine's), so it is tested with a fake KV and
+synthetic outputs. One engine step, after vLLM's v1 engine::
+
+    with scheduler.cond: scheduler.take()    # pop waiting requests for the free slots (lock held briefly)
+    scheduler.admit()                        # prefix reuse: KV copies/saves/restores, without the lock
+    plan = scheduler.schedule()              # pure: which slots decode, which prompt chunks go in
+    outputs = engine.execute(plan)           # one llama_decode, then sample every output row
+    scheduler.update_from_output(plan, outputs)   # eog/stop/length/cancel, text to channels, releases
+
+A plan is a list of :class:`Step`: one per slot, the tokens it puts in the
+batch and which of them are sampled. Decoding is one token with one sampled
+row, a prompt chunk samples only its last row when it completes the prompt;
+a speculative step would carry the last token plus drafts, all sampled.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Sequence
+
+from ... import telemetry
+from ...errors import CancelledError, ClosedError, LlamaError
+from .request import End, Request, Status
+from .slots import Slot, SlotPool
+from .strategies import BatchStrategy
+
+
+class QueueFullError(LlamaError):
+    """The server's wait queue is at ``max_queue``; retry later."""
+
+
+class ServerClosedError(CancelledError, ClosedError):
+    """The server was closed (or failed) before the request finished, or is used after ``close()``."""
+
+
+_FIRST = (0,)
+_NONE = ()
+
+
+class Step:
+    """One slot's share of a tick: ``tokens`` go in the batch at the slot's next positions;
+    ``sample`` lists the indices (into ``tokens``) whose logits are sampled, in order.
+    The engine sets ``row``, the batch row of ``tokens[0]``."""
+
+    __slots__ = ("slot", "request", "tokens", "sample", "row")
+
+    def __init__(self, slot: Slot, tokens: list[int], sample: tuple[int, ...]):
+        self.slot = slot
+        self.request = slot.request
+        self.tokens = tokens
+        self.sample = sample
+        self.row = -1
+
+    def __repr__(self) -> str:
+        return f"Step(seq={self.slot.seq_id}, tokens={len(self.tokens)}, sample={self.sample})"
+
+
+class TickPlan:
+    """A tick: the steps to decode (decoding slots first), and slots whose requests were cancelled."""
+
+    __slots__ = ("steps", "cancelled", "n_decode")
+
+    def __init__(self, steps: list[Step], cancelled: list[Slot], n_decode: int):
+        self.steps = steps
+        self.cancelled = cancelled
+        self.n_decode = n_decode
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.steps)
+
+    @property
+    def n_outputs(self) -> int:
+        return sum(len(s.sample) for s in self.steps)
+
+
+class Scheduler:
+    """Bookkeeping of a server's requests and slots.
+
+    Thread safety: :meth:`submit`, :meth:`cancel`, :meth:`queue_length` and
+    :meth:`close` may be called from any thread; everything else belongs to the
+    scheduler thread. ``cond`` guards only the wait queue and the closing flag,
+    and is never held during KV work.
+
+    ``is_eog(token)`` tells end-of-generation tokens; ``bind(request)`` returns
+    the request's ``row -> token`` sampling function (the engine binds it to its
+    context); ``n_ctx_seq`` is the most tokens a slot holds.
+    """
+
+    def __init__(self, pool: SlotPool, strategy: BatchStrategy, budget: int, n_ctx_seq: int, *,
+                 max_queue: int = 0, is_eog: Callable[[int], bool] = lambda t: False,
+                 bind: Callable[[Request], Callable[[int], int] | None] = lambda r: None):
+        self.pool = pool
+        self.strategy = strategy
+        self.budget = budget
+        self.n_ctx_seq = n_ctx_seq
+        self.max_queue = max_queue
+        self.is_eog = is_eog
+        self.bind = bind
+        self.cond = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._admitting: collections.deque[Request] = collections.deque()  # taken, not yet in a slot
+        self.closing = False
+        self.failure: BaseException | None = None
+        self.prompt_tokens_evaluated = 0
+
+    # ---- client side (any thread) ----------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; raises ServerClosedError or QueueFullError (closing its sampler) if refused."""
+        with self.cond:
+            if self.closing or self.failure is not None:
+                error: LlamaError = ServerClosedError(
+                    "the server is closed" if self.failure is None else f"the server failed: {self.failure!r}")
+            elif self.max_queue and len(self._waiting) >= self.max_queue:
+                telemetry.emit("server.queue_full", {"queue_length": len(self._waiting)},
+                               {"max_queue": self.max_queue})
+                error = QueueFullError(f"the server queue is full ({self.max_queue} waiting requests)")
+            else:
+                request.queued = True
+                self._waiting.append(request)
+                self.cond.notify()
+                return
+        request.sampler.close()
+        raise error
+
+    def cancel(self, request: Request) -> None:
+        """End ``request``: at once if it still waits (it leaves the queue), else at the next tick."""
+        if request.status.done:
+            return
+        request.cancel_requested = True
+        with self.cond:
+            queued = request.queued
+            if queued:
+                request.queued = False
+                self._waiting.remove(request)
+            else:
+                self.cond.notify()
+        if queued:  # no longer reachable by the scheduler thread: end it here
+            self.finish(None, request, Status.CANCELLED)
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        """Refuse new requests and wake the scheduler thread so it ends."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    # ---- scheduler thread -------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._admitting or self.pool.n_active)
+
+    def take(self) -> None:
+        """Move waiting requests into admission, one per free slot. The caller holds ``cond``."""
+        n = self.pool.n_free - len(self._admitting)
+        waiting = self._waiting
+        while n > 0 and waiting:
+            request = waiting.popleft()
+            request.queued = False
+            self._admitting.append(request)
+            n -= 1
+
+    def admit(self) -> list[Slot]:
+        """Give each taken request its slot (prefix reuse may copy, save or restore KV state)."""
+        admitted = []
+        queue = self._admitting
+        while queue:
+            request = queue[0]
+            if request.cancel_requested:
+                queue.popleft()
+                self.finish(None, request, Status.CANCELLED)
+                continue
+            slot = self.pool.acquire(request)
+            queue.popleft()
+            request.status = Status.RUNNING
+            request.started = time.perf_counter()
+            request.seq_id = slot.seq_id
+            binding = request.binding = self.bind(request)
+            slot.sample = getattr(binding, "sample", binding)
+            admitted.append(slot)
+            if telemetry.enabled("server.request.start"):
+                telemetry.emit("server.request.start", {
+                    "queue_wait_ms": (request.started - request.arrived) * 1e3,
+                    "prompt_tokens": len(request.prompt)}, {"id": request.id})
+        return admitted
+
+    def schedule(self) -> TickPlan:
+        """This tick's plan: cancelled slots to end, then the strategy's split of the token budget."""
+        cancelled: list[Slot] = []
+        decoding: list[Slot] = []
+        prefilling: list[tuple[Slot, int]] = []
+        for slot in self.pool.slots:
+            request = slot.request
+            if request is None:
+                continue
+            if request.cancel_requested:
+                cancelled.append(slot)
+            elif request.n_prefilled == len(request.prompt):
+                decoding.append(slot)
+            else:
+                prefilling.append((slot, len(request.prompt) - request.n_prefilled))
+        if len(prefilling) > 1:
+            prefilling.sort(key=lambda sr: sr[0].request.arrived)
+        split = self.strategy.plan(decoding, prefilling, self.budget)
+        steps = [Step(slot, [slot.request.generated[-1]], _FIRST) for slot in split.decode]
+        n_decode = len(steps)
+        for slot, n in split.prefill:
+            request = slot.request
+            start, end = request.n_prefilled, request.n_prefilled + n
+            steps.append(Step(slot, request.prompt[start:end], (n - 1,) if end == len(request.prompt) else _NONE))
+        return TickPlan(steps, cancelled, n_decode)
+
+    def update_from_output(self, plan: TickPlan, outputs: Sequence[int] | None,
+                           error: BaseException | None = None, now: float | None = None) -> None:
+        """Apply a tick: ``outputs`` holds the sampled tokens of every step's ``sample`` rows, in plan
+        order; ``error`` (outputs None) fails the plan's requests, e.g. when the decode failed."""
+        for slot in plan.cancelled:
+            self.finish(slot, slot.request, Status.CANCELLED)
+        if error is not None:
+            for step in plan.steps:
+                self.finish(step.slot, step.request, Status.FAILED, error=error)
+            return
+        if now is None:
+            now = time.perf_counter()
+        k = 0
+        for step in plan.steps:
+            slot, request, tokens = step.slot, step.request, step.tokens
+            slot.tokens += tokens  # their KV is in the sequence now
+            n_prompt = len(request.prompt) - request.n_prefilled
+            if n_prompt:
+                n_prompt = min(n_prompt, len(tokens))
+                request.n_prefilled += n_prompt
+                self.prompt_tokens_evaluated += n_prompt
+            for _ in step.sample:
+                tok = outputs[k]  # type: ignore[index]
+                k += 1
+                if request.ended is None:  # not finished by an earlier token of this step
+                    self._accept(slot, request, tok, now)
+
+    def _accept(self, slot: Slot, request: Request, tok: int, now: float) -> None:
+        """One sampled token, counted exactly as the single-sequence token loop counts it."""
+        if request.first_token is None:
+            request.first_token = now
+        params = request.params
+        if not params.ignore_eos and self.is_eog(tok):
+            self._end(slot, request, "eog")
+            return
+        request.generated.append(tok)
+        text = request.text
+        if text is not None:
+            piece = text.push(tok)
+            if piece and not request.channel.put(piece):
+                request.cancel_requested = True  # its consumer is gone (its event loop was closed)
+            if text.stopped:
+                self.finish(slot, request, Status.FINISHED, "stop")
+                return
+        if len(request.generated) == params.max_tokens or len(slot.tokens) >= self.n_ctx_seq:
+            self._end(slot, request, "length")
+
+    def _end(self, slot: Slot, request: Request, reason: str) -> None:
+        """A natural end (eog, length): the held-back text goes out first, and may complete a stop."""
+        text = request.text
+        if text is not None:
+            piece = text.flush()
+            if text.stopped:
+                reason = "stop"
+            if piece:
+                request.channel.put(piece)
+        self.finish(slot, request, Status.FINISHED, reason)
+
+    def finish(self, slot: Slot | None, request: Request, status: Status, reason: str | None = None,
+               error: BaseException | None = None) -> None:
+        """End ``request`` (idempotent): freeze it, free its slot, close its sampler, tell its consumer."""
+        if request.status.done:
+            return
+        request.ended = time.perf_counter()
+        request.finish_reason = reason
+        request.status = status
+        release = getattr(request.binding, "release", None)
+        if release is not None:  # the sampler claim of a running request (before the sampler closes)
+            release()
+        request.binding = None
+        if slot is not None:
+            slot.sample = None
+            # A finished request's KV is a valid prefix cache; a cancelled or failed one is dropped.
+            self.pool.release(slot, keep=status is Status.FINISHED and request.params.cache_prompt)
+        request.sampler.close()
+        if status is Status.FINISHED:
+            request.channel.put(End(reason or "stop"))
+        elif status is Status.CANCELLED:
+            request.channel.put(CancelledError("the request was cancelled"))
+            if telemetry.enabled("server.request.cancelled"):
+                telemetry.emit("server.request.cancelled", {"generated_tokens": len(request.generated)},
+                               {"id": request.id})
+            return
+        else:
+            request.channel.put(error or ServerClosedError("the request failed"))
+        if telemetry.enabled("server.request.stop"):
+            t = request.timings()
+            telemetry.emit("server.request.stop", {
+                "queue_wait_ms": ((request.started or request.ended) - request.arrived) * 1e3,
+                "ttft_ms": t.ttft_ms, "duration_ms": (request.ended - request.arrived) * 1e3,
+                "prompt_tokens": len(request.prompt), "generated_tokens": len(request.generated)},
+                {"id": request.id, "finish_reason": reason if status is Status.FINISHED else "error"})
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every waiting, admitting and running request with ``error``; refuse new ones."""
+        with self.cond:
+            self.closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            for request in waiting:
+                request.queued = False
+        waiting += self._admitting
+        self._admitting.clear()
+        for request in waiting:
+            self.finish(None, request, Status.FAILED, error=error)
+        for slot in self.pool.slots:
+            request = slot.request
+            if request is None:
+                continue
+            try:
+                self.finish(slot, request, Status.FAILED, error=error)
+            except Exception:  # the context may be unusable; the caller must still be told
+                request.status = Status.FAILED
+                request.channel.put(error)
+                slot.request = None

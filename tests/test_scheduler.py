@@ -1,0 +1,336 @@
+"""The scheduler without a model: plans from the batch strategies, finish conditions, cancellation, the queue.
+
+A fake KV stands in for the context and synthetic sampled tokens for the decode
+(vLLM's v1 scheduler tests do the same), so every case is exact and fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_ctypes.core.generation import GenerationParams
+from llama_ctypes.engines.server.request import Channel, End, Request, Status, TextOut
+from llama_ctypes.engines.server.scheduler import QueueFullError, Scheduler, ServerClosedError, Step, TickPlan
+from llama_ctypes.engines.server.slots import SlotPool
+from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
+from llama_ctypes.errors import CancelledError, ClosedError, DecodeError
+
+EOG = 99
+
+
+class FakeKV:
+    def __init__(self):
+        self.calls = []
+
+    def complete(self, seq, n):
+        return True
+
+    def forget(self, seq):
+        self.calls.append(("forget", seq))
+
+    def truncate(self, seq, keep):
+        self.calls.append(("truncate", seq, keep))
+        return True
+
+    def copy(self, src, dst, n):
+        self.calls.append(("copy", src, dst, n))
+
+    def save(self, seq):
+        return b"x" * 10
+
+    def restore(self, seq, state):
+        return True
+
+
+class Letters:
+    """Token t is the letter chr(ord('a') + t); token 50 is the first half of a two-token character."""
+
+    def __init__(self):
+        self.held = ""
+
+    def push(self, tok):
+        if tok == 50:
+            self.held = "é"
+            return ""
+        out, self.held = self.held + chr(ord("a") + tok), ""
+        return out
+
+    def flush(self):
+        out, self.held = self.held, ""
+        return out
+
+
+class FakeSampler:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def make(n_parallel=2, strategy=None, budget=8, n_ctx=64, max_queue=0):
+    pool = SlotPool(n_parallel, FakeKV(), unified=True, partial_reuse=True)
+    return Scheduler(pool, strategy or DecodeMaximal(), budget, n_ctx, max_queue=max_queue,
+                     is_eog=lambda t: t == EOG)
+
+
+def req(prompt, *, max_tokens=8, stop=(), ignore_eos=False, cache=False):
+    params = GenerationParams(max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, cache_prompt=cache)
+    return Request(list(prompt), params, FakeSampler(), Channel(), text=TextOut(Letters(), params.stop))
+
+
+def plan(sched):
+    with sched.cond:
+        sched.take()
+    sched.admit()
+    return sched.schedule()
+
+
+def items(request):
+    out = []
+    while not request.channel.sync.empty():
+        out.append(request.channel.get())
+    return out
+
+
+def tick(sched, *tokens):
+    """Schedule, then apply ``tokens`` as the sampled outputs; returns the plan."""
+    p = plan(sched)
+    assert p.n_outputs == len(tokens), p.steps
+    sched.update_from_output(p, list(tokens))
+    return p
+
+
+# ---- plans ------------------------------------------------------------------------------------------
+
+def test_prompt_is_chunked_then_decoded_one_token_per_tick():
+    s = make(n_parallel=1, budget=8)
+    r = req(range(20))
+    s.submit(r)
+    chunks = []
+    for _ in range(2):
+        p = plan(s)
+        (step,) = p.steps
+        assert step.sample == ()  # a chunk that does not finish the prompt samples nothing
+        chunks.append(step.tokens)
+        s.update_from_output(p, [])
+    p = plan(s)
+    assert p.steps[0].tokens == list(range(16, 20)) and p.steps[0].sample == (3,)
+    s.update_from_output(p, [2])
+    assert chunks == [list(range(8)), list(range(8, 16))]
+    assert r.n_prefilled == 20 and r.generated == [2] and s.prompt_tokens_evaluated == 20
+    p = plan(s)
+    assert [(st.tokens, st.sample) for st in p.steps] == [([2], (0,))] and p.n_decode == 1
+    s.update_from_output(p, [3])
+    assert r.generated == [2, 3] and s.pool.slots[0].tokens == list(range(20)) + [2]
+    assert items(r) == ["c", "d"]
+
+
+@pytest.mark.parametrize("strategy, expect_decode, expect_prefill", [
+    (DecodeMaximal(), 3, [5]),        # every decoding slot first; the prompt gets the rest
+    (PrefillPriority(), 0, [8]),      # the prompt first: running requests pause
+    (Balanced(), 3, [5]),             # half the budget reserved for prompts, decoding needs only 3
+])
+def test_strategies_spend_the_token_budget(strategy, expect_decode, expect_prefill):
+    s = make(n_parallel=4, strategy=strategy, budget=8)
+    running = [req([i, i]) for i in range(3)]
+    for r in running:
+        s.submit(r)
+    tick(s, 1, 1, 1)  # the three short prompts prefill together, each samples its first token
+    s.submit(req(range(30)))
+    p = plan(s)
+    assert p.n_decode == expect_decode
+    assert [len(st.tokens) for st in p.steps[p.n_decode:]] == expect_prefill
+    assert p.n_tokens <= 8
+    assert all(st.sample == (0,) for st in p.steps[:p.n_decode])
+
+
+def test_balanced_caps_decoding_when_prompts_wait():
+    s = make(n_parallel=6, strategy=Balanced(), budget=8)
+    for i in range(5):
+        s.submit(req([i]))
+    tick(s, *[1] * 5)
+    s.submit(req(range(30)))
+    p = plan(s)
+    assert p.n_decode == 4 and len(p.steps[-1].tokens) == 4
+
+
+# ---- finish conditions ---------------------------------------------------------------------------------
+
+def test_eog_ends_without_counting_the_token():
+    s = make()
+    r = req([1, 2, 3])
+    s.submit(r)
+    tick(s, 0)
+    tick(s, EOG)
+    assert r.status is Status.FINISHED and r.finish_reason == "eog" and r.generated == [0]
+    assert items(r) == ["a", End("eog")]
+    assert all(slot.free for slot in s.pool.slots) and r.sampler.closed
+
+
+def test_ignore_eos_counts_eog_tokens():
+    s = make()
+    r = req([1], max_tokens=2, ignore_eos=True)
+    s.submit(r)
+    tick(s, EOG)
+    tick(s, EOG)
+    assert r.generated == [EOG, EOG] and r.finish_reason == "length"
+
+
+def test_length_ends_at_max_tokens_and_at_a_full_slot():
+    s = make(n_ctx=6)
+    a, b = req([1, 2], max_tokens=3), req([1, 2, 3, 4], max_tokens=50)
+    s.submit(a)
+    s.submit(b)
+    tick(s, 0, 0)
+    tick(s, 1, 1)  # b: 4 prompt + 1 generated token in KV
+    assert b.status is Status.RUNNING
+    tick(s, 2, 2)  # b's slot now holds 6 tokens: full, as the single-sequence loop counts it
+    assert a.generated == [0, 1, 2] and a.finish_reason == "length"
+    assert b.generated == [0, 1, 2] and b.finish_reason == "length"
+
+
+def test_stop_string_ends_at_the_token_that_completes_it():
+    s = make()
+    r = req([1], stop=["cd"], max_tokens=50)
+    s.submit(r)
+    for tok in (0, 1, 2, 3):
+        tick(s, tok)
+    assert r.finish_reason == "stop" and r.generated == [0, 1, 2, 3]
+    assert "".join(i for i in items(r) if isinstance(i, str)) == "ab"
+    assert s.pool.n_active == 0 and plan(s).steps == []
+
+
+def test_stop_completed_by_the_final_flush():
+    s = make()
+    r = req([1], stop=["é"], max_tokens=2)
+    s.submit(r)
+    tick(s, 0)
+    tick(s, 50)  # "é" is held back by the decoder until the end
+    assert r.finish_reason == "stop" and r.generated == [0, 50]
+    assert items(r) == ["a", End("stop")]
+
+
+def test_timings_and_tokens_are_frozen_at_the_end():
+    s = make()
+    r = req([1], max_tokens=2)
+    s.submit(r)
+    tick(s, 0)
+    tick(s, 1)
+    first = r.timings()
+    assert r.timings() == first and first.generated_tokens == 2
+
+
+# ---- cancellation and the queue ----------------------------------------------------------------------
+
+def test_cancel_running_frees_its_slot_at_the_next_tick():
+    s = make(n_parallel=1)
+    r = req([1, 2, 3], max_tokens=50)
+    s.submit(r)
+    tick(s, 0)
+    s.cancel(r)
+    p = plan(s)
+    assert p.steps == [] and [sl.request for sl in p.cancelled] == [r]
+    s.update_from_output(p, [])
+    assert r.status is Status.CANCELLED and s.pool.slots[0].free and ("forget", 0) in s.pool.kv.calls
+    assert isinstance(items(r)[-1], CancelledError) and r.sampler.closed
+
+
+def test_cancelled_waiting_requests_leave_the_queue_at_once():
+    s = make(n_parallel=1, max_queue=2)
+    running = req([1], max_tokens=50)
+    s.submit(running)
+    tick(s, 0)
+    waiting = [req([2]), req([3])]
+    for r in waiting:
+        s.submit(r)
+    with pytest.raises(QueueFullError):
+        s.submit(req([4]))
+    for r in waiting:
+        s.cancel(r)
+        assert r.status is Status.CANCELLED and isinstance(items(r)[-1], CancelledError)
+    assert s.queue_length() == 0
+    s.submit(req([5]))  # room again
+    s.cancel(waiting[0])  # cancelling twice is harmless
+    assert s.queue_length() == 1
+
+
+def test_a_request_cancelled_while_being_admitted_never_takes_a_slot():
+    s = make(n_parallel=1)
+    r = req([1])
+    s.submit(r)
+    with s.cond:
+        s.take()
+    s.cancel(r)  # taken from the queue, not yet in a slot: the scheduler thread ends it
+    s.admit()
+    assert r.status is Status.CANCELLED and s.pool.n_active == 0
+
+
+def test_refused_requests_close_their_sampler():
+    s = make(n_parallel=1, max_queue=1)
+    s.submit(req([1]))
+    full = req([2])
+    with pytest.raises(QueueFullError):
+        s.submit(full)
+    assert full.sampler.closed
+    s.close()
+    late = req([3])
+    with pytest.raises(ServerClosedError) as info:
+        s.submit(late)
+    assert late.sampler.closed and isinstance(info.value, ClosedError) and isinstance(info.value, CancelledError)
+
+
+def test_an_unreachable_consumer_cancels_its_request():
+    s = make(n_parallel=1)
+    class Gone(Channel):
+        def put(self, item):
+            return False  # its event loop was closed
+
+    r = req([1], max_tokens=50)
+    r.channel = Gone()
+    s.submit(r)
+    tick(s, 0)
+    assert r.cancel_requested
+    s.update_from_output(plan(s), [])
+    assert r.status is Status.CANCELLED and s.pool.n_active == 0
+
+
+def test_a_failed_decode_fails_only_the_planned_requests():
+    s = make(n_parallel=2, budget=2)
+    a, b = req([1], max_tokens=50), req(range(10), max_tokens=50)
+    s.submit(a)
+    tick(s, 0)
+    s.submit(b)
+    p = plan(s)
+    s.update_from_output(p, None, DecodeError("boom", code=1))
+    assert a.status is b.status is Status.FAILED and isinstance(items(a)[-1], DecodeError)
+    assert s.pool.n_active == 0
+
+
+def test_fail_all_ends_waiting_and_running_requests():
+    s = make(n_parallel=1)
+    running, waiting = req([1], max_tokens=50), req([2])
+    s.submit(running)
+    tick(s, 0)
+    s.submit(waiting)
+    s.fail_all(ServerClosedError("closed"))
+    for r in (running, waiting):
+        assert r.status is Status.FAILED and isinstance(items(r)[-1], ServerClosedError)
+    with pytest.raises(ServerClosedError):
+        s.submit(req([3]))
+
+
+# ---- several tokens per step (the shape speculative decoding needs) --------------------------------
+
+def test_a_step_may_carry_several_sampled_tokens():
+    s = make(n_parallel=2)
+    a, b = req([1], max_tokens=50), req([2], max_tokens=50)
+    s.submit(a)
+    s.submit(b)
+    tick(s, 0, 0)
+    a_slot, b_slot = s.pool.slots[a.seq_id], s.pool.slots[b.seq_id]
+    # a verifies two draft tokens (three rows sampled), b decodes one token
+    p = TickPlan([Step(a_slot, [0, 5, 6], (0, 1, 2)), Step(b_slot, [0], (0,))], [], 2)
+    s.update_from_output(p, [5, EOG, 7, 4])  # a ends at its second output; its third is ignored
+    assert a.generated == [0, 5] and a.finish_reason == "eog"
+    assert b.generated == [0, 4] and b_slot.tokens == [2, 0]
+    assert a_slot.free and not b_slot.free
