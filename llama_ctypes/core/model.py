@@ -56,10 +56,8 @@ class Model(NativeHandle):
         except BaseException:
             self._mark_dead()
             raise
-        self._vocab = self._lib.llama_model_get_vocab(self._ptr)
-        self.vocab = Vocab(self, self._vocab)
+        self.vocab = Vocab(self, self._lib.llama_model_get_vocab(self._ptr))
         """The vocabulary: tokenize, token bytes, end-of-generation flags (see :class:`Vocab`)."""
-        self._eog_cache = self.vocab._eog  # TODO(recut): engines use model.vocab.is_eog
         # Resources other layers attach to the model (the one-call API's context pool),
         # closed with it; the model itself knows nothing of them.
         self._attach_lock = threading.Lock()

@@ -181,17 +181,6 @@ def _argmax_fn(logits_of: Callable[[int], np.ndarray]) -> Callable[[int], int]:
     return lambda idx: int(logits_of(idx).argmax())
 
 
-def _as_lease(ctx):
-    """A ContextLease for a lease, or a non-claiming view over a Context the caller already holds."""
-    from .context import ContextLease
-
-    if isinstance(ctx, ContextLease):
-        return ctx
-    view = ContextLease.__new__(ContextLease)  # the caller holds ctx exclusively (the server engine)
-    view.ctx, view._lib, view._ptr, view._mem, view._held = ctx, ctx._lib, ctx._ptr, ctx._mem, False
-    return view
-
-
 class SamplerBinding:
     """A Sampler claimed for one generation on one leased context: ``sample(idx) -> token``.
 
@@ -374,13 +363,6 @@ class Sampler(NativeHandle):
         meanwhile does not stop the claim.
         """
         return SamplerBinding(self, lease, held)
-
-    def sample_fn(self, ctx) -> Callable[[int], int]:
-        """A function ``idx -> token`` for hot loops; the caller holds ``ctx`` and this sampler exclusively.
-
-        Prefer :meth:`bind`, which claims the sampler for you.
-        """
-        return self._sample_fn(_as_lease(ctx))
 
     def _sample_fn(self, lease) -> Callable[[int], int]:
         # The cheapest exact strategy: a numpy argmax for plain greedy, the llama.cpp chain
