@@ -17,21 +17,37 @@ Environment:
 The built libraries are cached under ``<cache>/native/<key>/lib`` where key
 hashes the llama.cpp source id, the backend, the CMake flags and the adapter
 sources, so a second install with the same inputs does not compile anything.
+
+The CMake build folder (``<cache>/build/<key>``) outlives whatever ran it: a pip
+build environment that is deleted afterwards, a second checkout, an sdist
+unpacked to a new temporary folder. So CMake is only ever pointed at paths that
+stay put: the pinned llama.cpp tree is copied once to ``<cache>/src/<source id>``,
+this folder's CMakeLists.txt and adapter/ are mirrored to
+``<cache>/project/<key>``, and a cache configured by a CMake, Ninja or source
+folder that is gone or different is configured afresh, keeping the compiled
+objects. Another CMake or Ninja version recompiles everything, so the build keeps
+to the cmake and ninja that configured the folder while they exist, else prefers
+installed ones to those of pip's temporary build environment. A lock file
+serializes builds of one key across processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -179,6 +195,229 @@ def _is_package_lib(path: Path) -> bool:
     return stem.startswith("ggml") or stem in ("llama", "llama-common", "llama_ctypes_adapter")
 
 
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing) across processes.
+
+    Plain fcntl/msvcrt rather than the filelock package: a pip build environment
+    holds only the build requirements.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as fh:
+        if os.name == "nt":
+            import msvcrt
+
+            fh.seek(0)
+            waited = False
+            while True:
+                try:
+                    msvcrt.locking(fh.fileno(), msvcrt.LK_NBLCK, 1)
+                    break
+                except OSError:
+                    if not waited:
+                        log(f"waiting for another build (lock {path})")
+                        waited = True
+                    time.sleep(0.5)
+            try:
+                yield
+            finally:
+                fh.seek(0)
+                msvcrt.locking(fh.fileno(), msvcrt.LK_UNLCK, 1)
+        else:
+            import fcntl
+
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                log(f"waiting for another build (lock {path})")
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Replace path's content atomically, leaving it (and its mtime) alone when equal."""
+    if path.is_file() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def sync_project(dest: Path) -> Path:
+    """Mirror CMakeLists.txt and adapter/ to dest, the CMake source folder of a build.
+
+    CMake ties a build folder to its source folder for good, and this folder
+    differs between checkouts and between pip's temporary copies; dest does not.
+    Unchanged files keep their mtime, so nothing recompiles for a mere move.
+    """
+    files = {"CMakeLists.txt": HERE / "CMakeLists.txt"}
+    files.update({f"adapter/{p.name}": p for p in (HERE / "adapter").iterdir() if p.is_file()})
+    for rel, src in files.items():
+        _write_if_changed(dest / rel, src.read_bytes())
+    for old in (dest / "adapter").iterdir():
+        if old.is_file() and f"adapter/{old.name}" not in files:
+            old.unlink()
+    return dest
+
+
+def read_cmake_cache(path: Path) -> dict[str, str]:
+    """The entries of a CMakeCache.txt (NAME:TYPE=VALUE lines); {} when there is none."""
+    entries: dict[str, str] = {}
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return entries
+    for line in text.splitlines():
+        if not line or line.startswith(("#", "//")) or "=" not in line:
+            continue
+        name_type, value = line.split("=", 1)
+        entries[name_type.split(":", 1)[0]] = value
+    return entries
+
+
+def _program_exists(program: str | None) -> bool:
+    if not program:
+        return False
+    return os.path.isfile(program) if os.path.isabs(program) else shutil.which(program) is not None
+
+
+def _is_temporary(path: str) -> bool:
+    """Under the temporary folder, as pip's build environment is: gone after this build."""
+    try:
+        return Path(tempfile.gettempdir()).resolve() in Path(path).resolve().parents
+    except OSError:
+        return True
+
+
+def _on_path(name: str) -> list[str]:
+    """Every ``name`` executable on PATH, in PATH order (then, for ninja, the PyPI package's)."""
+    found: list[str] = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        exe = shutil.which(name, path=folder) if folder else None
+        if exe and os.path.abspath(exe) not in found:
+            found.append(os.path.abspath(exe))
+    if name == "ninja":
+        try:  # the PyPI package (a build requirement) without its script on PATH
+            import ninja  # type: ignore[import-not-found]
+
+            for exe in (Path(ninja.BIN_DIR) / "ninja", Path(ninja.BIN_DIR) / "ninja.exe"):
+                if exe.is_file() and str(exe) not in found:
+                    found.append(str(exe))
+        except (ImportError, AttributeError):
+            pass
+    return found
+
+
+def _version(exe: str) -> tuple[int, ...] | None:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"(\d+)\.(\d+)\.(\d+)", out)
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
+def _choose_tool(name: str, cached: str | None, min_version: tuple[int, ...] | None = None) -> str | None:
+    """The cmake or ninja to use for a build folder.
+
+    Ninja recompiles everything when the ninja version (its log format) or the CMake
+    version (the order of compiler flags) changes, so: the one that configured the
+    folder if it is still there, else one that outlives this build (pip's build
+    environment does not) so that the next build can use it again, else any.
+    """
+    candidates = ([cached] if _program_exists(cached) else []) + _on_path(name)
+    ordered = [c for c in candidates if not _is_temporary(c)] + [c for c in candidates if _is_temporary(c)]
+    for exe in ordered:
+        if min_version is None or (_version(exe) or (0,)) >= min_version:
+            return exe
+    return None
+
+
+def _same_path(a: str | None, b: Path) -> bool:
+    if not a:
+        return False
+    try:
+        return Path(a).resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _forget_configuration(build_dir: Path) -> None:
+    """Drop what CMake remembers (CMakeCache.txt, CMakeFiles/ but the targets' object folders).
+
+    The objects and Ninja's log stay, so a build with the same commands recompiles nothing.
+    """
+    (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
+    files = build_dir / "CMakeFiles"
+    if files.is_dir():
+        for entry in files.iterdir():
+            if entry.is_dir() and entry.name.endswith(".dir"):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+def prepare_build_dir(build_dir: Path, project: Path, tree: Path) -> tuple[str, list[str]]:
+    """Make build_dir configurable from here, whatever configured it before.
+
+    Returns the cmake to run and the generator arguments for the configure command.
+    A configuration made from another source folder or llama.cpp tree, by a CMake
+    that is gone or of another version, or with a make program (pip's temporary
+    ninja) that is gone, is forgotten and redone with the same generator; the
+    objects are kept. A Ninja folder with no Ninja around any more is removed.
+    """
+    cache = read_cmake_cache(build_dir / "CMakeCache.txt")
+    cmake = _choose_tool("cmake", cache.get("CMAKE_COMMAND"), (3, 21)) or "cmake"
+    generator = cache.get("CMAKE_GENERATOR", "")
+    ninja = _choose_tool("ninja", cache.get("CMAKE_MAKE_PROGRAM") if generator == "Ninja" else None)
+    if cache and generator == "Ninja" and ninja is None:
+        log(f"{build_dir} was built with Ninja, which is not available now; starting it afresh")
+        shutil.rmtree(build_dir, ignore_errors=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cache = {}
+    if cache:
+        reasons = []
+        if not _same_path(cache.get("CMAKE_HOME_DIRECTORY"), project):
+            reasons.append(f"source folder was {cache.get('CMAKE_HOME_DIRECTORY')}")
+        if not _same_path(cache.get("LLAMA_CPP_DIR"), tree):
+            reasons.append(f"llama.cpp tree was {cache.get('LLAMA_CPP_DIR')}")
+        cached_version = tuple(
+            int(v) if v.isdigit() else -1
+            for v in (cache.get(f"CMAKE_CACHE_{part}_VERSION", "") for part in ("MAJOR", "MINOR", "PATCH"))
+        )
+        if not _program_exists(cache.get("CMAKE_COMMAND")):
+            reasons.append(f"cmake {cache.get('CMAKE_COMMAND')} is gone")
+        elif cached_version != _version(cmake):
+            reasons.append("configured by CMake " + ".".join(map(str, cached_version)))
+        if not _program_exists(cache.get("CMAKE_MAKE_PROGRAM")):
+            reasons.append(f"make program {cache.get('CMAKE_MAKE_PROGRAM')} is gone")
+        if not reasons:
+            return cmake, []  # CMake keeps its generator and make program
+        log(f"reconfiguring {build_dir} ({'; '.join(reasons)})")
+        _forget_configuration(build_dir)
+        if generator and generator != "Ninja":
+            args = ["-G", generator]
+            for var, flag in (("CMAKE_GENERATOR_PLATFORM", "-A"), ("CMAKE_GENERATOR_TOOLSET", "-T")):
+                if cache.get(var):
+                    args += [flag, cache[var]]
+            return cmake, args
+    if ninja:
+        return cmake, ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    return cmake, []
+
+
+def _have_build(out: Path, tools: bool) -> bool:
+    have_libs = (out / "build_info.json").exists() and any((out / "lib").glob("*llama_ctypes_adapter*"))
+    have_tools = (out / "bin" / "llama-bench").exists() or (out / "bin" / "llama-bench.exe").exists()
+    return have_libs and (have_tools or not tools)
+
+
 def build(
     backend: str | None = None,
     extra_cmake_args: list[str] | None = None,
@@ -193,67 +432,74 @@ def build(
     if tools is None:
         tools = os.environ.get("LLAMA_CTYPES_TOOLS") == "1"
     root = cache_root()
-    tree, source_id = llama_source.ensure_source(ROOT / "vendor" / "llama.cpp", root / "src", llama_cpp_dir)
+    with _locked(root / "src" / ".lock"):
+        tree, source_id = llama_source.ensure_source(ROOT / "vendor" / "llama.cpp", root / "src", llama_cpp_dir)
     cmake_args = backend_cmake_args(backend) + extra_cmake_args
     key = cache_key(source_id, backend, cmake_args)
     out = root / "native" / key
-    lib_dir, bin_dir = out / "lib", out / "bin"
-    info_path = out / "build_info.json"
 
-    have_libs = info_path.exists() and any(lib_dir.glob("*llama_ctypes_adapter*"))
-    have_tools = (bin_dir / "llama-bench").exists() or (bin_dir / "llama-bench.exe").exists()
-    if have_libs and (have_tools or not tools) and not force:
+    if _have_build(out, tools) and not force:
         log(f"reusing cached build {out}")
         return out
 
     check_toolchain(backend)
-    build_dir = root / "build" / cache_key(source_id, backend, cmake_args, with_adapter=False)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    configure = [
-        "cmake", "-S", str(HERE), "-B", str(build_dir),
-        "-DCMAKE_BUILD_TYPE=Release",
-        f"-DLLAMA_CPP_DIR={tree}",
-        f"-DLLAMA_CTYPES_TOOLS={'ON' if tools else 'OFF'}",
-    ]
-    if shutil.which("ninja") and not (build_dir / "CMakeCache.txt").exists():
-        configure += ["-G", "Ninja"]
-    t0 = time.monotonic()
-    _run(configure + cmake_args)
-    targets = ["llama_ctypes_adapter"] + (["llama-bench", "llama-server"] if tools else [])
-    jobs = str(os.cpu_count() or 2)
-    _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *targets])
-    elapsed = time.monotonic() - t0
+    if source_id == llama_source.PIN_ID:
+        # The checkout's vendor/ tree stays (the tests read its models/); CMake gets a
+        # copy whose path and mtimes do not depend on which checkout or sdist runs this.
+        with _locked(root / "src" / ".lock"):
+            tree = llama_source.stable_copy(tree, root / "src" / source_id)
+    build_key = cache_key(source_id, backend, cmake_args, with_adapter=False)
+    build_dir = root / "build" / build_key
+    with _locked(root / "build" / f"{build_key}.lock"):
+        if _have_build(out, tools) and not force:
+            log(f"reusing cached build {out} (built by another process meanwhile)")
+            return out
+        build_dir.mkdir(parents=True, exist_ok=True)
+        project = sync_project(root / "project" / build_key)
+        cmake, generator_args = prepare_build_dir(build_dir, project, tree)
+        configure = [
+            cmake, "-S", str(project), "-B", str(build_dir), *generator_args,
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DLLAMA_CPP_DIR={tree}",
+            f"-DLLAMA_CTYPES_TOOLS={'ON' if tools else 'OFF'}",
+        ]
+        t0 = time.monotonic()
+        _run(configure + cmake_args)
+        targets = ["llama_ctypes_adapter"] + (["llama-bench", "llama-server"] if tools else [])
+        jobs = str(os.cpu_count() or 2)
+        _run([cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *targets])
+        elapsed = time.monotonic() - t0
 
-    built = build_dir / "bin"
-    if sys.platform == "win32" and (built / "Release").is_dir():
-        built = built / "Release"
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    (staging / "lib").mkdir(parents=True)
-    if tools:
-        (staging / "bin").mkdir()
-    for lib in _shared_libs(built):
-        if _is_package_lib(lib):
-            shutil.copy2(lib, staging / "lib" / lib.name)
-        elif tools:  # libraries only the tools use
-            shutil.copy2(lib, staging / "bin" / lib.name)
-    if tools:
-        for exe in ("llama-bench", "llama-server"):
-            for cand in (built / exe, built / f"{exe}.exe"):
-                if cand.exists():
-                    shutil.copy2(cand, staging / "bin" / cand.name)
-    info = {
-        "llama_cpp_source": source_id,
-        "llama_cpp_dir": str(tree),
-        "backend": backend,
-        "cmake_args": cmake_args,
-        "cache_key": key,
-        "build_seconds": round(elapsed, 1),
-        "platform": [sys.platform, platform.machine()],
-    }
-    (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(staging, out)
+        built = build_dir / "bin"
+        if sys.platform == "win32" and (built / "Release").is_dir():
+            built = built / "Release"
+        staging = out.with_name(out.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "lib").mkdir(parents=True)
+        if tools:
+            (staging / "bin").mkdir()
+        for lib in _shared_libs(built):
+            if _is_package_lib(lib):
+                shutil.copy2(lib, staging / "lib" / lib.name)
+            elif tools:  # libraries only the tools use
+                shutil.copy2(lib, staging / "bin" / lib.name)
+        if tools:
+            for exe in ("llama-bench", "llama-server"):
+                for cand in (built / exe, built / f"{exe}.exe"):
+                    if cand.exists():
+                        shutil.copy2(cand, staging / "bin" / cand.name)
+        info = {
+            "llama_cpp_source": source_id,
+            "llama_cpp_dir": str(tree),
+            "backend": backend,
+            "cmake_args": cmake_args,
+            "cache_key": key,
+            "build_seconds": round(elapsed, 1),
+            "platform": [sys.platform, platform.machine()],
+        }
+        (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(staging, out)
     log(f"built {backend} libraries in {elapsed:.0f} s -> {out}")
     return out
 

@@ -132,6 +132,31 @@ def ensure_source(vendor_dir: Path, download_dir: Path, llama_cpp_dir: str | Non
     return vendor_dir, PIN_ID
 
 
+def stable_copy(tree: Path, dest: Path) -> Path:
+    """A copy of the pinned tree at dest, made once and then left alone; returns dest.
+
+    The build compiles this copy rather than a checkout's own ``vendor/llama.cpp``:
+    CMake and Ninja remember source paths and mtimes, and a checkout (or pip's
+    temporary copy of one) may be gone, or freshly extracted, next time.
+    """
+    marker = dest / _MARKER
+    if marker.exists() and marker.read_text().split() == [PIN_ID, PIN_SHA256]:
+        return dest
+    if not (tree / _MARKER).exists():
+        raise SourceError(f"{tree} is not an extracted copy of {PIN_ID}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".llama.cpp-", dir=dest.parent))
+    try:
+        shutil.copytree(tree, staging, symlinks=True, dirs_exist_ok=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(staging, dest)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
 def tree_fingerprint(tree: Path) -> str:
     """A cheap content fingerprint of a llama.cpp tree: paths, sizes and mtimes of its sources."""
     digest = hashlib.sha256()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,3 +105,180 @@ def test_vendor_tree_is_not_tracked():
     if tracked.returncode != 0:
         pytest.skip("not a git checkout")
     assert tracked.stdout.strip() == ""
+
+
+def test_pinned_tree_is_copied_once_to_a_fixed_place(tmp_path):
+    # Two checkouts (or two unpacked sdists) extract their own vendor/llama.cpp; the
+    # build compiles one copy in the cache, so paths and mtimes do not change between them.
+    trees = []
+    for name in ("checkout-a", "checkout-b"):
+        tree = tmp_path / name / "vendor" / "llama.cpp"
+        (tree / "include").mkdir(parents=True)
+        (tree / "include" / "llama.h").write_text(f"/* {name} */")
+        (tree / llama_source._MARKER).write_text(f"{llama_source.PIN_ID} {llama_source.PIN_SHA256}\n")
+        trees.append(tree)
+    dest = tmp_path / "cache" / "src" / llama_source.PIN_ID
+    assert llama_source.stable_copy(trees[0], dest) == dest
+    stamp = (dest / "include" / "llama.h").stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "checkout-a")
+    assert llama_source.stable_copy(trees[1], dest) == dest
+    assert (dest / "include" / "llama.h").stat().st_mtime_ns == stamp
+
+
+# ---- rebuilding a cache that something else configured ---------------------------------
+# These run the real build script (a copy of build_scripts/, as an unpacked sdist or pip's
+# temporary folder holds it) against a tiny stand-in llama.cpp tree, so configure and build
+# take seconds; the CMake and make-program failure modes are the real ones.
+
+_FAKE_CMAKE = """cmake_minimum_required(VERSION 3.21)
+project(fake_llama C)
+add_library(ggml ggml.c)
+target_include_directories(ggml PUBLIC include)
+add_library(llama llama.c)
+target_include_directories(llama PUBLIC include)
+target_link_libraries(llama PUBLIC ggml)
+add_library(llama-common common.c)
+target_link_libraries(llama-common PUBLIC llama)
+if (LLAMA_BUILD_TOOLS)
+    foreach(tool llama-bench llama-server)
+        add_executable(${tool} tool.c)
+        target_link_libraries(${tool} PRIVATE llama)
+    endforeach()
+endif()
+"""
+
+_needs_cmake = pytest.mark.skipif(
+    shutil.which("cmake") is None or not (shutil.which("ninja") or shutil.which("make")),
+    reason="needs cmake and ninja or make on PATH",
+)
+
+
+@pytest.fixture
+def fake_tree(tmp_path):
+    tree = tmp_path / "llama.cpp"
+    (tree / "include").mkdir(parents=True)
+    (tree / "include" / "llama.h").write_text(
+        "#ifdef __cplusplus\nextern \"C\" {\n#endif\nint fake_llama(void);\n"
+        "#ifdef __cplusplus\n}\n#endif\n"
+    )
+    (tree / "ggml.c").write_text("int fake_ggml(void) { return 1; }\n")
+    (tree / "llama.c").write_text("int fake_ggml(void);\nint fake_llama(void) { return fake_ggml(); }\n")
+    (tree / "common.c").write_text("int fake_common(void) { return 2; }\n")
+    (tree / "tool.c").write_text('#include "llama.h"\nint main(void) { return fake_llama() - 1; }\n')
+    (tree / "CMakeLists.txt").write_text(_FAKE_CMAKE)
+    return tree
+
+
+def _copy_scripts(dest: Path) -> Path:
+    """build_scripts/ as another checkout or pip's temporary copy holds it, with a stub adapter."""
+    scripts = dest / "build_scripts"
+    shutil.copytree(ROOT / "build_scripts", scripts, ignore=shutil.ignore_patterns("__pycache__"))
+    (scripts / "adapter" / "llama_ctypes_adapter.cpp").write_text(
+        '#include "llama.h"\nextern "C" int llama_ctypes_stub(void) { return fake_llama(); }\n'
+    )
+    return scripts
+
+
+def _env(tmp_path: Path, tree: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_", "CMAKE_"))}
+    env.update(LLAMA_CTYPES_CACHE_DIR=str(tmp_path / "cache"), LLAMA_CPP_DIR=str(tree), LLAMA_BACKEND="cpu")
+    # Its own temporary folder, so that the tools the tests put under tmp_path count as
+    # installed ones (the build prefers those to tools in the temporary folder).
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env.update(TMPDIR=str(tmp_path / "tmp"), TEMP=str(tmp_path / "tmp"), TMP=str(tmp_path / "tmp"))
+    env.update(extra)
+    return env
+
+
+def _build(scripts: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(scripts / "build_llama.py"), "--no-install"],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+
+
+def _built_ok(proc: subprocess.CompletedProcess, tools: bool) -> Path:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = Path(proc.stdout.strip().splitlines()[-1])
+    assert any((out / "lib").glob("*llama_ctypes_adapter*"))
+    if tools:
+        assert any((out / "bin").glob("llama-bench*"))
+    return out
+
+
+def _objects(cache: Path) -> dict[str, int]:
+    """mtime of each compiled object of the build folders: unchanged means not recompiled."""
+    objs = [p for p in (cache / "build").rglob("*") if p.suffix in (".o", ".obj") and p.is_file()]
+    assert objs
+    return {str(p): p.stat().st_mtime_ns for p in objs}
+
+
+@_needs_cmake
+def test_rebuild_after_the_make_program_is_gone(tmp_path, fake_tree):
+    # pip configures the build folder with the ninja of its temporary build environment,
+    # then deletes it; the README's LLAMA_CTYPES_TOOLS=1 rebuild must still work.
+    make = shutil.which("ninja") or shutil.which("make")
+    env_bin = tmp_path / "pip-build-env" / "overlay" / "bin"
+    env_bin.mkdir(parents=True)
+    for name in ["ninja"] if Path(make).stem == "ninja" else ["gmake", "make"]:  # what CMake looks for
+        shutil.copy2(make, env_bin / (name + Path(make).suffix))
+    scripts = _copy_scripts(tmp_path / "checkout")
+    _built_ok(_build(scripts, _env(tmp_path, fake_tree, PATH=f"{env_bin}{os.pathsep}{os.environ['PATH']}")), False)
+    (cache_file,) = (tmp_path / "cache" / "build").glob("*/CMakeCache.txt")
+    if not re.search(rf"^CMAKE_MAKE_PROGRAM:\w+={re.escape(str(env_bin))}", cache_file.read_text(), re.M):
+        pytest.skip("CMake did not pick the temporary make program")
+    objects = _objects(tmp_path / "cache")
+    shutil.rmtree(tmp_path / "pip-build-env")
+
+    _built_ok(_build(scripts, _env(tmp_path, fake_tree, LLAMA_CTYPES_TOOLS="1")), True)
+    after = _objects(tmp_path / "cache")
+    assert {k: after[k] for k in objects} == objects, "the rebuild recompiled what was already compiled"
+
+
+@_needs_cmake
+def test_build_from_another_copy_of_the_build_scripts(tmp_path, fake_tree):
+    # A second checkout, or an sdist unpacked to a new temporary folder, reuses the build
+    # folder that the first one configured (CMake ties a build folder to its source folder).
+    first, second = _copy_scripts(tmp_path / "a"), _copy_scripts(tmp_path / "b")
+    _built_ok(_build(first, _env(tmp_path, fake_tree)), False)
+    objects = _objects(tmp_path / "cache")
+    shutil.rmtree(tmp_path / "a")  # as pip removes its temporary copy
+
+    _built_ok(_build(second, _env(tmp_path, fake_tree, LLAMA_CTYPES_TOOLS="1")), True)
+    after = _objects(tmp_path / "cache")
+    assert {k: after[k] for k in objects} == objects, "the rebuild recompiled what was already compiled"
+
+
+@_needs_cmake
+def test_concurrent_builds_of_one_key_build_once(tmp_path, fake_tree):
+    scripts = _copy_scripts(tmp_path / "checkout")
+    env = _env(tmp_path, fake_tree)
+    cmd = [sys.executable, str(scripts / "build_llama.py"), "--no-install"]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+    assert sum("built cpu libraries" in err for _, err in results) == 1, [err[-2000:] for _, err in results]
+    assert len({out.strip().splitlines()[-1] for out, _ in results}) == 1
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell-script stand-ins")
+def test_tools_that_outlive_the_build_are_preferred(tmp_path, monkeypatch):
+    # Ninja rebuilds everything when the CMake or ninja version changes, so the build sticks
+    # to the cmake that configured the folder, else one outside pip's temporary environment.
+    def fake(folder: Path, version: str) -> str:
+        folder.mkdir(parents=True, exist_ok=True)
+        exe = folder / "cmake"
+        exe.write_text(f"#!/bin/sh\necho 'cmake version {version}'\n")
+        exe.chmod(0o755)
+        return str(exe)
+
+    monkeypatch.setattr(build_llama.tempfile, "tempdir", str(tmp_path / "tmp"))
+    temporary = fake(tmp_path / "tmp" / "pip-build-env-x" / "overlay" / "bin", "4.4.5")
+    installed = fake(tmp_path / "usr" / "bin", "3.25.1")
+    configured = fake(tmp_path / "opt" / "bin", "3.28.0")
+    monkeypatch.setenv("PATH", os.pathsep.join([str(Path(temporary).parent), str(Path(installed).parent)]))
+    assert build_llama._choose_tool("cmake", None, (3, 21)) == installed
+    assert build_llama._choose_tool("cmake", temporary, (3, 21)) == installed
+    assert build_llama._choose_tool("cmake", configured, (3, 21)) == configured
+    assert build_llama._choose_tool("cmake", None, (3, 26)) == temporary  # the installed one is too old
