@@ -314,6 +314,10 @@ def test_swa_cache_reuse_falls_back_when_the_window_is_gone(gemma):
         early = held[:300] + gemma.tokenize(" and then", add_special=False)
         out = ctx.generate(smp, early, max_tokens=8, cache_prompt=True, ignore_eos=True)
         assert out.timings.cached_tokens == 0
+        # a cut where the window part holds no cell at all below it (pos_min of an empty window is -1)
+        ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True, cache_prompt=True)
+        very_early = ctx.tokens[:200] + gemma.tokenize(" and so", add_special=False)
+        assert ctx.generate(smp, very_early, max_tokens=2, cache_prompt=True).timings.cached_tokens == 0
         with lc.Context.create(gemma, n_ctx=2048, swa_full=False) as cold_ctx:
             cold = cold_ctx.generate(smp, early, max_tokens=8, ignore_eos=True)
         assert out.tokens == cold.tokens  # ...so the result is the cold run's
@@ -358,3 +362,162 @@ def test_server_swa_prefix_reuse_falls_back_when_the_window_is_gone(gemma):
         assert out.timings.cached_tokens == 0  # the window before token 300 is gone: recomputed
     with lc.Server(model=gemma, n_parallel=1, n_ctx=2048, swa_full=False, temp=0) as cold:
         assert cold.generate_tokens(early, max_tokens=8, ignore_eos=True).tokens == out.tokens
+
+
+# ---- found by a hostile review of the re-cut ---------------------------------------------------------------
+
+def test_released_leases_and_bindings_raise_instead_of_crashing(tiny_model):
+    ctx = lc.Context.create(tiny_model, n_ctx=128)
+    smp = lc.Sampler.create(tiny_model, temp=0.8)
+    with ctx.lease() as lease:
+        append, view = lease.append_fn(), lease.logits_view_fn()
+        binding = smp.bind(lease)
+        sample = binding.sample
+        binding.release()
+    ctx.close()
+    smp.close()
+    for call in (lease.clear, lambda: lease.seq_pos_max(0), lambda: append(1), lambda: view(-1),
+                 lambda: sample(-1), lambda: lease.logits(-1)):
+        with pytest.raises(lc.ClosedError):
+            call()
+
+
+def test_grammar_bounds_cannot_be_bypassed(tiny_model):
+    hidden = "root ::= \"a\" # note\r" + "(" * 100000 + '"a"' + ")" * 100000
+    with pytest.raises(lc.GrammarError):
+        lc.Sampler.create(tiny_model, grammar=hidden)
+    chained = "root ::= r0\n" + "".join(
+        f"r{i} ::= " + "(" * 1000 + (f"r{i + 1}" if i < 99 else '"a"') + ")" * 1000 + "\n" for i in range(100))
+    with pytest.raises(lc.GrammarError):
+        lc.Sampler.create(tiny_model, grammar=chained)
+    with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+        lc.Sampler.create(tiny_model, grammar='root ::= "a"', grammar_lazy_triggers=["("])
+    with pytest.raises(lc.GrammarError):
+        lc.Sampler.create(tiny_model, grammar='root ::= "a"', grammar_lazy_triggers=["(?P<name>x)"])
+
+
+def test_batches_and_rows_beyond_what_the_context_reserved_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="n_outputs_max"):
+        lc.Server(model=tiny_model, n_parallel=2, n_outputs_max=1)
+    with pytest.raises(TypeError, match="n_outputs_max"):
+        lc.embed(tiny_model, ["a", "b"], n_outputs_max=1)
+    with lc.Context.create(tiny_model, n_ctx=256, n_batch=32, n_ubatch=32, n_outputs_max=2) as ctx:
+        big = lc.Batch(64)
+        big.add_sequence(list(range(1, 41)), 0)
+        with pytest.raises(lc.InvalidArgumentError, match="n_batch"):
+            ctx.decode(big)
+        rows = lc.Batch(32)
+        rows.add_sequence(list(range(1, 11)), 0)
+        rows.logits[:10] = 1
+        with pytest.raises(lc.InvalidArgumentError, match="n_outputs_max"):
+            ctx.decode(rows)
+
+
+def test_sampler_misuse_raises(tiny_model, tiny_model_path):
+    other = lc.load_model(tiny_model_path)
+    with lc.Context.create(tiny_model, n_ctx=128) as ctx:
+        with lc.Sampler.create(tiny_model, temp=0.8) as smp:
+            with pytest.raises(lc.IndexOutOfRangeError):
+                smp.sample(ctx, -1)  # nothing decoded yet
+        with lc.Sampler.create(other, temp=0.8, grammar="root ::= [a-z]+") as foreign:
+            with pytest.raises(ValueError, match="another Model"):
+                ctx.generate(foreign, [1, 450], max_tokens=2)
+        with lc.Sampler.create(tiny_model, grammar='root ::= "a"') as smp:
+            with pytest.raises(lc.TokenizationError):
+                smp.accept(tiny_model.n_vocab + 5)
+            eos = lc.Tokenizer.eos(tiny_model)
+            with pytest.raises(lc.GrammarError):
+                smp.accept(eos)  # the grammar is not complete yet
+            with pytest.raises(lc.GrammarError):
+                smp.accept(tiny_model.tokenize("zzz", add_special=False)[0])
+        for bad in (lambda: ctx.seq_rm(-7), lambda: ctx.seq_rm(300), lambda: ctx.seq_cp(0, 300),
+                    lambda: ctx.seq_pos_max(-5)):
+            with pytest.raises(ValueError):
+                bad()
+        for bad_ids in ([1.5, 2.0], [True, 3]):
+            with pytest.raises(TypeError):
+                ctx.generate(lc.Sampler.create(tiny_model), bad_ids, max_tokens=1)
+    other.close()
+
+
+def test_tokens_agree_with_the_cache_after_manual_kv_edits(tiny_model):
+    with lc.Context.create(tiny_model, n_ctx=256, n_seq_max=2) as ctx, lc.Sampler.create(tiny_model, temp=0) as smp:
+        prompt = ids(tiny_model, "one two three four five six seven")
+        cold = ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True)
+        for edit in (lambda: ctx.seq_rm(0, 2, 4), lambda: ctx.seq_rm(0, 0, 3), lambda: ctx.seq_cp(1, 0)):
+            ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True, cache_prompt=True)
+            edit()
+            again = ctx.generate(smp, prompt, max_tokens=4, ignore_eos=True, cache_prompt=True)
+            assert again.tokens == cold.tokens
+
+
+def test_streams_of_a_closed_model_and_closes_during_completion(tiny_model_path):
+    model = lc.load_model(tiny_model_path)
+    with lc.Server(model=model, n_parallel=2, n_ctx=512, temp=0) as srv:
+        model.close()  # the server holds it: requests keep working, with text
+        out = srv.generate("after the model was closed", max_tokens=6, ignore_eos=True)
+        assert len(out.tokens) == 6 and isinstance(out.text, str)
+    assert model.freed
+    model = lc.load_model(tiny_model_path)
+    st = lc.stream(model, PROMPT, max_tokens=-1, ignore_eos=True, temp=0, n_ctx=4096)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", _safe(st.completion)))
+    t.start()
+    time.sleep(0.2)
+    st.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(box["r"], lc.CancelledError)
+    model.close()
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except BaseException as exc:
+        return exc
+
+
+def test_server_callbacks_and_odd_request_options(tiny_model):
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=256, max_queue=1, temp=0) as srv:
+        seen = []
+        lc.telemetry.attach("review-queue-full", ["server.queue_full"], lambda e, m, md: seen.append(srv.kv_positions()))
+        try:
+            running = srv.stream("one", max_tokens=200, ignore_eos=True)
+            next(running)
+            waiting = srv.stream("two", max_tokens=2)
+            with pytest.raises(lc.QueueFullError):
+                srv.stream("three", max_tokens=2)
+            assert seen and len(seen[0]) == 1  # the handler could call back into the server
+            running.close()
+            waiting.close()
+        finally:
+            lc.telemetry.detach("review-queue-full")
+        errors = []
+
+        def submit_from_handler(e, m, md):
+            try:
+                srv.generate("nested", max_tokens=1)
+            except lc.LlamaError as exc:
+                errors.append(exc)
+
+        lc.telemetry.attach("review-nested", ["server.request.start"], submit_from_handler)
+        try:
+            assert srv.generate("outer", max_tokens=2, ignore_eos=True).tokens
+        finally:
+            lc.telemetry.detach("review-nested")
+        assert errors and isinstance(errors[0], ValueError)
+        import numpy as np
+
+        with pytest.raises(TypeError):
+            srv.generate("x", session=np.array([1, 2]))
+        with pytest.raises(TypeError):
+            srv.generate("x", cache_prompt=1)
+        assert srv.generate("still serving", max_tokens=2, ignore_eos=True).tokens
+
+
+def test_sampler_repr_while_streaming(tiny_model):
+    with lc.Context.create(tiny_model, n_ctx=128) as ctx, lc.Sampler.create(tiny_model, temp=0.5) as smp:
+        st = ctx.stream(smp, ids(tiny_model), max_tokens=5)
+        next(st)
+        assert "dist" in repr(smp)
+        st.close()

@@ -290,3 +290,25 @@ LCX_API ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32
 LCX_API bool lcx_abort_requested(void * flag) {
     return flag != nullptr && *static_cast<const volatile int32_t *>(flag) != 0;
 }
+
+// ---- grammar samplers -------------------------------------------------------
+
+// llama_sampler_init_grammar(_lazy_patterns) compile the trigger patterns with std::regex,
+// which throws on a pattern it cannot parse; an exception crossing into ctypes aborts the
+// process, so it becomes an error string here.
+LCX_API llama_sampler * lcx_sampler_init_grammar(const llama_vocab * vocab, const char * grammar_str,
+                                                 const char * grammar_root, const char ** trigger_patterns,
+                                                 size_t num_trigger_patterns, char ** error) {
+    try {
+        if (num_trigger_patterns > 0) {
+            return llama_sampler_init_grammar_lazy_patterns(vocab, grammar_str, grammar_root, trigger_patterns,
+                                                            num_trigger_patterns, nullptr, 0);
+        }
+        return llama_sampler_init_grammar(vocab, grammar_str, grammar_root);
+    } catch (const std::exception & e) {
+        if (error != nullptr) {
+            *error = dup_string(e.what());
+        }
+        return nullptr;
+    }
+}

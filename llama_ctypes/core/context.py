@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import (ContextCreationError, ContextOverflowError, DecodeError, IndexOutOfRangeError,
-                      InvalidArgumentError)
+from ..errors import (ArgumentTypeError, ClosedError, ContextCreationError, ContextOverflowError, DecodeError,
+                      IndexOutOfRangeError, InvalidArgumentError)
 from ..native import ggml_h
 from .backend import clear_native_error, native_error
 from .batch import Batch
@@ -120,6 +120,8 @@ class Context(NativeHandle):
         self.n_vocab = model.n_vocab
         self.vocab = model.vocab.for_holder()
         """The model's vocabulary, usable for as long as this context lives."""
+        # Rows of logits one decode may ask for (llama.cpp asserts on more; encoders get n_batch).
+        self.n_outputs_max = self.n_batch if model.has_encoder else (self.params.n_outputs_max or self.n_batch)
         self.encoder_only = model.has_encoder and not model.has_decoder
         # Tokens whose KV sits in sequence 0, for prefix reuse across generate() calls.
         self._tokens: list[int] = []
@@ -238,7 +240,7 @@ class Context(NativeHandle):
         from .generation import GenerationParams, TextStream
 
         (gen,) = split_options(opts, GenerationParams, where="Context.stream: unknown")
-        return TextStream(self, sampler, list(tokens), GenerationParams(**gen))
+        return TextStream(self, sampler, self.vocab.check_tokens(tokens).tolist(), GenerationParams(**gen))
 
 
 def _abort_callback(lib):
@@ -253,7 +255,8 @@ class ContextLease:
     """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
 
     Created by :meth:`Context.lease`. While it is held the context cannot be
-    freed, and no other caller can decode into it.
+    freed, and no other caller can decode into it. After ``release()`` every
+    method (and every function it handed out) raises :class:`ClosedError`.
     """
 
     def __init__(self, ctx: Context, held: bool = False):
@@ -263,6 +266,7 @@ class ContextLease:
         self._ptr = ctx._ptr
         self._mem = ctx._mem
         self._held = True
+        self._max_outputs = ctx.n_outputs_max
         # A cancel meant for an earlier user of the context must not stop this one.
         with ctx._abort_lock:
             ctx._abort_flag.value = 0
@@ -284,6 +288,19 @@ class ContextLease:
         except Exception:
             pass
 
+    def _check(self) -> None:
+        if not self._held:
+            raise ClosedError("this ContextLease was released")
+
+    def _check_seq(self, seq_id: int, allow_all: bool = False) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise ArgumentTypeError(f"sequence ids are integers, not {type(seq_id).__name__}")
+        seq_id = int(seq_id)
+        if not (0 <= seq_id < self.ctx.n_seq_max or (allow_all and seq_id == -1)):
+            raise InvalidArgumentError(
+                f"sequence id {seq_id} is outside [0, {self.ctx.n_seq_max})" + (" (or -1: all)" if allow_all else ""))
+        return seq_id
+
     @property
     def tokens(self) -> list[int]:
         """The live list of tokens sequence 0 holds (read it; change it only through this lease)."""
@@ -294,16 +311,28 @@ class ContextLease:
         return bool(self.ctx._abort_flag.value)
 
     # ---- decoding ------------------------------------------------------------------------------
+    def _check_batch(self, batch: Batch) -> None:
+        self._check()
+        n = batch.n_tokens
+        if not 0 < n <= self.ctx.n_batch:
+            raise InvalidArgumentError(f"a batch of {n} tokens: expected 1..n_batch={self.ctx.n_batch}")
+        outputs = int(np.count_nonzero(batch.logits[:n]))
+        if outputs > self._max_outputs:
+            raise InvalidArgumentError(f"a batch asking for {outputs} output rows; this context reserves "
+                                       f"{self._max_outputs} (ContextParams.n_outputs_max)")
+
     def decode(self, batch: Batch) -> None:
         """``llama_decode`` of ``batch``; DecodeError on failure (the caller fixes its token bookkeeping)."""
-        check_decode(self._lib.llama_decode(self._ptr, batch.as_native()), "llama_decode", batch.n_tokens)
+        check_decode(self.decode_rc(batch), "llama_decode", batch.n_tokens)
 
     def decode_rc(self, batch: Batch) -> int:
         """``llama_decode`` of ``batch``, returning llama.cpp's code (for callers that can retry)."""
+        self._check_batch(batch)
         return int(self._lib.llama_decode(self._ptr, batch.as_native()))
 
     def encode(self, batch: Batch) -> None:
         """``llama_encode`` of ``batch`` (encoder models); DecodeError on failure."""
+        self._check_batch(batch)
         check_decode(self._lib.llama_encode(self._ptr, batch.as_native()), "llama_encode", batch.n_tokens)
 
     def prefill(self, prompt: Sequence[int], reuse: bool) -> int:
@@ -313,19 +342,21 @@ class ContextLease:
         (at least the last prompt token is decoded again). Returns the number of
         reused tokens. On failure the sequence is cleared, so tokens and KV agree.
         """
+        self._check()
         ctx, lib, mem = self.ctx, self._lib, self._mem
         held = ctx._tokens
         common = common_prefix(held, prompt) if reuse else 0
         if common == len(prompt):
             common -= 1  # the last prompt token must be decoded again to get its logits
-        if common < len(held) and not lib.llama_memory_seq_rm(mem, 0, common, -1):
+        if common and not self.prefix_complete(0, common):
+            common = 0  # a sliding-window cache already dropped cells this prefix needs
+        # Always cut from `common` on, even when `held` is shorter: cells a caller put there
+        # behind the token list's back (seq_cp, a state restore) must not linger.
+        if not lib.llama_memory_seq_rm(mem, 0, common, -1):
             # Recurrent and hybrid memories cannot drop a tail: start over.
             self.clear()
             common = 0
         del held[common:]
-        if common and not self.prefix_complete(0, common):
-            self.clear()
-            common = 0
         batch = ctx._batch
         pos = common
         try:
@@ -353,35 +384,50 @@ class ContextLease:
         if n <= 0 or n_swa <= 0:
             return True
         pos_min = self.seq_pos_min(seq_id)
-        return pos_min <= max(0, n - n_swa)
+        # -1: the window part holds nothing at all (every cell it had is gone).
+        return 0 <= pos_min <= max(0, n - n_swa)
 
     def append_fn(self) -> Callable[[int], None]:
         """A function ``token -> None`` that decodes one token at the end of sequence 0 (hot loops).
 
         It raises DecodeError (clearing the sequence) when the decode fails or is aborted.
         """
+        self._check()
         ctx = self.ctx
         batch = ctx._batch
         native_batch, tok_arr, pos_arr, out_arr = batch.native, batch.token, batch.pos, batch.logits
         decode, ptr, held = self._lib.llama_decode, self._ptr, ctx._tokens
 
         def append(tok: int) -> None:
+            if not self._held:
+                raise ClosedError("this ContextLease was released")
             tok_arr[0] = tok
             pos_arr[0] = len(held)
             out_arr[0] = 1
             native_batch.n_tokens = 1
             batch.n_tokens = 1
-            rc = decode(ptr, native_batch)
-            if rc != 0:
+            try:
+                rc = decode(ptr, native_batch)
+                if rc == 0:
+                    held.append(tok)
+                    return
+            except BaseException:  # interrupted between the decode and the bookkeeping
                 self.clear()
-                check_decode(rc, "llama_decode", 1)
-            held.append(tok)
+                raise
+            self.clear()
+            check_decode(rc, "llama_decode", 1)
 
         return append
 
     # ---- outputs -------------------------------------------------------------------------------
+    def has_logits(self, i: int) -> bool:
+        """Whether batch row ``i`` of the last decode has logits."""
+        self._check()
+        return bool(self._lib.llama_get_logits_ith(self._ptr, i))
+
     def logits(self, i: int = -1) -> np.ndarray:
         """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
+        self._check()
         ptr = self._lib.llama_get_logits_ith(self._ptr, i)
         if not ptr:
             raise IndexOutOfRangeError(f"no logits for batch row {i} (was it marked as an output?)")
@@ -392,6 +438,7 @@ class ContextLease:
 
         A view is valid until the next decode; copy what must outlive it.
         """
+        self._check()
         n_vocab = self.ctx.n_vocab
         # The same C function, returning the address as an int instead of a ctypes pointer.
         logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
@@ -400,6 +447,8 @@ class ContextLease:
         cached: list = [None, None]  # address, view
 
         def view(idx: int) -> np.ndarray:
+            if not self._held:
+                raise ClosedError("this ContextLease was released")
             addr = logits_addr(ctx_addr, idx)
             if not addr:
                 raise IndexOutOfRangeError(f"no logits for batch row {idx}")
@@ -411,52 +460,74 @@ class ContextLease:
         return view
 
     def sample_fn(self, chain) -> Callable[[int], int]:
-        """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context."""
+        """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context.
+
+        The caller guarantees that row ``idx`` has logits (llama.cpp asserts otherwise).
+        """
+        self._check()
         sample, ptr = self._lib.llama_sampler_sample, self._ptr
-        return lambda idx: sample(chain, ptr, idx)
+
+        def fn(idx: int) -> int:
+            if not self._held:
+                raise ClosedError("this ContextLease was released")
+            return sample(chain, ptr, idx)
+
+        return fn
 
     def embeddings_ith(self, i: int, n: int) -> np.ndarray | None:
         """A copy of the embedding of batch row ``i`` (``n`` floats), or None."""
+        self._check()
         ptr = self._lib.llama_get_embeddings_ith(self._ptr, i)
         return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
 
     def embeddings_seq(self, seq: int, n: int) -> np.ndarray | None:
         """A copy of the pooled embedding of sequence ``seq`` (``n`` floats), or None."""
-        ptr = self._lib.llama_get_embeddings_seq(self._ptr, seq)
+        self._check()
+        ptr = self._lib.llama_get_embeddings_seq(self._ptr, self._check_seq(seq))
         return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
 
     def pooling_type(self) -> int:
         """The context's pooling type (``LLAMA_POOLING_TYPE_*``)."""
+        self._check()
         return int(self._lib.llama_pooling_type(self._ptr))
 
     # ---- memory (KV cache) -------------------------------------------------------------------------
     def clear(self) -> None:
         """Forget every sequence."""
+        self._check()
         self._lib.llama_memory_clear(self._mem, True)
         del self.ctx._tokens[:]
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, p0, p1))
+        """Remove positions [p0, p1) of a sequence (-1: every sequence; -1 bounds: open end)."""
+        self._check()
+        seq_id = self._check_seq(seq_id, allow_all=True)
+        ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, int(p0), int(p1)))
         if ok and seq_id in (0, -1):
             held = self.ctx._tokens
-            if p0 < 0 and p1 < 0:
+            if p0 <= 0 and p1 < 0:
                 del held[:]
             elif p1 < 0:
                 del held[max(p0, 0):]
-            else:  # a hole: the token list no longer describes the sequence
+            else:  # a hole, or the head cut: the token list no longer describes the sequence
                 del held[:]
         return ok
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        """Share positions [p0, p1) of sequence ``src`` with sequence ``dst`` (metadata only)."""
+        self._check()
+        src, dst = self._check_seq(src), self._check_seq(dst)
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
         if dst == 0:
             del self.ctx._tokens[:]  # sequence 0 now holds something this lease did not decode
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq_id))
+        self._check()
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, self._check_seq(seq_id)))
 
     def seq_pos_min(self, seq_id: int) -> int:
-        return int(self._lib.llama_memory_seq_pos_min(self._mem, seq_id))
+        self._check()
+        return int(self._lib.llama_memory_seq_pos_min(self._mem, self._check_seq(seq_id)))
 
     def state_seq_get(self, seq_id: int) -> np.ndarray:
         """The KV state of one sequence, as a uint8 array (bytes-like).
@@ -464,6 +535,8 @@ class ContextLease:
         llama.cpp writes straight into a numpy buffer: no zero-fill and no copy while
         holding the GIL (a state can be tens of MB; the ctypes call releases the GIL).
         """
+        self._check()
+        seq_id = self._check_seq(seq_id)
         size = self._lib.llama_state_seq_get_size(self._ptr, seq_id)
         buf = np.empty(size, dtype=np.uint8)
         n = self._lib.llama_state_seq_get_data(self._ptr, buf.ctypes.data_as(_P_U8), size, seq_id)
@@ -471,6 +544,8 @@ class ContextLease:
 
     def state_seq_set(self, seq_id: int, state) -> bool:
         """Restore one sequence's KV state from ``state_seq_get`` (bytes-like); False if llama.cpp refused it."""
+        self._check()
+        seq_id = self._check_seq(seq_id)
         arr = state if isinstance(state, np.ndarray) else np.frombuffer(state, dtype=np.uint8)
         ok = self._lib.llama_state_seq_set_data(self._ptr, arr.ctypes.data_as(_P_U8), arr.size, seq_id) > 0
         if seq_id == 0:

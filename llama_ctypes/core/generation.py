@@ -19,7 +19,7 @@ from .handle import Closeable
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
-from .vocab import encode_text
+from .vocab import Vocab, encode_text
 
 if TYPE_CHECKING:
     from .context import Context
@@ -56,6 +56,9 @@ class GenerationParams:
     are nearly tied. Off by default: the same input gives the same output."""
 
     def __post_init__(self) -> None:
+        for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ArgumentTypeError(f"{name}={getattr(self, name)!r}: expected True or False")
         if (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < -1
                 or self.max_tokens == 0):
             raise InvalidArgumentError(f"max_tokens={self.max_tokens!r}: expected a positive integer or -1")
@@ -445,7 +448,7 @@ class TextStream(LazyStream):
 
     def completion(self) -> Completion:
         """Run to the end (if not done) and return the :class:`Completion`."""
-        for _ in self._gen:
+        for _ in self:  # through __next__: a close() from another thread then cancels this loop
             pass
         g = self._g
         return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason or "length", len(g.prompt),
@@ -464,13 +467,13 @@ def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: G
 _BYTES_PER_TOKEN_CHECK = 4
 
 
-def prompt_tokens(model: "Model", prompt: str | Sequence[int], params: GenerationParams,
+def prompt_tokens(model: "Model | Vocab", prompt: str | Sequence[int], params: GenerationParams,
                   n_ctx: int = 0) -> list[int]:
     """The prompt as token ids (text is tokenized as ``params`` says; ids are checked).
 
     With ``n_ctx``, a text too long to fit is refused before tokenizing it.
     """
-    vocab = model.vocab
+    vocab = getattr(model, "vocab", model)  # a Model, or a Vocab (a Context's, which outlives Model.close)
     if isinstance(prompt, str):
         data_len = len(encode_text(prompt))
         if n_ctx and data_len > _BYTES_PER_TOKEN_CHECK * n_ctx and vocab.min_tokens(data_len) >= n_ctx:

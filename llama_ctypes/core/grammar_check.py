@@ -11,19 +11,22 @@ from ..errors import GrammarError
 
 #: Deepest nesting of ( ) groups accepted; real grammars stay far below it.
 MAX_GROUP_DEPTH = 1000
-#: Most rules accepted (rule references are followed recursively too).
-MAX_RULES = 20000
+#: Most ( ) groups and most rules in one grammar. llama.cpp follows rule references
+#: recursively too, so a chain of rules each nested deep adds up: bounding the totals
+#: bounds the depth of any chain (10,000 levels were seen to be safe).
+MAX_GROUPS = 4000
+MAX_RULES = 4000
 
 
 def check_gbnf(text: str) -> None:
     """Raise :class:`GrammarError` for an empty grammar or one nested beyond what llama.cpp parses safely."""
-    depth = max_depth = rules = 0
+    depth = max_depth = rules = groups = 0
     has_content = False
     i, n = 0, len(text)
     while i < n:
         c = text[i]
-        if c == "#":  # comment to the end of the line
-            j = text.find("\n", i)
+        if c == "#":  # a comment ends at \n or \r, as in llama.cpp's parser
+            j = min((k for k in (text.find("\n", i), text.find("\r", i)) if k >= 0), default=-1)
             i = n if j < 0 else j + 1
             continue
         if c in "\"[":  # a string or a character class: skip it, escapes included
@@ -34,6 +37,9 @@ def check_gbnf(text: str) -> None:
             has_content = True
         elif c == "(":
             depth += 1
+            groups += 1
+            if groups > MAX_GROUPS:
+                raise GrammarError(f"grammar has more than {MAX_GROUPS} ( ) groups")
             if depth > max_depth:
                 max_depth = depth
                 if max_depth > MAX_GROUP_DEPTH:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ArgumentTypeError, ClosedError, GrammarError, InvalidArgumentError
+from ..errors import ArgumentTypeError, ClosedError, GrammarError, IndexOutOfRangeError, InvalidArgumentError
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .grammar_check import check_gbnf
@@ -153,7 +153,13 @@ class SamplingParams:
             # Validated and converted once, here; the GBNF then drives the grammar sampler.
             object.__setattr__(self, "grammar", json_schema_to_gbnf(self.json_schema))
         object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
-        object.__setattr__(self, "grammar_lazy_triggers", tuple(self.grammar_lazy_triggers))
+        triggers = (self.grammar_lazy_triggers,) if isinstance(self.grammar_lazy_triggers, str) \
+            else tuple(self.grammar_lazy_triggers)
+        if any(not isinstance(t, str) or not t for t in triggers):
+            raise InvalidArgumentError(f"grammar_lazy_triggers={self.grammar_lazy_triggers!r}: expected regex strings")
+        if triggers and self.grammar is None:
+            raise InvalidArgumentError("grammar_lazy_triggers need a grammar (or json_schema)")
+        object.__setattr__(self, "grammar_lazy_triggers", triggers)
 
     @property
     def greedy(self) -> bool:
@@ -189,14 +195,24 @@ class SamplerBinding:
     """
 
     def __init__(self, sampler: "Sampler", lease, held: bool = False) -> None:
+        if sampler.model is not lease.ctx.model:
+            raise InvalidArgumentError("this Sampler was made for another Model than the context's "
+                                       "(token ids and grammars belong to one vocabulary)")
         sampler._begin_exclusive(held)
         self._sampler = sampler
         try:
-            self.sample: Callable[[int], int] = sampler._sample_fn(lease)
+            fn = sampler._sample_fn(lease)
         except BaseException:
             sampler._end_exclusive()
             raise
         self._held = True
+
+        def sample(idx: int) -> int:
+            if not self._held:
+                raise ClosedError("this SamplerBinding was released")
+            return fn(idx)
+
+        self.sample: Callable[[int], int] = sample
 
     def release(self) -> None:
         if self._held:
@@ -226,16 +242,21 @@ class Sampler(NativeHandle):
 
     _kind = "Sampler"
 
-    def __init__(self, model: "Model", params: SamplingParams | None = None, n_ctx: int | None = None):
+    def __init__(self, model: "Model", params: SamplingParams | None = None, n_ctx: int | None = None, *,
+                 holder: Any = None):
         super().__init__()
         self._ptr = None
         self._grammar = None  # the grammar sampler, outside the chain (see _constrained_fn)
         self.params = params or SamplingParams()
         self.model = model
         self._lib = model._lib
-        model._acquire()  # the chain may point into the model's vocabulary
+        # The chain may point into the model's vocabulary. ``holder`` (a Context of this model)
+        # keeps the model alive, so a sampler for it can be made even after Model.close().
+        if holder is not None and holder.model is not model:
+            raise InvalidArgumentError("holder must be a Context of the same Model")
+        model._acquire(held=holder is not None)
         try:
-            self.n_ctx = max(int(n_ctx or 0), model.n_ctx_train, 1)
+            self.n_ctx = max(int(n_ctx), 1) if n_ctx else max(model.n_ctx_train, 1)
             if self.params.grammar is not None:
                 self._grammar = self._grammar_sampler(model.vocab.native())
             self._ptr = self._build()
@@ -320,12 +341,14 @@ class Sampler(NativeHandle):
         lib, p = self._lib, self.params
         grammar, root = p.grammar.encode(), p.grammar_root.encode()
         clear_native_error()
-        if p.grammar_lazy_triggers:
-            patterns = [t.encode() for t in p.grammar_lazy_triggers]
-            arr = (ctypes.c_char_p * len(patterns))(*patterns)
-            smpl = lib.llama_sampler_init_grammar_lazy_patterns(vocab, grammar, root, arr, len(patterns), None, 0)
-        else:
-            smpl = lib.llama_sampler_init_grammar(vocab, grammar, root)
+        patterns = [t.encode() for t in p.grammar_lazy_triggers]
+        arr = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
+        error = ctypes.c_void_p()
+        smpl = lib.lcx_sampler_init_grammar(vocab, grammar, root, arr, len(patterns), ctypes.byref(error))
+        if error.value:  # a C++ exception, e.g. a trigger pattern std::regex cannot parse
+            message = ctypes.string_at(error.value).decode("utf-8", errors="replace")
+            lib.lcx_string_free(error.value)
+            raise GrammarError(f"invalid grammar_lazy_triggers {list(p.grammar_lazy_triggers)!r}: {message}")
         if not smpl:
             raise GrammarError("invalid GBNF grammar: " + native_error("syntax error or undefined rule"))
         return smpl
@@ -348,6 +371,8 @@ class Sampler(NativeHandle):
         from .context import ContextLease
 
         if isinstance(ctx, ContextLease):
+            if not ctx.has_logits(idx):  # llama.cpp's sampler asserts on a row without logits
+                raise IndexOutOfRangeError(f"no logits for batch row {idx} (was it decoded as an output?)")
             binding = self.bind(ctx)
             try:
                 return binding.sample(idx)
@@ -423,11 +448,25 @@ class Sampler(NativeHandle):
         return sample
 
     def accept(self, token: int) -> None:
-        """Tell stateful samplers (penalties, grammar) that ``token`` was emitted."""
+        """Tell stateful samplers (penalties, grammar) that ``token`` was emitted.
+
+        Raises TokenizationError for an id outside the vocabulary and GrammarError for a token
+        the grammar does not allow here (llama.cpp would abort the process on either).
+        """
+        token = self.model.vocab.check_token(token)
         with self._exclusively():
+            if self._grammar and not self._grammar_allows(token):
+                raise GrammarError(f"the grammar does not allow token {token} here")
             self._lib.llama_sampler_accept(self._ptr, token)
             if self._grammar:
                 self._lib.llama_sampler_accept(self._grammar, token)
+
+    def _grammar_allows(self, token: int) -> bool:
+        one = np.zeros(1, dtype=_TOKEN_DATA)
+        one[0] = (token, 0.0, 0.0)
+        arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
+        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return bool(np.isfinite(one[0]["logit"]))
 
     def reset(self) -> None:
         """Clear history (penalties, grammar state, mirostat); the RNG is not re-seeded."""
@@ -439,7 +478,7 @@ class Sampler(NativeHandle):
     @property
     def names(self) -> list[str]:
         """Names of the samplers in the chain, in order (a grammar, applied first, is listed first)."""
-        with self._exclusively():
+        with self._shared():  # reading the chain's names is safe while a generation samples
             lib = self._lib
             names = ["grammar"] if self._grammar else []
             return names + [(lib.llama_sampler_name(lib.llama_sampler_chain_get(self._ptr, i)) or b"").decode()

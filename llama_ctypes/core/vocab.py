@@ -24,9 +24,17 @@ _PIECE_BUF = 64
 
 
 def _token_array(tokens: Iterable[int]) -> np.ndarray:
-    if isinstance(tokens, np.ndarray):
-        return np.ascontiguousarray(tokens, dtype=np.int64)
-    return np.fromiter((int(t) for t in tokens), dtype=np.int64)
+    if not isinstance(tokens, np.ndarray):
+        tokens = list(tokens)
+        if any(isinstance(t, (bool, np.bool_)) for t in tokens):
+            raise ArgumentTypeError("token ids are integers, not bools")
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":  # floats, bools, strings, nested lists
+        raise ArgumentTypeError(f"token ids must be a flat sequence of integers, not {arr.dtype} "
+                                f"with shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
 
 
 def encode_text(text: str) -> bytes:

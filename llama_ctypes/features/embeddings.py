@@ -183,7 +183,7 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
     if pooling is not None and pooling not in ("none", "mean", "cls", "last", "rank"):
         raise InvalidArgumentError(f"pooling={pooling!r}: expected none, mean, cls, last or rank")
     split_options(ctx_opts, ContextParams, where="embed: unknown")
-    for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx"):
+    for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"):
         if reserved in ctx_opts:
             raise ArgumentTypeError(f"embed sets {reserved} itself")
     embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts)

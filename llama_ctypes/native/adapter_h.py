@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ctypes import POINTER, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
 
-from .llama_h import llama_context_p, llama_model_p
+from .llama_h import llama_context_p, llama_model_p, llama_sampler_p, llama_vocab_p
 
 # Must equal LCX_ABI_VERSION in the adapter.
 ABI_VERSION = 1
@@ -42,6 +42,10 @@ PROTOTYPES = [
     ("lcx_model_n_expert", [llama_model_p], c_int32),
     # int32_t lcx_model_n_devices(const llama_model * model);
     ("lcx_model_n_devices", [llama_model_p], c_int32),
+    # llama_sampler * lcx_sampler_init_grammar(const llama_vocab * vocab, const char * grammar_str,
+    #     const char * grammar_root, const char ** trigger_patterns, size_t num_trigger_patterns, char ** error);
+    ("lcx_sampler_init_grammar", [llama_vocab_p, c_char_p, c_char_p, POINTER(c_char_p), c_size_t, POINTER(c_void_p)],
+     llama_sampler_p),
     # bool lcx_abort_requested(void * flag);   (used by address, as a ggml_abort_callback)
     ("lcx_abort_requested", [c_void_p], c_bool),
     # ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32_t i);

@@ -19,6 +19,7 @@ a speculative step would carry the last token plus drafts, all sampled.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import time
 from typing import Callable, Sequence
@@ -79,6 +80,16 @@ class TickPlan:
         return sum(len(s.sample) for s in self.steps)
 
 
+def _own_copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` for one consumer: each thread raises its own object (tracebacks don't mix)."""
+    try:
+        own = copy.copy(error)
+    except Exception:  # pragma: no cover - an exception type that cannot be copied
+        return error
+    own.__cause__, own.__traceback__ = error.__cause__, None
+    return own
+
+
 class Scheduler:
     """Bookkeeping of a server's requests and slots.
 
@@ -112,13 +123,13 @@ class Scheduler:
     # ---- client side (any thread) ----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue ``request``; raises ServerClosedError or QueueFullError (closing its sampler) if refused."""
+        full_at = None
         with self.cond:
             if self.closing or self.failure is not None:
                 error: LlamaError = ServerClosedError(
                     "the server is closed" if self.failure is None else f"the server failed: {self.failure!r}")
             elif self.max_queue and len(self._waiting) >= self.max_queue:
-                telemetry.emit("server.queue_full", {"queue_length": len(self._waiting)},
-                               {"max_queue": self.max_queue})
+                full_at = len(self._waiting)
                 error = QueueFullError(f"the server queue is full ({self.max_queue} waiting requests)")
             else:
                 request.queued = True
@@ -126,6 +137,8 @@ class Scheduler:
                 self.cond.notify()
                 return
         request.sampler.close()
+        if full_at is not None:  # outside the lock: a handler may call back into the server
+            telemetry.emit("server.queue_full", {"queue_length": full_at}, {"max_queue": self.max_queue})
         raise error
 
     def cancel(self, request: Request) -> None:
@@ -224,7 +237,7 @@ class Scheduler:
             self.finish(slot, slot.request, Status.CANCELLED)
         if error is not None:
             for step in plan.steps:
-                self.finish(step.slot, step.request, Status.FAILED, error=error)
+                self.finish(step.slot, step.request, Status.FAILED, error=_own_copy(error))
             return
         if now is None:
             now = time.perf_counter()
@@ -320,14 +333,15 @@ class Scheduler:
         waiting += self._admitting
         self._admitting.clear()
         for request in waiting:
-            self.finish(None, request, Status.FAILED, error=error)
+            self.finish(None, request, Status.FAILED, error=_own_copy(error))
         for slot in self.pool.slots:
             request = slot.request
             if request is None:
                 continue
+            own = _own_copy(error)
             try:
-                self.finish(slot, request, Status.FAILED, error=error)
+                self.finish(slot, request, Status.FAILED, error=own)
             except Exception:  # the context may be unusable; the caller must still be told
                 request.status = Status.FAILED
-                request.channel.put(error)
+                request.channel.put(own)
                 slot.request = None

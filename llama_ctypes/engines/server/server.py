@@ -172,6 +172,10 @@ class Server:
                 raise ArgumentTypeError(f"the server sets {name} itself")
         if not isinstance(n_parallel, int) or n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel={n_parallel!r}: expected an integer >= 1")
+        n_out = opts.get("n_outputs_max", n_parallel)
+        if isinstance(n_out, int) and not isinstance(n_out, bool) and 0 < n_out < n_parallel:
+            raise InvalidArgumentError(f"n_outputs_max={n_out}: a server needs at least one logits row per slot "
+                                       f"(n_parallel={n_parallel}); 0 means n_batch")
         if not isinstance(max_queue, int) or max_queue < 0:
             raise InvalidArgumentError(f"max_queue={max_queue!r}: expected an integer >= 0")
         if not isinstance(prompt_cache_ram_mb, (int, float)) or prompt_cache_ram_mb < 0:
@@ -215,17 +219,27 @@ class Server:
                  loop: asyncio.AbstractEventLoop | None) -> Request:
         if self._closed:
             raise ServerClosedError("the server is closed")
+        if threading.current_thread() is self._engine.thread:
+            # (e.g. from a telemetry handler): the scheduler would wait for itself
+            raise InvalidArgumentError("requests cannot be submitted from the server's own scheduler thread")
         opts = dict(opts)
         session = opts.pop("session", None)
+        try:
+            hash(session)
+            if not isinstance(session == session, bool):
+                raise TypeError
+        except TypeError:
+            raise ArgumentTypeError(f"session={session!r}: expected a hashable value such as a str") from None
         merged = {**self._defaults, **opts}
         sampling_opts, gen_opts = split_options(merged, SamplingParams, GenerationParams, where="unknown request")
         params = GenerationParams(**gen_opts)
         # (a text too long for a slot is refused before it is tokenized)
-        tokens = prompt_tokens(self.model, prompt, params, self.n_ctx)
+        vocab = self._ctx.vocab  # the context's: it keeps working after the shared Model is closed
+        tokens = prompt_tokens(vocab, prompt, params, self.n_ctx)
         check_prompt(self._ctx, tokens, self.n_ctx)
-        sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx)
+        sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx, holder=self._ctx)
         try:
-            text = TextOut(StreamDecoder(self.model, special=params.special), params.stop)
+            text = TextOut(StreamDecoder(vocab, special=params.special), params.stop)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text)
         except BaseException:
             sampler.close()
