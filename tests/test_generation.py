@@ -15,6 +15,10 @@ def model(request):
 
 
 PROMPT = "The capital of France is"
+# Where two runs that compute differently (batch shapes, KV types) must pick the same greedy tokens, a
+# prompt Gemma continues with a wide top-2 logit gap (above 2.6 for 16 tokens, against at most ~0.4 of
+# kernel noise); the gaps after PROMPT go down to 0.05, so which token wins may differ between CPUs.
+COUNTING = "1, 2, 3, 4, 5, 6, 7,"
 
 
 def test_greedy_is_deterministic_and_equal_across_paths(model):
@@ -48,10 +52,10 @@ def test_max_tokens_ends_with_length(model):
 
 def test_stop_string_ends_generation_and_is_not_emitted(model):
     full = lc.generate(model, PROMPT, max_tokens=40, temp=0, ignore_eos=True).text
-    # pick a stop string from the middle of the greedy output
+    # pick a stop string from the middle of the greedy output (whatever text that is)
     words = [w for w in full.split() if len(w) >= 2]
-    assert words, full
-    stop = words[len(words) // 2]
+    stop = words[len(words) // 2] if words else full[len(full) // 2:][:3]
+    assert stop, full
     expected = full[: full.index(stop)]
     done = lc.generate(model, PROMPT, max_tokens=40, temp=0, ignore_eos=True, stop=[stop])
     assert done.finish_reason == "stop"
@@ -97,7 +101,7 @@ def test_multibyte_text_round_trips_through_streaming(tiny_model):
 
 
 def test_prefix_cache_hit_equals_cold_run(model):
-    prompt = "Once upon a time, in a land far away, there lived"
+    prompt = COUNTING
     cold_ctx = lc.Context.create(model)
     with lc.Sampler.create(model, temp=0) as smp:
         cold = cold_ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16)
@@ -182,11 +186,11 @@ def test_unsupported_context_options_raise_with_llama_cpp_reason(tiny_model):
 
 @pytest.mark.gemma
 def test_quantized_kv_cache_and_flash_attention(gemma):
-    plain = lc.generate(gemma, PROMPT, max_tokens=8, temp=0, ignore_eos=True)
-    quant = lc.generate(gemma, PROMPT, max_tokens=8, temp=0, ignore_eos=True, type_k="q8_0", type_v="q8_0",
+    plain = lc.generate(gemma, COUNTING, max_tokens=8, temp=0, ignore_eos=True)
+    quant = lc.generate(gemma, COUNTING, max_tokens=8, temp=0, ignore_eos=True, type_k="q8_0", type_v="q8_0",
                         flash_attn="enabled")
     assert len(quant.tokens) == 8
-    assert quant.tokens[:2] == plain.tokens[:2]  # q8_0 KV barely moves the top tokens
+    assert quant.tokens[:4] == plain.tokens[:4]  # q8_0 KV barely moves the top tokens
 
 
 def test_timings_are_reported(model):

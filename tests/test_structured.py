@@ -10,19 +10,23 @@ from typing import Literal, Optional, TypedDict
 
 import jsonschema
 import pytest
+from test_schema_keywords import Gbnf
 
 import llama_ctypes as lc
 
 # ---- 16 schemas, each with a prompt; every output must parse and validate ---------------------------
+# Every string has a maxLength (and every number a bound or llama.cpp's digit limit), so each grammar has
+# a longest output: with max_tokens above it, generation must end with the grammar complete, whatever
+# text the model prefers. Greedy text differs between CPU kernel sets; the assertions do not depend on it.
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 40},
                                             "city": {"type": "string", "maxLength": 30}},
            "required": ["street", "city"], "additionalProperties": False}
 SCHEMAS = {
     "flat object": ("A person named Alice, aged 30:", {
-        "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
         "required": ["name", "age"], "additionalProperties": False}),
     "nested object": ("A user with an address in Paris:", {
-        "type": "object", "properties": {"user": {"type": "string"}, "address": ADDRESS},
+        "type": "object", "properties": {"user": {"type": "string", "maxLength": 24}, "address": ADDRESS},
         "required": ["user", "address"], "additionalProperties": False}),
     "array with bounds": ("Three fruits:", {
         "type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string", "maxLength": 20},
@@ -72,11 +76,19 @@ SCHEMAS = {
 }
 
 
+def enough_tokens(schema) -> int:
+    """max_tokens that fits any output of the schema's grammar (a token is at least one byte), and EOG."""
+    longest = Gbnf(lc.grammar.from_json_schema(schema)).max_bytes()
+    assert longest < 2000, "the schema must bound its output"
+    return int(longest) + 1
+
+
 @pytest.mark.gemma
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_gemma_output_validates_against_each_schema(gemma, name):
     prompt, schema = SCHEMAS[name]
-    done = lc.generate(gemma, f"Reply with JSON only.\n{prompt}\n", json_schema=schema, temp=0, max_tokens=160)
+    done = lc.generate(gemma, f"Reply with JSON only.\n{prompt}\n", json_schema=schema, temp=0,
+                       max_tokens=enough_tokens(schema))
     assert done.finish_reason == "eog", f"did not finish: {done!r}"
     jsonschema.validate(json.loads(done), schema)
 
@@ -84,11 +96,12 @@ def test_gemma_output_validates_against_each_schema(gemma, name):
 @pytest.mark.gemma
 def test_streamed_constrained_output_concatenates_to_valid_json(gemma):
     prompt, schema = SCHEMAS["nested object"]
-    pieces = list(lc.stream(gemma, prompt, json_schema=schema, temp=0, max_tokens=160))
+    n = enough_tokens(schema)
+    pieces = list(lc.stream(gemma, prompt, json_schema=schema, temp=0, max_tokens=n))
     assert len(pieces) > 3
     text = "".join(pieces)
     jsonschema.validate(json.loads(text), schema)
-    assert text == lc.generate(gemma, prompt, json_schema=schema, temp=0, max_tokens=160)
+    assert text == lc.generate(gemma, prompt, json_schema=schema, temp=0, max_tokens=n)
 
 
 def test_grammar_constrains_the_tiny_model(tiny_model):
@@ -231,16 +244,20 @@ def test_parse_response_builds_instances_and_reports_bad_text():
 
 @pytest.mark.gemma
 def test_response_model_on_generate_and_chat(gemma):
+    # Free-form fields would let greedy text run on (on one CPU Gemma wrote {"name": "1000000... until
+    # max_tokens): the fields are bounded, so the JSON always completes within max_tokens.
     @dataclasses.dataclass
     class City:
-        name: str
-        country: str
+        name: Literal["Paris", "Rome", "Berlin", "Madrid", "other"]
+        country: Literal["France", "Italy", "Germany", "Spain", "other"]
         population: int
+        capital: bool
 
-    city = lc.generate(gemma, "Paris, as JSON:\n", response_model=City, temp=0, max_tokens=120)
-    assert isinstance(city, City) and isinstance(city.population, int)
+    n = enough_tokens(lc.schema.to_json_schema(City))
+    city = lc.generate(gemma, "Paris, as JSON:\n", response_model=City, temp=0, max_tokens=n)
+    assert isinstance(city, City) and isinstance(city.population, int) and isinstance(city.capital, bool)
     reply = lc.chat(gemma, [{"role": "user", "content": "Describe Rome as JSON."}], chat_template="gemma",
-                    response_model=City, temp=0, max_tokens=120)
-    assert isinstance(reply, City)
+                    response_model=City, temp=0, max_tokens=n)
+    assert isinstance(reply, City) and reply.country in ("France", "Italy", "Germany", "Spain", "other")
     with pytest.raises(lc.ResponseValidationError, match="max_tokens"):
         lc.generate(gemma, "Paris, as JSON:\n", response_model=City, temp=0, max_tokens=3)

@@ -203,8 +203,10 @@ class ContextParams:
     """Keep the KV cache and attention on the GPU."""
     op_offload: bool = True
     """Offload host tensor operations to the device."""
-    swa_full: bool = True
-    """Full-size sliding-window cache (needed to reuse prefixes on SWA models)."""
+    swa_full: bool = False
+    """Keep the whole history in the sliding-window layers' cache. False (llama-server's default)
+    keeps only the window: on Gemma 3, 61 MiB of KV instead of 144 MiB for a 4 x 2048 server. A
+    cached prefix is then reused only while its window is still held (else it is recomputed)."""
     kv_unified: bool = False
     """One KV buffer shared by all sequences (helps when they share prefixes)."""
     embeddings: bool = False

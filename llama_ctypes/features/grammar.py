@@ -15,10 +15,13 @@ __all__ = ["from_json_schema", "from_type", "check_schema", "SUPPORTED_FORMATS",
 
 
 def from_json_schema(schema: Mapping[str, Any] | str) -> str:
-    """GBNF text for a JSON Schema (a dict or JSON text), by llama.cpp's converter.
+    """GBNF text for a JSON Schema (a dict or JSON text): it generates only JSON the schema accepts.
 
-    Raises :class:`~llama_ctypes.SchemaError` for an invalid schema or one using
-    a keyword the grammar cannot enforce (the message names it).
+    The schema is normalized and converted by llama.cpp's converter, with our
+    own rules for bounded numbers, patterns and dates (docs/structured_output.md).
+    Raises :class:`~llama_ctypes.SchemaError` for an invalid or unsatisfiable
+    schema, or one using a keyword (or combination) the grammar cannot enforce;
+    the message names it and where it is.
     """
     return json_schema_to_gbnf(schema)
 

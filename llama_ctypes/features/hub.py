@@ -31,7 +31,7 @@ from urllib.parse import quote
 
 import requests
 
-from ..errors import LlamaError
+from ..errors import InvalidArgumentError, LlamaError
 
 logger = logging.getLogger(__name__)
 
@@ -101,25 +101,25 @@ def _headers(token: str | None) -> dict[str, str]:
 
 def validate_repo(repo: str) -> str:
     if not isinstance(repo, str) or not _REPO.match(repo) or ".." in repo:
-        raise ValueError(f"invalid repository id {repo!r}: expected 'owner/name'")
+        raise InvalidArgumentError(f"invalid repository id {repo!r}: expected 'owner/name'")
     return repo
 
 
 def validate_filename(filename: str) -> str:
     """A relative path inside the repository: no absolute paths, no '..', no backslashes."""
     if not isinstance(filename, str) or not filename or "\\" in filename or "\x00" in filename:
-        raise ValueError(f"invalid file name {filename!r}")
+        raise InvalidArgumentError(f"invalid file name {filename!r}")
     path = PurePosixPath(filename)
     if path.is_absolute() or any(part in ("..", ".", "") for part in filename.split("/")) or re.match(r"^[A-Za-z]:",
                                                                                                      filename):
-        raise ValueError(f"refusing file name {filename!r}: it must stay inside the repository")
+        raise InvalidArgumentError(f"refusing file name {filename!r}: it must stay inside the repository")
     return filename
 
 
 def validate_revision(revision: str) -> str:
     if not isinstance(revision, str) or not _REVISION.match(revision) or ".." in revision.split("/") \
             or revision.startswith("/"):
-        raise ValueError(f"invalid revision {revision!r}")
+        raise InvalidArgumentError(f"invalid revision {revision!r}")
     return revision
 
 
@@ -127,7 +127,7 @@ def _cache_path(root: Path, repo: str, revision: str, filename: str) -> Path:
     base = (root / repo.replace("/", "--") / revision.replace("/", "--")).resolve()
     target = (base / filename).resolve()
     if base not in target.parents:
-        raise ValueError(f"refusing file name {filename!r}: it resolves outside the cache")
+        raise InvalidArgumentError(f"refusing file name {filename!r}: it resolves outside the cache")
     return target
 
 
@@ -186,7 +186,7 @@ def search(query: str = "", *, limit: int = 20, author: str | None = None, sort:
            token: str | None = None) -> list[ModelSummary]:
     """Search GGUF repositories (most downloaded first by default)."""
     if not 0 < limit <= 1000:
-        raise ValueError(f"limit={limit}: expected 1..1000")
+        raise InvalidArgumentError(f"limit={limit}: expected 1..1000")
     params = {"search": query, "filter": "gguf", "limit": limit, "sort": sort, "direction": -1}
     if author:
         params["author"] = author

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..errors import InvalidArgumentError
 from ..core.generation import Completion
 from ..core.generation import generate as _generate
 from ..core.model import Model
@@ -13,7 +14,7 @@ from .schema import ResponseValidationError, parse_response, to_json_schema
 def constrain_to(response_model: Any, opts: dict[str, Any]) -> dict[str, Any]:
     """Options with ``json_schema`` set from ``response_model``."""
     if "json_schema" in opts or "grammar" in opts:
-        raise ValueError("response_model sets the output schema itself; do not also pass json_schema or grammar")
+        raise InvalidArgumentError("response_model sets the output schema itself; do not also pass json_schema or grammar")
     return {**opts, "json_schema": to_json_schema(response_model)}
 
 
