@@ -102,9 +102,7 @@ def _extract(archive: Path, dest: Path) -> None:
         if not (staging / "include" / "llama.h").exists():
             raise SourceError(f"{archive} holds no {PIN_SUBDIR}/include/llama.h")
         (staging / _MARKER).write_text(f"{PIN_ID} {PIN_SHA256}\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(staging, dest)
+        _move_into_place(staging, dest)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -148,13 +146,18 @@ def stable_copy(tree: Path, dest: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".llama.cpp-", dir=dest.parent))
     try:
         shutil.copytree(tree, staging, symlinks=True, dirs_exist_ok=True)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(staging, dest)
+        _move_into_place(staging, dest)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _move_into_place(staging: Path, dest: Path) -> None:
+    """Replace ``dest`` by the finished ``staging`` folder (a reader never sees a half-written tree)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(staging, dest)
 
 
 def tree_fingerprint(tree: Path) -> str:

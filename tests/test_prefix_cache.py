@@ -11,6 +11,7 @@ from llama_ctypes.engines.server.prompt_cache import PromptCache
 from llama_ctypes.engines.server.request import Channel, Request
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.core.generation import GenerationParams
+from fake_kv import FakeKV
 
 SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. " * 3
 
@@ -177,31 +178,6 @@ def test_hybrid_model_gives_correct_output_with_the_cache_on(tiny_hybrid):
 
 
 # ---- the pieces, without a model ---------------------------------------------------------------------
-
-class FakeKV:
-    def __init__(self, partial=True):
-        self.partial = partial
-        self.calls = []
-
-    def complete(self, seq, n):
-        return True
-
-    def forget(self, seq):
-        self.calls.append(("forget", seq))
-
-    def truncate(self, seq, keep):
-        self.calls.append(("truncate", seq, keep))
-        return self.partial
-
-    def copy(self, src, dst, n):
-        self.calls.append(("copy", src, dst, n))
-
-    def save(self, seq):
-        return b"x" * 100
-
-    def restore(self, seq, state):
-        return True
-
 
 def _request(tokens, session=None, cache=True):
     return Request(list(tokens), GenerationParams(cache_prompt=cache), sampler=None, channel=Channel(),

@@ -14,32 +14,9 @@ from llama_ctypes.engines.server.scheduler import QueueFullError, Scheduler, Ser
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
 from llama_ctypes.errors import CancelledError, ClosedError, DecodeError
+from fake_kv import FakeKV
 
 EOG = 99
-
-
-class FakeKV:
-    def __init__(self):
-        self.calls = []
-
-    def complete(self, seq, n):
-        return True
-
-    def forget(self, seq):
-        self.calls.append(("forget", seq))
-
-    def truncate(self, seq, keep):
-        self.calls.append(("truncate", seq, keep))
-        return True
-
-    def copy(self, src, dst, n):
-        self.calls.append(("copy", src, dst, n))
-
-    def save(self, seq):
-        return b"x" * 10
-
-    def restore(self, seq, state):
-        return True
 
 
 class Letters:
