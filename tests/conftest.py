@@ -65,3 +65,11 @@ def tiny_hybrid(tmp_path_factory, vocab_dir):
     model = lc.load_model(path)
     yield model
     model.close()
+
+
+@pytest.fixture
+def server(tiny_model):
+    # A KV stream per slot: each request's numerics are then independent of its batch-mates,
+    # so concurrent greedy output must equal a solo run exactly.
+    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=512, kv_unified=False) as srv:
+        yield srv

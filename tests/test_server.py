@@ -11,26 +11,12 @@ import pytest
 
 import llama_ctypes as lc
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
+from server_helpers import wait_idle
 
 PROMPTS = [f"Request number {i} says" for i in range(8)]
 
 
-@pytest.fixture
-def server(tiny_model):
-    # A KV stream per slot: each request's numerics are then independent of its batch-mates,
-    # so concurrent greedy output must equal a solo run exactly (see the unified test below).
-    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=512, kv_unified=False) as srv:
-        yield srv
 
-
-def _wait_idle(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = server.stats()
-        if stats["active_slots"] == 0 and stats["queue_length"] == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server still busy: {server.stats()}")
 
 
 def _concurrently(fn, args):
@@ -59,7 +45,7 @@ def test_concurrent_greedy_equals_solo(tiny_model, strategy):
         got = _concurrently(lambda p: srv.generate(p, max_tokens=20, temp=0, ignore_eos=True).tokens, PROMPTS)
         assert got == solo
         assert srv.stats()["avg_batch_tokens"] > 1  # requests really shared ticks
-        _wait_idle(srv)
+        wait_idle(srv)
         assert srv.kv_positions() == [-1] * 4  # without the prefix cache nothing stays in KV
 
 
@@ -100,14 +86,14 @@ def test_streams_cancelled_early_free_their_slots(server):
             if j == 1:
                 break
         stream.close()
-    _wait_idle(server)
+    wait_idle(server)
     assert server.kv_positions() == [-1] * 4
     # dropped (garbage-collected) streams are cancelled too
     stream = server.stream("dropped", max_tokens=500, temp=0, ignore_eos=True)
     next(stream)
     del stream
     gc.collect()
-    _wait_idle(server)
+    wait_idle(server)
     assert server.kv_positions() == [-1] * 4
 
 
@@ -119,7 +105,7 @@ def test_explicit_cancel(server):
         for _ in stream:
             pass
     assert len(stream.tokens) < 500
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_queue_full_raises_at_once(tiny_model):
@@ -179,7 +165,7 @@ def test_cancelling_an_asyncio_task_frees_its_slot(server):
             await task
 
     asyncio.run(main())
-    _wait_idle(server)
+    wait_idle(server)
     assert server.kv_positions() == [-1] * 4
 
 
@@ -243,7 +229,7 @@ def test_a_failed_decode_fails_only_its_requests(server, monkeypatch):
     with pytest.raises(lc.DecodeError):
         server.generate("this one fails", max_tokens=5, temp=0)
     assert server.generate("this one works", max_tokens=5, temp=0, ignore_eos=True).tokens
-    _wait_idle(server)
+    wait_idle(server)
 
 
 def test_prompt_too_long_for_a_slot(server):
@@ -262,7 +248,7 @@ def test_telemetry_events(server):
         s = server.stream("cancel", max_tokens=500, temp=0, ignore_eos=True)
         next(s)
         s.close()
-        _wait_idle(server)
+        wait_idle(server)
     finally:
         assert lc.telemetry.detach("t1") and lc.telemetry.detach("broken")
     names = [e for e, _, _ in seen]

@@ -17,24 +17,12 @@ import llama_ctypes as lc
 from llama_ctypes.core.generation import GenerationParams
 from llama_ctypes.engines.server.prompt_cache import PromptCache
 from llama_ctypes.engines.server.request import Channel, Request
+from server_helpers import wait_idle
 
 SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. "
 
 
-@pytest.fixture
-def server(tiny_model):
-    with lc.Server(model=tiny_model, n_parallel=4, n_ctx=512, kv_unified=False) as srv:
-        yield srv
 
-
-def _wait_idle(server, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = server.stats()
-        if stats["active_slots"] == 0 and stats["queue_length"] == 0:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server still busy: {server.stats()}")
 
 
 def _slow_decode(monkeypatch, server, delay):
@@ -216,7 +204,7 @@ def test_breaking_out_or_dropping_a_stream_cancels_without_gc(server, monkeypatc
             next(dropped)
             del dropped
             t0 = time.monotonic()
-            _wait_idle(server, timeout=1.0)
+            wait_idle(server, timeout=1.0)
             assert time.monotonic() - t0 < 1.0
         finally:
             gc.enable()
@@ -244,7 +232,7 @@ def test_cancel_and_close_from_another_thread(server, monkeypatch):
     assert closing.finish_reason is None and len(closing.tokens) < 400
     with pytest.raises(StopIteration):
         next(closing)
-    _wait_idle(server)
+    wait_idle(server)
     assert server.kv_positions() == [-1] * 4
 
 
@@ -258,7 +246,7 @@ def test_a_closed_event_loop_cancels_its_pending_stream(server, monkeypatch):
         agen = server.astream("the loop goes away", max_tokens=400, temp=0, ignore_eos=True)
         loop.run_until_complete(agen.__anext__())
         loop.close()  # the async generator is never closed; nobody can receive its pieces
-        _wait_idle(server, timeout=1.0)
+        wait_idle(server, timeout=1.0)
     assert len(events.of("server.request.cancelled")) == 1 and not events.of("server.request.stop")
     del agen
 

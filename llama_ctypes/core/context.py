@@ -306,10 +306,6 @@ class ContextLease:
         """The live list of tokens sequence 0 holds (read it; change it only through this lease)."""
         return self.ctx._tokens
 
-    def aborted(self) -> bool:
-        """True once :meth:`Context.abort` was called during this lease."""
-        return bool(self.ctx._abort_flag.value)
-
     # ---- decoding ------------------------------------------------------------------------------
     def _check_batch(self, batch: Batch) -> None:
         self._check()
