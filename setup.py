@@ -6,6 +6,7 @@ platform-specific (it carries shared libraries, but no CPython extension, so
 one wheel serves every Python 3 version of a platform).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,15 +25,27 @@ except ImportError:  # setuptools < 70
     from wheel.bdist_wheel import bdist_wheel
 
 
+# A folder holding lib/ and build_info.json (a build_llama.py output): package those
+# libraries instead of building. build_scripts/build_wheel.py sets it.
+PREBUILT_ENV = "LLAMA_CTYPES_PREBUILT"
+
+
 class BuildPyWithNative(build_py):
     def run(self):
-        try:
-            cached = build_llama.build()
-        except (build_llama.BuildError, build_llama.llama_source.SourceError) as exc:
-            sys.exit(f"llama_ctypes: native build failed: {exc}")
-        # Into the source tree too: editable installs and tests run from a checkout use it.
-        build_llama.install_into(cached, ROOT / "llama_ctypes" / "lib")
+        prebuilt = os.environ.get(PREBUILT_ENV)
+        if prebuilt:
+            cached = Path(prebuilt)
+        else:
+            try:
+                cached = build_llama.build()
+            except (build_llama.BuildError, build_llama.llama_source.SourceError) as exc:
+                sys.exit(f"llama_ctypes: native build failed: {exc}")
+            # Into the source tree too: editable installs and tests run from a checkout use it.
+            build_llama.install_into(cached, ROOT / "llama_ctypes" / "lib")
         super().run()
+        if not self.editable_mode:
+            # Exactly this build's libraries in the wheel, whatever else the tree holds.
+            build_llama.install_into(cached, Path(self.build_lib) / "llama_ctypes" / "lib")
 
 
 class PlatformWheel(bdist_wheel):

@@ -11,7 +11,9 @@ Environment:
     LLAMA_CPP_DIR        build this llama.cpp tree instead of the pinned one
     LLAMA_CTYPES_CACHE_DIR  cache root (default: the user cache dir, "llama_ctypes")
     LLAMA_CTYPES_AMX     1 to keep ggml's AMX kernels in a native CPU build
-    LLAMA_CTYPES_PORTABLE 1 for a CPU build that runs on any x86-64-v3 machine (wheels)
+    LLAMA_CTYPES_PORTABLE 1 for a build that runs on any machine of the platform (wheels):
+                         backends as loadable modules, one CPU library per instruction-set
+                         level (x86-64 baseline up to AVX-512), the best picked at run time
     LLAMA_CTYPES_TOOLS   1 to also build llama-bench and llama-server (benchmarks)
 
 The built libraries are cached under ``<cache>/native/<key>/lib`` where key
@@ -117,14 +119,32 @@ def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
+def portable() -> bool:
+    """A build for other machines (wheels): kernels picked at run time, nothing -march=native."""
+    return os.environ.get("LLAMA_CTYPES_PORTABLE") == "1"
+
+
+def _all_cpu_variants() -> bool:
+    # ggml builds one CPU library per instruction-set level only where it can
+    # detect features at run time (x86 everywhere, ARM on Linux).
+    machine = platform.machine().lower()
+    return _is_x86() or (sys.platform.startswith("linux") and machine in ("aarch64", "arm64"))
+
+
 def backend_cmake_args(backend: str) -> list[str]:
-    portable = os.environ.get("LLAMA_CTYPES_PORTABLE") == "1"
     args: list[str] = []
-    if portable:
+    if portable():
         args.append("-DGGML_NATIVE=OFF")
-        if _is_x86():
-            # x86-64-v3: what every machine from the last decade runs; no AVX-512, no AMX.
-            args += ["-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
+        if sys.platform != "darwin":
+            # Backends as loadable modules: the CPU variants (x86-64 baseline up to
+            # AVX-512), chosen by score at run time, and GPU backends that plugin
+            # distributions add beside the base package.
+            # RPC is built for its plugin distribution (llama-ctypes-rpc), not the base wheel.
+            args += ["-DGGML_BACKEND_DL=ON", "-DGGML_RPC=ON"]
+            if _all_cpu_variants():
+                args.append("-DGGML_CPU_ALL_VARIANTS=ON")
+                if os.environ.get("LLAMA_CTYPES_AMX") == "1":
+                    args.append("-DLLAMA_CTYPES_AMX=ON")  # ships the AMX variant; part of the cache key
     else:
         args.append("-DGGML_NATIVE=ON")
         if _is_x86() and sys.platform != "win32" and os.environ.get("LLAMA_CTYPES_AMX") != "1":
@@ -147,19 +167,23 @@ def _adapter_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
-def cache_key(source_id: str, backend: str, cmake_args: list[str], with_adapter: bool = True) -> str:
+def cache_key(
+    source_id: str, backend: str, cmake_args: list[str], with_adapter: bool = True, module: str | None = None
+) -> str:
     """Key of a build: source, backend, flags, platform (and the adapter sources).
 
     The CMake build folder is keyed without the adapter, so editing the adapter
-    recompiles only the adapter; the cached output is keyed with it.
+    recompiles only the adapter; the cached output is keyed with it. A build of
+    one backend module (a plugin's library) is keyed by that module instead.
     """
-    fields = {
+    fields: dict = {"module": module} if module else {}
+    fields |= {
         "source": source_id,
         "backend": backend,
         "cmake_args": cmake_args,
         "platform": [sys.platform, platform.machine()],
     }
-    if with_adapter:
+    if with_adapter and not module:
         fields["adapter"] = _adapter_fingerprint()
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return f"{source_id}-{backend}-{digest}"
@@ -189,10 +213,29 @@ def _shared_libs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.suffix in _LIB_SUFFIXES)
 
 
+# CPU variants left out of a run-time-dispatched build: ggml's sapphirerapids variant
+# is the only one compiled with the AMX kernels, which crash on Q4_K models
+# (llama.cpp #20824). Sapphire Rapids CPUs get the zen4 variant instead: the same
+# AVX-512 (VBMI, VNNI, BF16) set without AMX. LLAMA_CTYPES_AMX=1 ships it.
+_AMX_VARIANTS = ("ggml-cpu-sapphirerapids",)
+
+
 def _is_package_lib(path: Path) -> bool:
     """The libraries the Python package loads: ggml (and its backends), llama, llama-common, the adapter."""
     stem = path.stem[3:] if path.stem.startswith("lib") else path.stem
+    if stem in _AMX_VARIANTS and os.environ.get("LLAMA_CTYPES_AMX") != "1":
+        return False
     return stem.startswith("ggml") or stem in ("llama", "llama-common", "llama_ctypes_adapter")
+
+
+def cpu_variants(lib_dir: Path) -> list[str]:
+    """Names of the CPU variant libraries in lib_dir ("haswell", ...); [] for a single-CPU build."""
+    names = []
+    for lib in _shared_libs(lib_dir):
+        stem = lib.stem[3:] if lib.stem.startswith("lib") else lib.stem
+        if stem.startswith("ggml-cpu-"):
+            names.append(stem[len("ggml-cpu-"):])
+    return names
 
 
 @contextlib.contextmanager
@@ -412,8 +455,9 @@ def prepare_build_dir(build_dir: Path, project: Path, tree: Path) -> tuple[str, 
     return cmake, []
 
 
-def _have_build(out: Path, tools: bool) -> bool:
-    have_libs = (out / "build_info.json").exists() and any((out / "lib").glob("*llama_ctypes_adapter*"))
+def _have_build(out: Path, tools: bool, module: str | None = None) -> bool:
+    wanted = f"*ggml-{module}.*" if module else "*llama_ctypes_adapter*"
+    have_libs = (out / "build_info.json").exists() and any((out / "lib").glob(wanted))
     have_tools = (out / "bin" / "llama-bench").exists() or (out / "bin" / "llama-bench.exe").exists()
     return have_libs and (have_tools or not tools)
 
@@ -424,8 +468,15 @@ def build(
     llama_cpp_dir: str | None = None,
     tools: bool | None = None,
     force: bool = False,
+    module: str | None = None,
 ) -> Path:
-    """Build (or reuse) the native libraries; return the cache folder holding lib/ (and bin/)."""
+    """Build (or reuse) the native libraries; return the cache folder holding lib/ (and bin/).
+
+    module: build only that backend module (``"cuda"`` -> libggml-cuda) and
+    ggml-base, for a plugin distribution; needs a portable (GGML_BACKEND_DL) build.
+    """
+    if module:
+        tools = False
     backend = resolve_backend(backend or os.environ.get("LLAMA_BACKEND", "auto"))
     if extra_cmake_args is None:
         extra_cmake_args = shlex.split(os.environ.get("LLAMA_CMAKE_ARGS", ""))
@@ -435,10 +486,12 @@ def build(
     with _locked(root / "src" / ".lock"):
         tree, source_id = llama_source.ensure_source(ROOT / "vendor" / "llama.cpp", root / "src", llama_cpp_dir)
     cmake_args = backend_cmake_args(backend) + extra_cmake_args
-    key = cache_key(source_id, backend, cmake_args)
+    if module and "-DGGML_BACKEND_DL=ON" not in cmake_args:
+        raise BuildError(f"a {module} backend module needs LLAMA_CTYPES_PORTABLE=1 (GGML_BACKEND_DL)")
+    key = cache_key(source_id, backend, cmake_args, module=module)
     out = root / "native" / key
 
-    if _have_build(out, tools) and not force:
+    if _have_build(out, tools, module) and not force:
         log(f"reusing cached build {out}")
         return out
 
@@ -448,10 +501,10 @@ def build(
         # copy whose path and mtimes do not depend on which checkout or sdist runs this.
         with _locked(root / "src" / ".lock"):
             tree = llama_source.stable_copy(tree, root / "src" / source_id)
-    build_key = cache_key(source_id, backend, cmake_args, with_adapter=False)
+    build_key = cache_key(source_id, backend, cmake_args, with_adapter=False, module=module)
     build_dir = root / "build" / build_key
     with _locked(root / "build" / f"{build_key}.lock"):
-        if _have_build(out, tools) and not force:
+        if _have_build(out, tools, module) and not force:
             log(f"reusing cached build {out} (built by another process meanwhile)")
             return out
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -465,7 +518,10 @@ def build(
         ]
         t0 = time.monotonic()
         _run(configure + cmake_args)
-        targets = ["llama_ctypes_adapter"] + (["llama-bench", "llama-server"] if tools else [])
+        if module:
+            targets = [f"ggml-{module}"]
+        else:
+            targets = ["llama_ctypes_adapter"] + (["llama-bench", "llama-server"] if tools else [])
         jobs = str(os.cpu_count() or 2)
         _run([cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *targets])
         elapsed = time.monotonic() - t0
@@ -496,6 +552,9 @@ def build(
             "cache_key": key,
             "build_seconds": round(elapsed, 1),
             "platform": [sys.platform, platform.machine()],
+            "backend_dl": "-DGGML_BACKEND_DL=ON" in cmake_args,
+            "cpu_variants": cpu_variants(staging / "lib"),
+            "module": module,
         }
         (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)
@@ -504,14 +563,31 @@ def build(
     return out
 
 
+# Backend modules of a run-time-dispatched build that ship in plugin distributions
+# (build_wheel.py --plugin ...), not in the base package.
+PLUGIN_MODULES = ("ggml-rpc", "ggml-cuda", "ggml-vulkan")
+
+
+def is_plugin_module(lib: Path) -> bool:
+    stem = lib.name.split(".")[0]
+    return (stem[3:] if stem.startswith("lib") else stem) in PLUGIN_MODULES
+
+
 def install_into(cached: Path, package_lib_dir: Path) -> list[Path]:
-    """Copy the cached libraries (and build_info.json) into the package's lib/ folder."""
+    """Copy the cached libraries (and build_info.json) into the package's lib/ folder.
+
+    A run-time-dispatched build's plugin modules stay out: they belong to the
+    plugin distributions, and a second copy would register the backend twice.
+    """
+    info = json.loads((cached / "build_info.json").read_text())
     package_lib_dir.mkdir(parents=True, exist_ok=True)
     for old in package_lib_dir.iterdir():
         if old.is_file() and (old.suffix in _LIB_SUFFIXES or old.name == "build_info.json"):
             old.unlink()
     copied = []
     for lib in _shared_libs(cached / "lib"):
+        if info.get("backend_dl") and is_plugin_module(lib):
+            continue
         shutil.copy2(lib, package_lib_dir / lib.name)
         copied.append(package_lib_dir / lib.name)
     shutil.copy2(cached / "build_info.json", package_lib_dir / "build_info.json")
@@ -526,9 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tools", action="store_true", default=None, help="also build llama-bench and llama-server")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
     parser.add_argument("--no-install", action="store_true", help="do not copy the libraries into llama_ctypes/lib")
+    parser.add_argument("--module", default=None, help="build only this backend module (e.g. cuda) for a plugin")
     args = parser.parse_args(argv)
+    if args.module:
+        args.no_install = True
     try:
-        out = build(args.backend, None, args.llama_cpp_dir, args.tools, args.force)
+        out = build(args.backend, None, args.llama_cpp_dir, args.tools, args.force, args.module)
     except (BuildError, llama_source.SourceError) as exc:
         log(f"error: {exc}")
         return 1

@@ -10,7 +10,7 @@ Layers, lowest first (a layer imports only those below it):
 """
 
 from ._version import __version__
-from .core.backend import Device, VersionInfo, devices, init, system_info, version_info
+from .core.backend import Device, LoadedBackend, VersionInfo, devices, init, loaded_backends, system_info, version_info
 from .core.batch import Batch
 from .core.context import Context, ContextLease
 from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
@@ -74,7 +74,7 @@ from .errors import (
 __all__ = [
     "__version__",
     # backend
-    "init", "system_info", "version_info", "devices", "Device", "VersionInfo",
+    "init", "system_info", "version_info", "devices", "Device", "VersionInfo", "loaded_backends", "LoadedBackend",
     # core objects
     "Model", "load_model", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",

@@ -12,6 +12,7 @@ from typing import Literal
 
 from .. import native
 from ..native import ggml_h
+from ..native.backends import LoadedBackend, load_backends
 
 logger = logging.getLogger("llama_ctypes")
 logger.addHandler(logging.NullHandler())  # quiet unless the application configures logging
@@ -67,6 +68,7 @@ class _LogRouter:
 
 _init_lock = threading.Lock()
 _router: _LogRouter | None = None
+_backends: tuple[LoadedBackend, ...] = ()
 
 
 def init() -> native.NativeLibrary:
@@ -83,8 +85,8 @@ def init() -> native.NativeLibrary:
         if _router is None:
             router = _LogRouter()
             lib.llama_log_set(router.callback, None)
-            # Backends built as loadable modules (GGML_BACKEND_DL) live beside the libraries.
-            lib.ggml_backend_load_all_from_path(str(lib.directory).encode())
+            global _backends
+            _backends = tuple(load_backends(lib))
             lib.llama_backend_init()
             atexit.register(_quiet_at_exit, lib)
             _router = router
@@ -108,9 +110,20 @@ def _quiet_at_exit(lib: native.NativeLibrary) -> None:
     lib.lcx_log_set_quiet()
 
 
+def loaded_backends() -> list[LoadedBackend]:
+    """The backends registered with ggml: name, device count, origin, module file, CPU variant."""
+    init()
+    return list(_backends)
+
+
 def system_info() -> str:
-    """llama.cpp's description of the CPU features and backends compiled in."""
-    return init().llama_print_system_info().decode()
+    """llama.cpp's description of the CPU features, then one line per backend and where it came from."""
+    lines = [init().llama_print_system_info().decode().strip()]
+    for b in _backends:
+        variant = f" variant {b.variant}," if b.variant else ""
+        where = f" from {b.path}" if b.path else ""
+        lines.append(f"backend {b.name}:{variant} {b.devices} device(s), {b.origin}{where}")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ class VersionInfo:
     llama_cpp_source: str  # which source tree was built (the pin or a custom tree)
     backend: str  # cpu | cuda | metal | vulkan
     cmake_args: tuple[str, ...]
+    cpu_variant: str | None = None  # the CPU module chosen at run time (wheels); None when built in
 
 
 def version_info() -> VersionInfo:
@@ -135,6 +149,7 @@ def version_info() -> VersionInfo:
         llama_cpp_source=info.get("llama_cpp_source", "unknown"),
         backend=info.get("backend", "unknown"),
         cmake_args=tuple(info.get("cmake_args", ())),
+        cpu_variant=next((b.variant for b in _backends if b.variant), None),
     )
 
 

@@ -187,7 +187,8 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 def cmd_version(args: argparse.Namespace) -> int:
     v = version_info()
-    print(f"llama_ctypes {v.package}\nllama.cpp {v.llama_cpp} ({v.llama_cpp_source}, backend {v.backend})")
+    variant = f", CPU variant {v.cpu_variant}" if v.cpu_variant else ""
+    print(f"llama_ctypes {v.package}\nllama.cpp {v.llama_cpp} ({v.llama_cpp_source}, backend {v.backend}{variant})")
     print(system_info())
     return 0
 

@@ -110,4 +110,8 @@ PROTOTYPES = [
     ("ggml_backend_dev_backend_reg", [ggml_backend_dev_t], ggml_backend_reg_t),
     # void ggml_backend_load_all_from_path(const char * dir_path);
     ("ggml_backend_load_all_from_path", [c_char_p], None),
+    # ggml_backend_reg_t ggml_backend_load(const char * path);  (NULL when it cannot load or score is 0)
+    ("ggml_backend_load", [c_char_p], ggml_backend_reg_t),
+    # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+    ("ggml_backend_reg_dev_count", [ggml_backend_reg_t], c_size_t),
 ]

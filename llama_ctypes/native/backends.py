@@ -1,0 +1,222 @@
+"""Load ggml's backend modules: the best CPU variant, and backends from plugin packages.
+
+A run-time-dispatched build (``GGML_BACKEND_DL``, what the wheels carry) links no
+backend into ``libggml``: the CPU kernels ship as one module per instruction-set
+level (``libggml-cpu-x64.so`` ... ``libggml-cpu-zen4.so``) beside the other
+libraries, and GPU backends come from plugin distributions (``llama-ctypes-cuda12``,
+``llama-ctypes-rpc``) installed beside the base package. A single-CPU build
+(``pip install .`` from source, ``-march=native``) has its backends linked in,
+and only plugins are loaded on top.
+
+Selection of the CPU variant: each variant's ``ggml_backend_score()`` says
+whether this CPU runs it (0: it would fault) and how good it is; the highest
+wins, as in ggml's own ``ggml_backend_load_all``. ``LLAMA_CTYPES_CPU_VARIANT=haswell``
+forces one (an unknown name, or one this CPU cannot run, raises).
+
+Plugins announce themselves through the ``llama_ctypes.backends`` entry point
+group; the entry point is a function returning the paths of the backend modules
+to load, after making their runtime libraries loadable (the CUDA plugin preloads
+cuBLAS and cudart from NVIDIA's wheels). A plugin built for another version of
+this package, or whose module cannot load (no driver, no GPU), is skipped with a
+warning and the CPU path keeps working. ``LLAMA_CTYPES_NO_PLUGINS=1`` skips them all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from ..errors import NativeLibraryError
+
+if TYPE_CHECKING:
+    from .loader import NativeLibrary
+
+logger = logging.getLogger(__name__)
+
+CPU_VARIANT_ENV = "LLAMA_CTYPES_CPU_VARIANT"
+NO_PLUGINS_ENV = "LLAMA_CTYPES_NO_PLUGINS"
+ENTRY_POINT_GROUP = "llama_ctypes.backends"
+
+# Libraries of a build that are not backend modules.
+_NOT_MODULES = ("ggml", "ggml-base", "llama", "llama-common", "llama_ctypes_adapter")
+
+
+@dataclass(frozen=True)
+class LoadedBackend:
+    """One backend registered with ggml, and where it came from."""
+
+    name: str  # ggml's registry name: "CPU", "CUDA", "RPC", ...
+    devices: int  # devices it found (0: loaded, but nothing to run on)
+    origin: str  # "linked" (built into libggml), "package" (a module beside it) or "plugin <dist> <version>"
+    path: str | None = None  # the module file; None when linked
+    variant: str | None = None  # the CPU variant ("icelake"), for a CPU module
+
+
+def _stem(path: Path) -> str:
+    stem = path.name.split(".")[0]
+    return stem[3:] if stem.startswith("lib") and sys.platform != "win32" else stem
+
+
+def _is_library(path: Path) -> bool:
+    return path.is_file() and path.suffix in (".so", ".dylib", ".dll")
+
+
+def cpu_variant_files(directory: Path) -> dict[str, Path]:
+    """The CPU variant modules in directory, by variant name ("haswell" -> path)."""
+    found = {}
+    if directory.is_dir():
+        for path in sorted(directory.iterdir()):
+            stem = _stem(path)
+            if _is_library(path) and stem.startswith("ggml-cpu-"):
+                found[stem[len("ggml-cpu-"):]] = path
+    return found
+
+
+def _other_modules(directory: Path) -> list[Path]:
+    """Backend modules in directory other than the CPU variants (none in a wheel today)."""
+    return [
+        path for path in sorted(directory.iterdir())
+        if _is_library(path) and _stem(path).startswith("ggml-")
+        and _stem(path) not in _NOT_MODULES and not _stem(path).startswith("ggml-cpu")
+    ]
+
+
+def variant_score(path: Path) -> int:
+    """ggml_backend_score() of a CPU variant module: 0 when this CPU cannot run it.
+
+    The module is opened privately and closed again; only the chosen one is
+    loaded for good through ggml.
+    """
+    handle = ctypes.CDLL(str(path), mode=getattr(os, "RTLD_LOCAL", 0))
+    try:
+        fn = handle.ggml_backend_score
+        fn.argtypes = []
+        fn.restype = ctypes.c_int
+        return int(fn())
+    except AttributeError:
+        return 0
+    finally:
+        _close(handle)
+
+
+def _close(handle: ctypes.CDLL) -> None:
+    try:
+        import _ctypes
+
+        if hasattr(_ctypes, "dlclose"):
+            _ctypes.dlclose(handle._handle)
+        elif hasattr(_ctypes, "FreeLibrary"):
+            _ctypes.FreeLibrary(handle._handle)
+    except OSError:
+        pass
+
+
+def _register(lib: NativeLibrary, path: Path) -> int | None:
+    """ggml_backend_load(path): the registry handle, or None when it refused."""
+    reg = lib.ggml_backend_load(os.fsencode(path))
+    return reg or None
+
+
+def _describe(lib: NativeLibrary, reg: int, origin: str, path: Path | None, variant: str | None = None) -> LoadedBackend:
+    return LoadedBackend(
+        name=(lib.ggml_backend_reg_name(reg) or b"").decode(),
+        devices=int(lib.ggml_backend_reg_dev_count(reg)),
+        origin=origin,
+        path=str(path) if path else None,
+        variant=variant,
+    )
+
+
+def _load_cpu_variant(lib: NativeLibrary, variants: dict[str, Path]) -> LoadedBackend:
+    forced = os.environ.get(CPU_VARIANT_ENV, "").strip()
+    if forced:
+        if forced not in variants:
+            raise NativeLibraryError(
+                f"{CPU_VARIANT_ENV}={forced!r}: no such CPU variant in {lib.directory}; "
+                f"available: {', '.join(variants)}"
+            )
+        if variant_score(variants[forced]) == 0:
+            raise NativeLibraryError(f"{CPU_VARIANT_ENV}={forced!r}: this CPU lacks that variant's instructions")
+        name, path = forced, variants[forced]
+    else:
+        scores = {name: variant_score(path) for name, path in variants.items()}
+        name = max(scores, key=lambda n: scores[n])
+        if scores[name] == 0:
+            raise NativeLibraryError(f"no CPU variant in {lib.directory} runs on this CPU (scores {scores})")
+        path = variants[name]
+    reg = _register(lib, path)
+    if reg is None:
+        raise NativeLibraryError(f"ggml could not load the CPU backend {path} (see the llama.cpp log)")
+    logger.info("CPU backend: variant %s from %s", name, path)
+    return _describe(lib, reg, "package", path, variant=name)
+
+
+def _plugin_entry_points() -> list:
+    from importlib.metadata import entry_points
+
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _load_plugin(lib: NativeLibrary, ep, package_version: str) -> list[LoadedBackend]:
+    dist = getattr(ep, "dist", None)
+    dist_name = dist.metadata["Name"] if dist is not None else ep.name
+    dist_version = dist.version if dist is not None else "?"
+    label = f"plugin {dist_name} {dist_version}"
+    if dist is not None and dist_version != package_version:
+        logger.warning(
+            "skipping backend %s: it was built for llama_ctypes %s, this is %s (install matching versions)",
+            label, dist_version, package_version,
+        )
+        return []
+    try:
+        provider: Callable[[], Iterable[str | os.PathLike]] = ep.load()
+        paths = [Path(p) for p in provider()]
+    except Exception as exc:  # a broken plugin must not take the CPU path down with it
+        logger.warning("skipping backend %s: %s: %s", label, type(exc).__name__, exc)
+        return []
+    loaded = []
+    for path in paths:
+        reg = _register(lib, path)
+        if reg is None:
+            logger.warning(
+                "backend %s: could not load %s (see the llama.cpp error above); models run on the CPU", label, path
+            )
+            continue
+        backend = _describe(lib, reg, label, path)
+        if backend.devices == 0:
+            logger.warning("backend %s (%s) found no device; models run on the CPU", backend.name, label)
+        else:
+            logger.info("backend %s (%s): %d device(s) from %s", backend.name, label, backend.devices, path)
+        loaded.append(backend)
+    return loaded
+
+
+def load_backends(lib: NativeLibrary) -> list[LoadedBackend]:
+    """Register every backend this process uses with ggml (call once, before llama_backend_init)."""
+    from .._version import __version__
+
+    loaded = [
+        _describe(lib, lib.ggml_backend_reg_get(i), "linked", None) for i in range(lib.ggml_backend_reg_count())
+    ]
+    variants = cpu_variant_files(lib.directory)
+    if variants:
+        loaded.append(_load_cpu_variant(lib, variants))
+    elif os.environ.get(CPU_VARIANT_ENV):
+        logger.warning("%s is ignored: the libraries in %s have one CPU backend built in", CPU_VARIANT_ENV, lib.directory)
+    for path in _other_modules(lib.directory):
+        reg = _register(lib, path)
+        if reg is None:
+            logger.warning("could not load the backend module %s (see the llama.cpp log)", path)
+        else:
+            loaded.append(_describe(lib, reg, "package", path))
+    if os.environ.get(NO_PLUGINS_ENV) != "1":
+        for ep in _plugin_entry_points():
+            loaded.extend(_load_plugin(lib, ep, __version__))
+    if not any(b.name == "CPU" for b in loaded):
+        raise NativeLibraryError(f"no CPU backend in {lib.directory}: the build is incomplete")
+    return loaded

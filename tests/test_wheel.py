@@ -1,0 +1,323 @@
+"""The prebuilt wheel: installed with no compiler, run read-only and offline.
+
+The base wheel and the RPC plugin wheel are built once per session by
+build_scripts/build_wheel.py (the run-time-dispatched libraries come from the
+build cache; the first build compiles every CPU variant). They are installed
+into a fresh virtual environment whose PATH holds no compiler or build tool,
+from local files only, and every check runs in that environment's Python from
+a read-only install folder with the network blocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "build_scripts"))
+
+import build_wheel  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the wheel test builds Linux wheels"),
+    # The first build of the run-time-dispatched libraries compiles every CPU variant.
+    pytest.mark.timeout(3600),
+]
+
+BUILD_TOOLS = ("cc", "gcc", "g++", "c++", "clang", "cmake", "ninja", "make", "ld")
+
+# Prepended to every script run in the fresh environment: no network at all.
+_OFFLINE = textwrap.dedent(
+    """
+    import socket
+    def _no_network(*args, **kwargs):
+        raise OSError("network disabled by the wheel test")
+    socket.socket.connect = _no_network
+    socket.create_connection = _no_network
+    socket.getaddrinfo = _no_network
+    """
+)
+
+# ...and the package folder must really be read-only (permission bits, or a read-only mount for root).
+_READ_ONLY_PROBE = textwrap.dedent(
+    """
+    import importlib.util, pathlib
+    _lib = pathlib.Path(importlib.util.find_spec("llama_ctypes").origin).parent / "lib"
+    try:
+        (_lib / "probe").write_text("x")
+    except OSError:
+        pass
+    else:
+        raise SystemExit("the install folder is writable")
+    """
+)
+
+
+@pytest.fixture(scope="session")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("wheelhouse")
+    return {"base": build_wheel.build_base_wheel(out), "rpc": build_wheel.build_plugin_wheel("rpc", out)}
+
+
+def _requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        message = Parser().parsestr(zf.read(meta).decode())
+    return [r for r in message.get_all("Requires-Dist") or [] if "extra ==" not in r]
+
+
+@pytest.fixture(scope="session")
+def venv(wheels, tmp_path_factory) -> dict:
+    """A fresh virtual environment with the wheels installed offline, without build tools."""
+    root = tmp_path_factory.mktemp("wheel-venv")
+    deps = root / "deps"
+    # The dependencies' wheels are fetched beforehand: the install itself is offline.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(deps),
+         *_requirements(wheels["base"])],
+        check=True,
+    )
+    env_dir = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True)
+    bindir = env_dir / "bin"
+    env = {
+        "PATH": str(bindir),
+        "HOME": str(root / "home"),
+        "CC": "/bin/false",
+        "CXX": "/bin/false",
+        "PIP_NO_INDEX": "1",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "LANG": "C.UTF-8",
+    }
+    for tool in BUILD_TOOLS:
+        assert shutil.which(tool, path=env["PATH"]) is None, f"{tool} is on the test PATH"
+    python = str(bindir / "python")
+    subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", str(deps),
+         str(wheels["base"]), str(wheels["rpc"])],
+        check=True, env=env,
+    )
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, env=env, capture_output=True, text=True).stdout.strip())
+    installed = [site / "llama_ctypes", site / "llama_ctypes.libs", site / "llama_ctypes_rpc"]
+    for folder in installed:
+        _set_writable(folder, False)
+    yield {"python": python, "env": env, "site": site, "root": root, "installed": installed}
+    for folder in installed:
+        _set_writable(folder, True)
+
+
+# Absolute paths: the fresh environment's PATH holds only its own bin/.
+_UNSHARE, _SH, _MOUNT = (shutil.which(t) or t for t in ("unshare", "sh", "mount"))
+
+
+def _can_bind_read_only() -> bool:
+    try:
+        probe = subprocess.run([_UNSHARE, "--mount", _SH, "-c", f"{_MOUNT} --bind -o ro /tmp /tmp"],
+                               capture_output=True)
+    except OSError:
+        return False
+    return probe.returncode == 0
+
+
+def _venv_command(venv: dict, args: list[str]) -> list[str]:
+    """args run in the fresh environment with the installed folders read-only.
+
+    Permission bits do not stop root, so as root the folders are bind-mounted
+    read-only in a private mount namespace.
+    """
+    if os.geteuid() != 0:
+        return args
+    if not _can_bind_read_only():
+        pytest.fail("running as root without mount namespaces: cannot make the install read-only")
+    mounts = " && ".join(f"{_MOUNT} --bind -o ro {shlex.quote(str(f))} {shlex.quote(str(f))}"
+                         for f in venv["installed"] if f.exists())
+    return [_UNSHARE, "--mount", _SH, "-c", f"{mounts} && exec \"$@\"", "sh", *args]
+
+
+def _snapshot(folders: list[Path]) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for f in folders if f.exists() for p in f.rglob("*")}
+
+
+def _set_writable(folder: Path, writable: bool) -> None:
+    if not folder.exists():
+        return
+    for path in [folder, *folder.rglob("*")]:
+        mode = path.stat().st_mode
+        bits = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+        path.chmod(mode | stat.S_IWUSR if writable else mode & ~bits)
+
+
+def run_in_venv(venv: dict, script: str, **env: str) -> dict:
+    """Run script (which prints one JSON line last) offline in the fresh environment."""
+    return _run_script(venv, script, env)
+
+
+def _run_script(venv: dict, script: str, env: dict[str, str], args: tuple[str, ...] = ()) -> dict:
+    before = _snapshot(venv["installed"])
+    proc = subprocess.run(
+        _venv_command(venv, [venv["python"], "-c", _OFFLINE + _READ_ONLY_PROBE + textwrap.dedent(script), *args]),
+        env={**venv["env"], **env}, cwd=venv["root"], capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert _snapshot(venv["installed"]) == before, "the run wrote into the install folder"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+GENERATE = """
+    import json, sys, logging
+    import llama_ctypes as lc
+    logging.basicConfig(level=logging.WARNING)
+    results = {"file": lc.__file__, "version": lc.version_info().__dict__,
+               "backends": [b.__dict__ for b in lc.loaded_backends()], "info": lc.system_info()}
+    for name, path in json.loads(sys.argv[1] if len(sys.argv) > 1 else MODELS).items():
+        with lc.load_model(path) as model:
+            out = lc.generate(model, PROMPT, max_tokens=MAX_TOKENS, temp=0.0)
+            results[name] = {"text": str(out), "tokens": list(out.tokens), "finish": out.finish_reason}
+    print(json.dumps(results))
+"""
+
+
+def _generate(venv, models: dict[str, Path], max_tokens: int = 24, **env) -> dict:
+    script = (
+        f"MODELS = {json.dumps(json.dumps({k: str(v) for k, v in models.items()}))}\n"
+        f"PROMPT = 'The capital of France is'\nMAX_TOKENS = {max_tokens}\n" + textwrap.dedent(GENERATE)
+    )
+    return run_in_venv(venv, script, **env)
+
+
+def test_wheel_is_manylinux_and_self_contained(wheels):
+    base = wheels["base"]
+    assert base.name.startswith("llama_ctypes-") and "-py3-none-manylinux_" in base.name, base.name
+    with zipfile.ZipFile(base) as zf:
+        names = zf.namelist()
+    libs = [n for n in names if n.startswith("llama_ctypes/lib/")]
+    variants = {n.rsplit("/", 1)[1][len("libggml-cpu-"):-3] for n in libs if "/libggml-cpu-" in n}
+    assert {"x64", "sse42", "haswell", "skylakex", "icelake", "zen4"} <= variants
+    assert "sapphirerapids" not in variants  # the AMX kernels are left out
+    assert not any("ggml-rpc" in n for n in names)  # RPC ships in its plugin
+    assert "llama_ctypes/lib/build_info.json" in names
+    proc = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(base)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "manylinux_" in proc.stdout, proc.stdout + proc.stderr
+    with zipfile.ZipFile(wheels["rpc"]) as zf:
+        plugin_names = zf.namelist()
+    assert any(n.endswith("libggml-rpc.so") for n in plugin_names)
+    assert not any("libggml-base" in n for n in plugin_names)  # the base package provides it
+
+
+def test_plugin_requires_the_same_base_version(wheels):
+    from llama_ctypes import __version__
+
+    assert f"llama_ctypes=={__version__}" in _requirements(wheels["rpc"])
+
+
+def test_install_without_compiler_generates_offline_from_read_only_folder(venv, tiny_model_path, gemma_path):
+    res = _generate(venv, {"tiny": tiny_model_path, "gemma": gemma_path})
+    assert res["file"].startswith(str(venv["site"])), res["file"]  # the wheel, not the checkout
+    for name in ("tiny", "gemma"):
+        assert res[name]["finish"] in ("length", "eog")
+        assert res[name]["tokens"] and (res[name]["finish"] == "eog" or len(res[name]["tokens"]) == 24)
+    assert res["gemma"]["text"].strip()
+    # The CPU came from a variant module of the package, chosen at run time.
+    cpu = [b for b in res["backends"] if b["name"] == "CPU"]
+    assert len(cpu) == 1 and cpu[0]["variant"] and cpu[0]["origin"] == "package"
+    assert cpu[0]["path"].startswith(str(venv["site"] / "llama_ctypes" / "lib"))
+    assert res["version"]["cpu_variant"] == cpu[0]["variant"]
+    assert f"variant {cpu[0]['variant']}" in res["info"]
+    # The RPC plugin wheel was found through its entry point, without configuration.
+    rpc = [b for b in res["backends"] if b["name"] == "RPC"]
+    assert rpc and rpc[0]["origin"].startswith("plugin llama-ctypes-rpc ")
+    assert rpc[0]["path"].startswith(str(venv["site"] / "llama_ctypes_rpc"))
+
+
+def _variant_of(res: dict) -> str:
+    return next(b["variant"] for b in res["backends"] if b["name"] == "CPU")
+
+
+def test_lower_cpu_variant_gives_the_same_greedy_text(venv, gemma_path):
+    best = _generate(venv, {"gemma": gemma_path}, max_tokens=32)
+    forced = _generate(venv, {"gemma": gemma_path}, max_tokens=32, LLAMA_CTYPES_CPU_VARIANT="haswell")
+    assert _variant_of(forced) == "haswell" != _variant_of(best)
+    assert forced["gemma"]["tokens"] == best["gemma"]["tokens"]
+
+
+def test_unknown_or_unsupported_cpu_variant_is_a_clear_error(venv):
+    script = """
+        import json, llama_ctypes as lc
+        try:
+            lc.init()
+        except lc.LlamaError as exc:
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+    """
+    res = run_in_venv(venv, script, LLAMA_CTYPES_CPU_VARIANT="pentium4")
+    assert res["error"] == "NativeLibraryError"
+    assert "pentium4" in res["message"] and "haswell" in res["message"]  # names what exists
+
+
+def test_broken_and_mismatched_plugins_leave_the_cpu_path_working(venv, tmp_path, tiny_model_path):
+    from llama_ctypes import __version__
+
+    plugins = tmp_path / "plugins"
+    bogus = plugins / "bogus_backend.so"
+    plugins.mkdir()
+    bogus.write_bytes(b"not a shared library")
+
+    def fake_dist(name: str, version: str, target: str) -> None:
+        # installers name the folder after the normalized name; importlib.metadata relies on it
+        info = plugins / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[llama_ctypes.backends]\n{name} = {target}\n")
+
+    (plugins / "fake_plugins.py").write_text(
+        "def unloadable():\n"
+        f"    return [{str(bogus)!r}]\n"
+        "def raising():\n"
+        "    raise RuntimeError('no runtime for this backend')\n"
+    )
+    fake_dist("llama-ctypes-old", "0.0.1", "fake_plugins:unloadable")
+    fake_dist("llama-ctypes-unloadable", __version__, "fake_plugins:unloadable")
+    fake_dist("llama-ctypes-raising", __version__, "fake_plugins:raising")
+    script = """
+        import json, logging, sys
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("llama_ctypes").addHandler(Keep())
+        logging.getLogger("llama_ctypes").setLevel(logging.INFO)
+        import llama_ctypes as lc
+        with lc.load_model(sys.argv[1]) as model:
+            out = lc.generate(model, "Hello", max_tokens=4, temp=0.0)
+        print(json.dumps({"records": records, "tokens": len(out.tokens),
+                          "backends": [b.name for b in lc.loaded_backends()]}))
+    """
+    res = _run_script(venv, script, {"PYTHONPATH": str(plugins)}, (str(tiny_model_path),))
+    text = "\n".join(res["records"])
+    assert "llama-ctypes-old 0.0.1" in text and f"this is {__version__}" in text
+    assert "llama-ctypes-raising" in text and "no runtime for this backend" in text
+    assert "could not load" in text and "bogus_backend.so" in text
+    assert res["tokens"] == 4 and "CPU" in res["backends"]
+
+
+def test_plugin_extras_pin_this_version():
+    import re
+
+    from llama_ctypes import __version__
+
+    text = (ROOT / "pyproject.toml").read_text()
+    for name in build_wheel.PLUGINS:
+        match = re.search(rf'^{name} = \["llama-ctypes-{name}==([^"]+)"\]', text, re.M)
+        assert match, f"no [{name}] extra in pyproject.toml"
+        assert match.group(1) == __version__
