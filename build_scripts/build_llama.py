@@ -10,7 +10,8 @@ Environment:
     LLAMA_CMAKE_ARGS     extra CMake arguments, split like a shell would
     LLAMA_CPP_DIR        build this llama.cpp tree instead of the pinned one
     LLAMA_CTYPES_CACHE_DIR  cache root (default: the user cache dir, "llama_ctypes")
-    LLAMA_CTYPES_AMX     1 to keep ggml's AMX kernels in a native CPU build
+    LLAMA_CTYPES_AMX     1 to keep ggml's AMX kernels (a native build; the sapphirerapids
+                         variant of a portable one)
     LLAMA_CTYPES_PORTABLE 1 for a build that runs on any machine of the platform (wheels):
                          backends as loadable modules, one CPU library per instruction-set
                          level (x86-64 baseline up to AVX-512), the best picked at run time
@@ -144,7 +145,7 @@ def backend_cmake_args(backend: str) -> list[str]:
             if _all_cpu_variants():
                 args.append("-DGGML_CPU_ALL_VARIANTS=ON")
                 if os.environ.get("LLAMA_CTYPES_AMX") == "1":
-                    args.append("-DLLAMA_CTYPES_AMX=ON")  # ships the AMX variant; part of the cache key
+                    args.append("-DLLAMA_CTYPES_AMX=ON")  # AMX kernels kept (see CMakeLists.txt)
     else:
         args.append("-DGGML_NATIVE=ON")
         if _is_x86() and sys.platform != "win32" and os.environ.get("LLAMA_CTYPES_AMX") != "1":
@@ -213,18 +214,9 @@ def _shared_libs(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.suffix in _LIB_SUFFIXES)
 
 
-# CPU variants left out of a run-time-dispatched build: ggml's sapphirerapids variant
-# is the only one compiled with the AMX kernels, which crash on Q4_K models
-# (llama.cpp #20824). Sapphire Rapids CPUs get the zen4 variant instead: the same
-# AVX-512 (VBMI, VNNI, BF16) set without AMX. LLAMA_CTYPES_AMX=1 ships it.
-_AMX_VARIANTS = ("ggml-cpu-sapphirerapids",)
-
-
 def _is_package_lib(path: Path) -> bool:
     """The libraries the Python package loads: ggml (and its backends), llama, llama-common, the adapter."""
     stem = path.stem[3:] if path.stem.startswith("lib") else path.stem
-    if stem in _AMX_VARIANTS and os.environ.get("LLAMA_CTYPES_AMX") != "1":
-        return False
     return stem.startswith("ggml") or stem in ("llama", "llama-common", "llama_ctypes_adapter")
 
 

@@ -77,7 +77,7 @@ def init() -> native.NativeLibrary:
     Idempotent and thread-safe; every public entry point calls it, so calling
     it yourself is only needed to pay the start-up cost early.
     """
-    global _router
+    global _router, _backends
     lib = native.load()
     if _router is not None:
         return lib
@@ -85,7 +85,6 @@ def init() -> native.NativeLibrary:
         if _router is None:
             router = _LogRouter()
             lib.llama_log_set(router.callback, None)
-            global _backends
             _backends = tuple(load_backends(lib))
             lib.llama_backend_init()
             atexit.register(_quiet_at_exit, lib)

@@ -86,12 +86,34 @@ def _other_modules(directory: Path) -> list[Path]:
     ]
 
 
+# Instructions a variant is compiled with beyond what its ggml score checks: the
+# sapphirerapids variant adds AVX512-FP16 (build_scripts/CMakeLists.txt), which every
+# AMX CPU has, but a hypervisor may hide one and not the other.
+_EXTRA_CPU_FLAGS = {"sapphirerapids": ("avx512_fp16",)}
+
+
+def _cpu_flags() -> set[str] | None:
+    """The CPU flags Linux reports, or None where /proc/cpuinfo does not exist."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
 def variant_score(path: Path) -> int:
     """ggml_backend_score() of a CPU variant module: 0 when this CPU cannot run it.
 
     The module is opened privately and closed again; only the chosen one is
     loaded for good through ggml.
     """
+    needed = _EXTRA_CPU_FLAGS.get(_stem(path)[len("ggml-cpu-"):], ())
+    flags = _cpu_flags() if needed else None
+    if flags is not None and not set(needed) <= flags:
+        return 0
     handle = ctypes.CDLL(str(path), mode=getattr(os, "RTLD_LOCAL", 0))
     try:
         fn = handle.ggml_backend_score
