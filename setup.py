@@ -45,7 +45,10 @@ class BuildPyWithNative(build_py):
         super().run()
         if not self.editable_mode:
             # Exactly this build's libraries in the wheel, whatever else the tree holds.
-            build_llama.install_into(cached, Path(self.build_lib) / "llama_ctypes" / "lib")
+            try:
+                build_llama.install_into(cached, Path(self.build_lib) / "llama_ctypes" / "lib")
+            except build_llama.BuildError as exc:
+                sys.exit(f"llama_ctypes: {exc}")
 
 
 class PlatformWheel(bdist_wheel):

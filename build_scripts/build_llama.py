@@ -60,6 +60,7 @@ import llama_source  # noqa: E402  (a sibling module, not a package)
 
 BACKENDS = ("auto", "cpu", "cuda", "metal", "vulkan")
 _LIB_SUFFIXES = (".so", ".dylib", ".dll")
+LICENSE_NAME = "LICENSE.llama.cpp.txt"
 _AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
@@ -95,6 +96,17 @@ def resolve_backend(requested: str) -> str:
     if _has_nvcc() and _has_nvidia_gpu():
         return "cuda"
     return "cpu"
+
+
+def cuda_release() -> str | None:
+    """nvcc's release ("13.0"), or None without a CUDA toolkit."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
 
 
 def _has_nvcc() -> bool:
@@ -184,7 +196,11 @@ def cache_key(
         "cmake_args": cmake_args,
         "platform": [sys.platform, platform.machine()],
     }
-    if with_adapter and not module:
+    if backend == "cuda":
+        # CUDA 12 and 13 builds differ in everything (and the runtime they link);
+        # CMake would also keep the first nvcc it found in a shared build folder.
+        fields["nvcc"] = cuda_release()
+    if with_adapter:
         fields["adapter"] = _adapter_fingerprint()
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return f"{source_id}-{backend}-{digest}"
@@ -510,6 +526,12 @@ def build(
         ]
         t0 = time.monotonic()
         _run(configure + cmake_args)
+        # Only what this configuration builds may reach the cache: a library an earlier
+        # configuration of this folder made (a CPU variant since dropped) goes first;
+        # the kept objects make relinking the rest cheap.
+        if (build_dir / "bin").is_dir():
+            for stale in _shared_libs(build_dir / "bin"):
+                stale.unlink()
         if module:
             targets = [f"ggml-{module}"]
         else:
@@ -560,30 +582,53 @@ def build(
 PLUGIN_MODULES = ("ggml-rpc", "ggml-cuda", "ggml-vulkan")
 
 
+def _lib_stem(lib: Path) -> str:
+    name = lib.name
+    for suffix in _LIB_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name[3:] if name.startswith("lib") else name
+
+
 def is_plugin_module(lib: Path) -> bool:
-    stem = lib.name.split(".")[0]
-    return (stem[3:] if stem.startswith("lib") else stem) in PLUGIN_MODULES
+    return _lib_stem(lib) in PLUGIN_MODULES
+
+
+def _is_module_build(info: dict) -> bool:
+    if "backend_dl" in info:
+        return bool(info["backend_dl"])
+    return "-DGGML_BACKEND_DL=ON" in info.get("cmake_args", ())
 
 
 def install_into(cached: Path, package_lib_dir: Path) -> list[Path]:
     """Copy the cached libraries (and build_info.json) into the package's lib/ folder.
 
-    A run-time-dispatched build's plugin modules stay out: they belong to the
-    plugin distributions, and a second copy would register the backend twice.
+    A run-time-dispatched build's plugin modules stay out, but for the backend it
+    was built for: they belong to the plugin distributions, and a second copy
+    would register the backend twice.
     """
-    info = json.loads((cached / "build_info.json").read_text())
+    try:
+        info = json.loads((cached / "build_info.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise BuildError(f"{cached} is not a build_llama.py output (build_info.json: {exc})") from exc
+    own_module = f"ggml-{info.get('backend')}"
     package_lib_dir.mkdir(parents=True, exist_ok=True)
     for old in package_lib_dir.iterdir():
-        if old.is_file() and (old.suffix in _LIB_SUFFIXES or old.name == "build_info.json"):
+        if old.is_file() and (old.suffix in _LIB_SUFFIXES or old.name in ("build_info.json", LICENSE_NAME)):
             old.unlink()
     copied = []
     for lib in _shared_libs(cached / "lib"):
-        if info.get("backend_dl") and is_plugin_module(lib):
+        if _is_module_build(info) and is_plugin_module(lib) and _lib_stem(lib) != own_module:
             continue
         shutil.copy2(lib, package_lib_dir / lib.name)
         copied.append(package_lib_dir / lib.name)
     shutil.copy2(cached / "build_info.json", package_lib_dir / "build_info.json")
     copied.append(package_lib_dir / "build_info.json")
+    # The libraries are llama.cpp's (MIT): its licence travels with them.
+    licence = Path(info.get("llama_cpp_dir", "")) / "LICENSE"
+    if info.get("llama_cpp_dir") and licence.is_file():
+        shutil.copy2(licence, package_lib_dir / LICENSE_NAME)
+        copied.append(package_lib_dir / LICENSE_NAME)
     return copied
 
 

@@ -64,7 +64,7 @@ PLUGINS: dict[str, dict] = {
             ["nvidia/cublas/lib", "libcublasLt.so.12"],
             ["nvidia/cublas/lib", "libcublas.so.12"],
         ],
-        "requires": ["nvidia-cuda-runtime-cu12>=12.4,<13", "nvidia-cublas-cu12>=12.4,<13"],
+        "requires": ["nvidia-cuda-runtime-cu12>=12.8,<13", "nvidia-cublas-cu12>=12.8,<13"],
         "exclude": ["libcudart.so.12", "libcublas.so.12", "libcublasLt.so.12", "libcuda.so.1"],
     },
     "cuda13": {
@@ -78,7 +78,7 @@ PLUGINS: dict[str, dict] = {
             ["nvidia/cu13/lib", "libcublasLt.so.13"],
             ["nvidia/cu13/lib", "libcublas.so.13"],
         ],
-        "requires": ["nvidia-cuda-runtime>=13,<14", "nvidia-cublas>=13,<14"],
+        "requires": ["nvidia-cuda-runtime>=13.0,<14", "nvidia-cublas>=13.0,<14"],
         "exclude": ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcuda.so.1"],
     },
     "vulkan": {
@@ -119,6 +119,11 @@ def _env(**values: str) -> Iterator[None]:
 
 def portable_build(backend: str = "cpu", module: str | None = None) -> Path:
     """The cached run-time-dispatched build (compiled on first use)."""
+    if os.environ.get("LLAMA_CTYPES_AMX") == "1":
+        raise BuildError("LLAMA_CTYPES_AMX=1 puts the AMX kernels (llama.cpp #20824) in the wheel; unset it")
+    for var in ("LLAMA_CMAKE_ARGS", "LLAMA_CPP_DIR"):
+        if os.environ.get(var):
+            log(f"warning: {var}={os.environ[var]!r} changes what goes into the wheel")
     if sys.platform == "darwin" and backend == "cpu":
         backend = "metal"  # Apple's wheel carries Metal in the base package
     with _env(LLAMA_CTYPES_PORTABLE="1"):
@@ -209,13 +214,8 @@ def build_base_wheel(out: Path) -> Path:
 
 
 def _nvcc_major() -> int | None:
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    try:
-        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except OSError:
-        return None
-    match = re.search(r"release (\d+)\.", text)
-    return int(match.group(1)) if match else None
+    release = build_llama.cuda_release()
+    return int(release.split(".")[0]) if release else None
 
 
 def _plugin_library(name: str) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -62,13 +63,46 @@ def test_portable_build_ships_every_cpu_variant_and_no_plugin_modules(tmp_path, 
     assert build_llama.cpu_variants(cached / "lib") == ["sapphirerapids", "x64", "zen4"]
 
     # A run-time-dispatched build keeps its plugin modules out of the package...
-    (cached / "build_info.json").write_text('{"backend_dl": true}')
+    (cached / "build_info.json").write_text('{"backend_dl": true, "backend": "cpu"}')
     installed = {p.name for p in build_llama.install_into(cached, tmp_path / "pkg")}
     assert "libggml-rpc.so" not in installed and "libggml-cpu-x64.so" in installed
-    # ...a single build links its backends and needs every library.
-    (cached / "build_info.json").write_text('{"backend_dl": false}')
+    # ...but the backend it was built for (LLAMA_BACKEND=cuda LLAMA_CTYPES_PORTABLE=1 pip install .)...
+    (cached / "lib" / "libggml-cuda.so").write_bytes(b"\x7fELF")
+    (cached / "build_info.json").write_text('{"cmake_args": ["-DGGML_BACKEND_DL=ON"], "backend": "cuda"}')
+    installed = {p.name for p in build_llama.install_into(cached, tmp_path / "pkg")}
+    assert "libggml-cuda.so" in installed and "libggml-rpc.so" not in installed
+    # ...and a single build links its backends and needs every library.
+    (cached / "build_info.json").write_text('{"backend_dl": false, "backend": "cpu"}')
     installed = {p.name for p in build_llama.install_into(cached, tmp_path / "pkg")}
     assert "libggml-rpc.so" in installed
+
+
+def test_install_into_carries_the_llama_cpp_licence_and_needs_build_info(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "LICENSE").write_text("MIT License (llama.cpp)")
+    cached = tmp_path / "cached"
+    (cached / "lib").mkdir(parents=True)
+    (cached / "lib" / "libllama.so").write_bytes(b"\x7fELF")
+    with pytest.raises(build_llama.BuildError, match="build_info.json"):
+        build_llama.install_into(cached, tmp_path / "pkg")
+    (cached / "build_info.json").write_text(json.dumps({"llama_cpp_dir": str(tree), "backend": "cpu"}))
+    build_llama.install_into(cached, tmp_path / "pkg")
+    assert (tmp_path / "pkg" / build_llama.LICENSE_NAME).read_text() == "MIT License (llama.cpp)"
+
+
+def test_variant_names_keep_their_dots(tmp_path):
+    """ARM variants are named like armv8.2_1: the name runs to the library suffix."""
+    from llama_ctypes.native import backends
+
+    names = ["armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.6_1", "armv9.2_1"]
+    for name in names:
+        (tmp_path / f"libggml-cpu-{name}.so").write_bytes(b"\x7fELF")
+    (tmp_path / "libggml-base.so").write_bytes(b"\x7fELF")
+    assert sorted(backends.cpu_variant_files(tmp_path)) == names
+    assert build_llama.cpu_variants(tmp_path) == names
+    (tmp_path / "libggml-cpu.so").write_bytes(b"\x7fELF")  # a module build without variants
+    assert backends.cpu_variant_files(tmp_path)["default"] == tmp_path / "libggml-cpu.so"
 
 
 def test_backend_flags():

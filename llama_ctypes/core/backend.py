@@ -12,6 +12,7 @@ from typing import Literal
 
 from .. import native
 from ..native import ggml_h
+from ..errors import NativeLibraryError
 from ..native.backends import LoadedBackend, load_backends
 
 logger = logging.getLogger("llama_ctypes")
@@ -66,8 +67,14 @@ class _LogRouter:
             pass
 
 
-_init_lock = threading.Lock()
-_router: _LogRouter | None = None
+# Reentrant so that a backend plugin calling the public API during init() gets an
+# error instead of a deadlock.
+_init_lock = threading.RLock()
+_initializing = False
+_router: _LogRouter | None = None  # set once init() has finished
+# The log callback C holds from the moment it is installed, even if init() then fails:
+# a collected callback would be called after it is freed.
+_installed_router: _LogRouter | None = None
 _backends: tuple[LoadedBackend, ...] = ()
 
 
@@ -75,20 +82,31 @@ def init() -> native.NativeLibrary:
     """Load the libraries, route llama.cpp logs into ``logging`` and init backends.
 
     Idempotent and thread-safe; every public entry point calls it, so calling
-    it yourself is only needed to pay the start-up cost early.
+    it yourself is only needed to pay the start-up cost early. A failure (an
+    unknown ``LLAMA_CTYPES_CPU_VARIANT``, a build without a CPU backend) raises
+    NativeLibraryError, and a later call tries again.
     """
-    global _router, _backends
+    global _router, _backends, _initializing, _installed_router
     lib = native.load()
     if _router is not None:
         return lib
     with _init_lock:
         if _router is None:
-            router = _LogRouter()
-            lib.llama_log_set(router.callback, None)
-            _backends = tuple(load_backends(lib))
-            lib.llama_backend_init()
-            atexit.register(_quiet_at_exit, lib)
-            _router = router
+            if _initializing:
+                raise NativeLibraryError(
+                    "llama_ctypes was used while init() loads the backends (from a backend plugin?)"
+                )
+            _initializing = True
+            try:
+                if _installed_router is None:
+                    _installed_router = _LogRouter()
+                    lib.llama_log_set(_installed_router.callback, None)
+                _backends = tuple(load_backends(lib))
+                lib.llama_backend_init()
+                atexit.register(_quiet_at_exit, lib)
+                _router = _installed_router
+            finally:
+                _initializing = False
     return lib
 
 

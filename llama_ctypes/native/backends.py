@@ -44,6 +44,8 @@ ENTRY_POINT_GROUP = "llama_ctypes.backends"
 
 # Libraries of a build that are not backend modules.
 _NOT_MODULES = ("ggml", "ggml-base", "llama", "llama-common", "llama_ctypes_adapter")
+# Backends with no device until told about one (RPC: servers added at model load).
+_DEVICELESS = ("RPC",)
 
 
 @dataclass(frozen=True)
@@ -57,28 +59,42 @@ class LoadedBackend:
     variant: str | None = None  # the CPU variant ("icelake"), for a CPU module
 
 
+_LIBRARY_SUFFIXES = (".so", ".dylib", ".dll")
+
+
 def _stem(path: Path) -> str:
-    stem = path.name.split(".")[0]
-    return stem[3:] if stem.startswith("lib") and sys.platform != "win32" else stem
+    """Library name without prefix and suffix: libggml-cpu-armv8.2_1.so -> ggml-cpu-armv8.2_1."""
+    name = path.name
+    for suffix in _LIBRARY_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return name[3:] if name.startswith("lib") and sys.platform != "win32" else name
 
 
 def _is_library(path: Path) -> bool:
-    return path.is_file() and path.suffix in (".so", ".dylib", ".dll")
+    return path.is_file() and path.suffix in _LIBRARY_SUFFIXES
 
 
 def cpu_variant_files(directory: Path) -> dict[str, Path]:
-    """The CPU variant modules in directory, by variant name ("haswell" -> path)."""
+    """The CPU modules in directory, by variant name ("haswell" -> path).
+
+    A run-time-dispatched build for a platform without variants has one CPU
+    module, ``libggml-cpu``: its variant name is "default".
+    """
     found = {}
     if directory.is_dir():
         for path in sorted(directory.iterdir()):
             stem = _stem(path)
             if _is_library(path) and stem.startswith("ggml-cpu-"):
                 found[stem[len("ggml-cpu-"):]] = path
+            elif _is_library(path) and stem == "ggml-cpu":
+                found["default"] = path
     return found
 
 
 def _other_modules(directory: Path) -> list[Path]:
-    """Backend modules in directory other than the CPU variants (none in a wheel today)."""
+    """Backend modules in directory other than the CPU ones (none in a base wheel today)."""
     return [
         path for path in sorted(directory.iterdir())
         if _is_library(path) and _stem(path).startswith("ggml-")
@@ -86,10 +102,20 @@ def _other_modules(directory: Path) -> list[Path]:
     ]
 
 
+def is_module_build(lib: NativeLibrary) -> bool:
+    """Whether the libraries were built with GGML_BACKEND_DL (backends are modules, not linked)."""
+    info = lib.build_info
+    if "backend_dl" in info:
+        return bool(info["backend_dl"])
+    if "cmake_args" in info:
+        return "-DGGML_BACKEND_DL=ON" in info["cmake_args"]
+    return any(name != "default" for name in cpu_variant_files(lib.directory))
+
+
 # Instructions a variant is compiled with beyond what its ggml score checks: the
 # sapphirerapids variant adds AVX512-FP16 (build_scripts/CMakeLists.txt), which every
 # AMX CPU has, but a hypervisor may hide one and not the other.
-_EXTRA_CPU_FLAGS = {"sapphirerapids": ("avx512_fp16",)}
+_EXTRA_CPU_FLAGS = {"sapphirerapids": ("avx512_fp16", "avx_vnni")}
 
 
 def _cpu_flags() -> set[str] | None:
@@ -114,14 +140,18 @@ def variant_score(path: Path) -> int:
     flags = _cpu_flags() if needed else None
     if flags is not None and not set(needed) <= flags:
         return 0
-    handle = ctypes.CDLL(str(path), mode=getattr(os, "RTLD_LOCAL", 0))
+    try:
+        handle = ctypes.CDLL(str(path), mode=getattr(os, "RTLD_LOCAL", 0))
+    except OSError as exc:  # truncated, foreign or stale file: not a candidate
+        logger.warning("ignoring CPU module %s: %s", path, exc)
+        return 0
     try:
         fn = handle.ggml_backend_score
         fn.argtypes = []
         fn.restype = ctypes.c_int
         return int(fn())
-    except AttributeError:
-        return 0
+    except AttributeError:  # no score: no requirement, as ggml reads it
+        return 1
     finally:
         _close(handle)
 
@@ -140,7 +170,9 @@ def _close(handle: ctypes.CDLL) -> None:
 
 def _register(lib: NativeLibrary, path: Path) -> int | None:
     """ggml_backend_load(path): the registry handle, or None when it refused."""
-    reg = lib.ggml_backend_load(os.fsencode(path))
+    # ggml reads the path as narrow text: UTF-8 elsewhere, the ANSI code page on Windows.
+    encoded = str(path).encode("mbcs") if sys.platform == "win32" else os.fsencode(path)
+    reg = lib.ggml_backend_load(encoded)
     return reg or None
 
 
@@ -184,7 +216,9 @@ def _plugin_entry_points() -> list:
     return list(entry_points(group=ENTRY_POINT_GROUP))
 
 
-def _load_plugin(lib: NativeLibrary, ep, package_version: str) -> list[LoadedBackend]:
+def _load_plugin(
+    lib: NativeLibrary, ep, package_version: str, seen_paths: set[str], seen_names: set[str]
+) -> list[LoadedBackend]:
     dist = getattr(ep, "dist", None)
     dist_name = dist.metadata["Name"] if dist is not None else ep.name
     dist_version = dist.version if dist is not None else "?"
@@ -197,12 +231,15 @@ def _load_plugin(lib: NativeLibrary, ep, package_version: str) -> list[LoadedBac
         return []
     try:
         provider: Callable[[], Iterable[str | os.PathLike]] = ep.load()
-        paths = [Path(p) for p in provider()]
+        paths = _module_paths(provider())
     except Exception as exc:  # a broken plugin must not take the CPU path down with it
         logger.warning("skipping backend %s: %s: %s", label, type(exc).__name__, exc)
         return []
     loaded = []
     for path in paths:
+        if str(path) in seen_paths:
+            continue
+        seen_paths.add(str(path))
         reg = _register(lib, path)
         if reg is None:
             logger.warning(
@@ -210,12 +247,34 @@ def _load_plugin(lib: NativeLibrary, ep, package_version: str) -> list[LoadedBac
             )
             continue
         backend = _describe(lib, reg, label, path)
-        if backend.devices == 0:
+        if backend.name in seen_names:
+            # Two CUDA backends (cuda12 and cuda13, or a plugin over a CUDA build) would
+            # show every GPU twice: llama.cpp would split a model over one GPU "twice".
+            lib.ggml_backend_unload(reg)
+            logger.warning("backend %s from %s is already registered; ignoring %s", backend.name, label, path)
+            continue
+        seen_names.add(backend.name)
+        if backend.devices == 0 and backend.name not in _DEVICELESS:
             logger.warning("backend %s (%s) found no device; models run on the CPU", backend.name, label)
         else:
             logger.info("backend %s (%s): %d device(s) from %s", backend.name, label, backend.devices, path)
         loaded.append(backend)
     return loaded
+
+
+def _module_paths(returned) -> list[Path]:
+    """Validate what a plugin's entry point returned: absolute paths of existing files."""
+    if isinstance(returned, (str, bytes, os.PathLike)):
+        raise TypeError(f"expected a list of module paths, got one {type(returned).__name__}")
+    paths = []
+    for item in returned:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(f"module path {item!r} is not a str or path")
+        path = Path(item)
+        if not path.is_absolute() or not path.is_file():
+            raise ValueError(f"module path {item!r} is not an absolute path to a file")
+        paths.append(path.resolve())
+    return paths
 
 
 def load_backends(lib: NativeLibrary) -> list[LoadedBackend]:
@@ -225,20 +284,23 @@ def load_backends(lib: NativeLibrary) -> list[LoadedBackend]:
     loaded = [
         _describe(lib, lib.ggml_backend_reg_get(i), "linked", None) for i in range(lib.ggml_backend_reg_count())
     ]
-    variants = cpu_variant_files(lib.directory)
-    if variants:
-        loaded.append(_load_cpu_variant(lib, variants))
+    if is_module_build(lib):
+        variants = cpu_variant_files(lib.directory)
+        if variants:
+            loaded.append(_load_cpu_variant(lib, variants))
+        for path in _other_modules(lib.directory):
+            reg = _register(lib, path)
+            if reg is None:
+                logger.warning("could not load the backend module %s (see the llama.cpp log)", path)
+            else:
+                loaded.append(_describe(lib, reg, "package", path))
     elif os.environ.get(CPU_VARIANT_ENV):
         logger.warning("%s is ignored: the libraries in %s have one CPU backend built in", CPU_VARIANT_ENV, lib.directory)
-    for path in _other_modules(lib.directory):
-        reg = _register(lib, path)
-        if reg is None:
-            logger.warning("could not load the backend module %s (see the llama.cpp log)", path)
-        else:
-            loaded.append(_describe(lib, reg, "package", path))
     if os.environ.get(NO_PLUGINS_ENV) != "1":
+        seen_paths = {b.path for b in loaded if b.path}
+        seen_names = {b.name for b in loaded}
         for ep in _plugin_entry_points():
-            loaded.extend(_load_plugin(lib, ep, __version__))
+            loaded.extend(_load_plugin(lib, ep, __version__, seen_paths, seen_names))
     if not any(b.name == "CPU" for b in loaded):
         raise NativeLibraryError(f"no CPU backend in {lib.directory}: the build is incomplete")
     return loaded

@@ -112,6 +112,8 @@ PROTOTYPES = [
     ("ggml_backend_load_all_from_path", [c_char_p], None),
     # ggml_backend_reg_t ggml_backend_load(const char * path);  (NULL when it cannot load or score is 0)
     ("ggml_backend_load", [c_char_p], ggml_backend_reg_t),
+    # void ggml_backend_unload(ggml_backend_reg_t reg);
+    ("ggml_backend_unload", [ggml_backend_reg_t], None),
     # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
     ("ggml_backend_reg_dev_count", [ggml_backend_reg_t], c_size_t),
 ]
