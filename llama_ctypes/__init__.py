@@ -14,6 +14,7 @@ from .core.backend import Device, LoadedBackend, VersionInfo, devices, init, loa
 from .core.batch import Batch
 from .core.context import Context, ContextLease
 from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
+from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
 from .core.sampler import Sampler, SamplingParams
@@ -52,6 +53,7 @@ from .features.chat_template import ChatTemplate, ChatTemplateError
 from .features.schema import ResponseValidationError
 from .features.structured import generate
 from .errors import (
+    AlreadyLoadedError,
     ArgumentTypeError,
     BusyError,
     CancelledError,
@@ -61,6 +63,7 @@ from .errors import (
     DecodeError,
     GrammarError,
     IndexOutOfRangeError,
+    InsufficientMemoryError,
     InvalidArgumentError,
     LayoutMismatchError,
     LlamaError,
@@ -76,7 +79,7 @@ __all__ = [
     # backend
     "init", "system_info", "version_info", "devices", "Device", "VersionInfo", "loaded_backends", "LoadedBackend",
     # core objects
-    "Model", "load_model", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
+    "Model", "load_model", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings",
@@ -97,5 +100,5 @@ __all__ = [
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
     "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
-    "IndexOutOfRangeError", "ModelNotFoundError",
+    "IndexOutOfRangeError", "ModelNotFoundError", "InsufficientMemoryError", "AlreadyLoadedError",
 ]

@@ -84,3 +84,63 @@ class IndexOutOfRangeError(LlamaError, IndexError):
 
 class ModelNotFoundError(ModelLoadError, FileNotFoundError):
     """The model path does not exist, or is not a file (also a ``FileNotFoundError``)."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB ({n} bytes)"
+
+
+def _pool_words(device) -> tuple[str, str]:
+    """Where a pool is ("on GPU 3") and whose budget it is ("GPU 3's"), for messages."""
+    if device == "total":
+        return "in total", "the combined"
+    if device == "ram":
+        return "in RAM", "the RAM"
+    if isinstance(device, tuple) and len(device) == 2 and device[0] == "gpu":
+        return f"on GPU {device[1]}", f"GPU {device[1]}'s"
+    return f"on {device!r}", f"{device!r}'s"
+
+
+class InsufficientMemoryError(LlamaError, MemoryError):
+    """A model does not fit in what is left of a memory budget (also a ``MemoryError``).
+
+    ``device`` names the pool that does not fit: ``"total"`` (the combined budget),
+    ``"ram"``, or ``("gpu", i)`` with ``i`` the GPU index (``Device.gpu_index``).
+    ``required`` and ``available`` are bytes; ``available`` is the budget left after
+    the models already resident, never negative. Raised before anything is allocated.
+    """
+
+    def __init__(self, message: str | None = None, *, device, required: int, available: int,
+                 model_id: str | None = None):
+        if message is None:
+            where, whose = _pool_words(device)
+            who = f"model {model_id!r}" if model_id is not None else "the model"
+            message = (f"{who} needs {_gib(required)} {where} but only {_gib(available)} "
+                       f"of {whose} budget is left")
+        super().__init__(message)
+        self.device = device
+        self.required = required
+        self.available = available
+        self.model_id = model_id
+
+    def __reduce__(self):
+        # Keyword-only attributes: the default reduce would call cls(message) and fail to unpickle.
+        return (_rebuild, (type(self), self.args, {"device": self.device, "required": self.required,
+                                                   "available": self.available, "model_id": self.model_id}))
+
+
+class AlreadyLoadedError(LlamaError, ValueError):
+    """A model id is already taken (loaded or loading) in a model manager (also a ``ValueError``)."""
+
+    def __init__(self, message: str | None = None, *, model_id: str):
+        if message is None:
+            message = f"model id {model_id!r} is already in use (loaded or loading); unload it first or pick another id"
+        super().__init__(message)
+        self.model_id = model_id
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, {"model_id": self.model_id}))
+
+
+def _rebuild(cls, args, kwargs):
+    return cls(*args, **kwargs)

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <vector>
 
 #if defined(_WIN32)
 #    define LCX_API extern "C" __declspec(dllexport)
@@ -23,7 +24,16 @@
 #endif
 
 // Bump when the meaning of an lcx_* function changes.
-#define LCX_ABI_VERSION 1
+#define LCX_ABI_VERSION 2
+
+// One device's share of a context's memory, in bytes (llama_get_memory_breakdown).
+// dev is NULL for host buffers: system RAM, pinned host memory included.
+struct lcx_device_memory {
+    ggml_backend_dev_t dev;
+    uint64_t model;    // weights
+    uint64_t context;  // KV cache / recurrent state
+    uint64_t compute;  // compute buffers
+};
 
 namespace {
 
@@ -173,6 +183,12 @@ const layout_entry k_layout[] = {
     LCX_FIELD(ggml_backend_dev_props, type),
     LCX_FIELD(ggml_backend_dev_props, device_id),
     LCX_FIELD(ggml_backend_dev_props, caps),
+
+    LCX_STRUCT(lcx_device_memory),
+    LCX_FIELD(lcx_device_memory, dev),
+    LCX_FIELD(lcx_device_memory, model),
+    LCX_FIELD(lcx_device_memory, context),
+    LCX_FIELD(lcx_device_memory, compute),
 };
 
 #undef LCX_STRUCT
@@ -310,5 +326,74 @@ LCX_API llama_sampler * lcx_sampler_init_grammar(const llama_vocab * vocab, cons
             *error = dup_string(e.what());
         }
         return nullptr;
+    }
+}
+
+// ---- memory breakdown (model manager) ------------------------------------------
+
+namespace {
+
+// Sums a context's buffers per device; returns the number of rows (which may exceed cap).
+int32_t memory_rows(const llama_context * ctx, lcx_device_memory * out, int32_t cap) {
+    std::vector<lcx_device_memory> rows;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        ggml_backend_dev_t dev = ggml_backend_buft_is_host(buft) ? nullptr : ggml_backend_buft_get_device(buft);
+        lcx_device_memory * row = nullptr;
+        for (auto & r : rows) {
+            if (r.dev == dev) {
+                row = &r;
+                break;
+            }
+        }
+        if (row == nullptr) {
+            rows.push_back({dev, 0, 0, 0});
+            row = &rows.back();
+        }
+        row->model   += mb.model;
+        row->context += mb.context;
+        row->compute += mb.compute;
+    }
+    for (size_t i = 0; i < rows.size() && static_cast<int32_t>(i) < cap; i++) {
+        out[i] = rows[i];
+    }
+    return static_cast<int32_t>(rows.size());
+}
+
+} // namespace
+
+// The memory a live context (and its model) holds, per device. -1 on failure.
+LCX_API int32_t lcx_context_memory(const llama_context * ctx, lcx_device_memory * out, int32_t cap) {
+    try {
+        return memory_rows(ctx, out, cap);
+    } catch (const std::exception &) {
+        return -1;
+    }
+}
+
+// What loading path with these parameters would take, per device, without
+// allocating anything: the model and a context are created with no_alloc and
+// freed again (common/fit.cpp does the same). Returns the number of rows, or
+// -1 (model refused), -2 (context refused), -3 (exception).
+LCX_API int32_t lcx_estimate_memory(const char * path, const llama_model_params * mparams,
+                                    const llama_context_params * cparams, lcx_device_memory * out, int32_t cap) {
+    try {
+        llama_model_params mp = *mparams;
+        mp.no_alloc  = true;
+        mp.load_mode = LLAMA_LOAD_MODE_NONE;
+        llama_model * model = llama_model_load_from_file(path, mp);
+        if (model == nullptr) {
+            return -1;
+        }
+        llama_context * ctx = llama_init_from_model(model, *cparams);
+        if (ctx == nullptr) {
+            llama_model_free(model);
+            return -2;
+        }
+        int32_t n = memory_rows(ctx, out, cap);
+        llama_free(ctx);
+        llama_model_free(model);
+        return n;
+    } catch (const std::exception &) {
+        return -3;
     }
 }

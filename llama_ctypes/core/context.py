@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..errors import (ArgumentTypeError, ClosedError, ContextCreationError, ContextOverflowError, DecodeError,
-                      IndexOutOfRangeError, InvalidArgumentError)
+                      IndexOutOfRangeError, InvalidArgumentError, LlamaError)
 from ..native import ggml_h
 from .backend import clear_native_error, native_error
 from .batch import Batch
@@ -24,6 +24,7 @@ from .handle import NativeHandle
 from .params import ContextParams, split_options
 
 if TYPE_CHECKING:
+    from .memory import MemoryUsage
     from .model import Model
     from .sampler import Sampler
 
@@ -198,6 +199,17 @@ class Context(NativeHandle):
         """Largest position held for a sequence, or -1 when empty."""
         with self.lease() as lease:
             return lease.seq_pos_max(seq_id)
+
+    def memory(self) -> "MemoryUsage":
+        """The memory this context and its model hold, per device (bytes; see ``lc.estimate_memory``)."""
+        from .memory import _ROWS, lcx_device_memory, usage_from_rows
+
+        with self.lease():
+            rows = (lcx_device_memory * _ROWS)()
+            n = self._lib.lcx_context_memory(self._ptr, rows, _ROWS)
+        if n < 0:
+            raise LlamaError("llama.cpp could not report the context's memory")
+        return usage_from_rows(rows, min(n, _ROWS))
 
     def state_size(self) -> int:
         """Bytes needed to save the whole context state."""

@@ -66,16 +66,7 @@ class Model(NativeHandle):
 
     # ---- loading ---------------------------------------------------------------------
     def _load(self):
-        path = self.path
-        if not path.exists():
-            raise ModelNotFoundError(f"model file not found: {path}")
-        if path.is_dir():
-            raise ModelNotFoundError(f"model path is a directory: {path}")
-        with open(path, "rb") as fh:
-            magic = fh.read(4)
-        if magic != _GGUF_MAGIC:
-            raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
-
+        path = check_gguf_file(self.path)
         lib, p = self._lib, self.params
         native, keep_alive = p.to_native(lib)  # keep_alive: buffers that must outlive the load call
         callback_error: list[BaseException] = []
@@ -332,6 +323,20 @@ class Model(NativeHandle):
         from .generation import stream
 
         return stream(self, prompt, **opts)
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """path as a Path, after checking it names a GGUF file (clear errors before llama.cpp sees it)."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelNotFoundError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelNotFoundError(f"model path is a directory: {path}")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
+    return path
 
 
 def load_model(path: str | os.PathLike, **opts: Any) -> Model:

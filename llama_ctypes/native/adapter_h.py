@@ -8,12 +8,33 @@ flag (so cancelling a decode costs no Python call per graph node).
 
 from __future__ import annotations
 
-from ctypes import POINTER, c_bool, c_char_p, c_float, c_int32, c_size_t, c_void_p
+from ctypes import POINTER, Structure, c_bool, c_char_p, c_float, c_int32, c_size_t, c_uint64, c_void_p
 
-from .llama_h import llama_context_p, llama_model_p, llama_sampler_p, llama_vocab_p
+from .llama_h import (
+    llama_context_p,
+    llama_context_params,
+    llama_model_p,
+    llama_model_params,
+    llama_sampler_p,
+    llama_vocab_p,
+)
 
 # Must equal LCX_ABI_VERSION in the adapter.
-ABI_VERSION = 1
+ABI_VERSION = 2
+
+
+class lcx_device_memory(Structure):
+    """One device's share of a context's memory, bytes; dev is NULL for host (RAM) buffers."""
+
+    _fields_ = [
+        ("dev", c_void_p),
+        ("model", c_uint64),
+        ("context", c_uint64),
+        ("compute", c_uint64),
+    ]
+
+
+STRUCTS = {"lcx_device_memory": lcx_device_memory}
 
 PROTOTYPES = [
     # int32_t lcx_abi_version(void);
@@ -50,4 +71,11 @@ PROTOTYPES = [
     ("lcx_abort_requested", [c_void_p], c_bool),
     # ggml_backend_dev_t lcx_model_get_device(const llama_model * model, int32_t i);
     ("lcx_model_get_device", [llama_model_p, c_int32], c_void_p),
+    # int32_t lcx_context_memory(const llama_context * ctx, lcx_device_memory * out, int32_t cap);
+    ("lcx_context_memory", [llama_context_p, POINTER(lcx_device_memory), c_int32], c_int32),
+    # int32_t lcx_estimate_memory(const char * path, const llama_model_params * mparams,
+    #     const llama_context_params * cparams, lcx_device_memory * out, int32_t cap);
+    ("lcx_estimate_memory",
+     [c_char_p, POINTER(llama_model_params), POINTER(llama_context_params), POINTER(lcx_device_memory), c_int32],
+     c_int32),
 ]

@@ -82,7 +82,7 @@ class NativeLibrary:
                 f"adapter ABI {abi} in {directory}, this package expects {adapter_h.ABI_VERSION}; rebuild the libraries"
             )
         if structs_check:
-            check_layouts(native_layouts(self), {**llama_h.STRUCTS, **ggml_h.STRUCTS})
+            check_layouts(native_layouts(self), {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS})
 
     def _bind(self, prototypes, libraries) -> None:
         for name, argtypes, restype in prototypes:
