@@ -39,6 +39,7 @@ from .engines.server import (
     ServerClosedError,
     ServerStream,
 )
+from .engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from .features import grammar, hub, schema
 from .features.hub import (
     HubError,
@@ -87,6 +88,7 @@ __all__ = [
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
     # server
+    "ModelManager", "ModelInfo", "ModelNotReadyError",
     "Server", "ServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
     "ServerClosedError", "telemetry",
     # hub

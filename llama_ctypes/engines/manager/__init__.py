@@ -1,12 +1,14 @@
 """The model manager: several resident models routed by id under one memory budget.
 
-This package will hold ``ModelManager`` (loading in a worker, routing by id or
-``"default"``, server and direct modes, deterministic unloading). For now it holds
-:mod:`.budget`, the pure arithmetic of the memory budget: the pools (RAM and each
-GPU), a model's :class:`~.budget.Footprint` per pool, parsing the user's
-``memory_budget=`` spec, and the check that names the pool a model does not fit in.
+:mod:`.manager` holds :class:`ModelManager` (loading in a worker, routing by id or
+``"default"``, server and direct modes, deterministic unloading); :mod:`.budget` the
+pure arithmetic of the memory budget: the pools (RAM and each GPU), a model's
+:class:`Footprint` per pool, parsing the user's ``memory_budget=`` spec, and the
+check that names the pool a model does not fit in.
 """
 
 from .budget import AUTO_RAM_FRACTION, Footprint, MemoryBudget, Pool, ResolvedBudget, detect_system_memory
+from .manager import ModelInfo, ModelManager, ModelNotReadyError
 
-__all__ = ["AUTO_RAM_FRACTION", "Footprint", "MemoryBudget", "Pool", "ResolvedBudget", "detect_system_memory"]
+__all__ = ["AUTO_RAM_FRACTION", "Footprint", "MemoryBudget", "Pool", "ResolvedBudget", "detect_system_memory",
+           "ModelInfo", "ModelManager", "ModelNotReadyError"]

@@ -434,7 +434,9 @@ class MemoryBudget:
             system_memory = _check_bytes(system_memory, "system_memory")
 
         ram = self.ram
-        if ram == "auto":
+        if ram != "auto":
+            system_memory = None  # only kept when it made a figure, so reports don't show an unused one
+        else:
             if system_memory is None:
                 system_memory = detect_system_memory()
             if system_memory is None:

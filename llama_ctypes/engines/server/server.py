@@ -195,11 +195,10 @@ class Server:
             self._owns_model = False
         self.model = model
         try:
-            self._ctx = Context(model, ContextParams(**{
-                "n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
-                "n_seq_max": n_parallel, "kv_unified": kv_unified,
-                # one logits row per slot per tick (llama.cpp's default reserves n_batch rows)
-                "n_outputs_max": n_parallel, **ctx_opts}))
+            self._ctx = Context(model, ContextParams(**self.context_options(n_parallel, n_ctx, n_batch, kv_unified,
+                                                                              **ctx_opts)))
+            # Buffers are sized at creation: what the context holds now is what it will hold.
+            self.memory = self._ctx.memory()
             self._lease = self._ctx.lease()  # the scheduler thread is its only user from now on
         except BaseException:
             if self._owns_model:
@@ -213,6 +212,20 @@ class Server:
         self._close_lock = threading.Lock()
         self._closed = False
         self._engine.thread.start()
+
+    @staticmethod
+    def context_options(n_parallel: int = 4, n_ctx: int = 4096, n_batch: int = 512, kv_unified: bool = True,
+                        **ctx_opts: Any) -> dict[str, Any]:
+        """The context options a server with these settings creates its context with.
+
+        (For sizing it before creating it: ``lc.estimate_memory(path, **Server.context_options(...))``.)
+        """
+        return {
+            "n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
+            "n_seq_max": n_parallel, "kv_unified": kv_unified,
+            # one logits row per slot per tick (llama.cpp's default reserves n_batch rows)
+            "n_outputs_max": n_parallel, **ctx_opts,
+        }
 
     # ---- submission ------------------------------------------------------------------------
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],

@@ -1,0 +1,262 @@
+"""ModelManager: loading in workers, routing by id, modes, budget, unloading, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.engines.manager import manager as manager_module
+from tiny_models import write_tiny_bert
+
+MSG = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def bert_path(tmp_path_factory, vocab_dir):
+    return write_tiny_bert(tmp_path_factory.mktemp("mm-bert") / "tiny-bert.gguf",
+                           vocab_dir / "ggml-vocab-bert-bge.gguf", pooling=1)
+
+
+@pytest.fixture(scope="module")
+def rerank_path(tmp_path_factory, vocab_dir):
+    return write_tiny_bert(tmp_path_factory.mktemp("mm-rerank") / "tiny-rerank.gguf",
+                           vocab_dir / "ggml-vocab-bert-bge.gguf", pooling=4, seed=1)
+
+
+@pytest.fixture
+def track_models(monkeypatch):
+    """Every Model the manager loads, to check none is leaked (each freed at the end)."""
+    made: list[lc.Model] = []
+    real = manager_module.load_model
+
+    def tracking(path, **opts):
+        model = real(path, **opts)
+        made.append(model)
+        return model
+
+    monkeypatch.setattr(manager_module, "load_model", tracking)
+    return made
+
+
+def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank_path, gemma_path, track_models):
+    with lc.ModelManager() as mm:
+        tiny = mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=256)
+        bert = mm.load("bert", bert_path)
+        rr = mm.load("rr", rerank_path)
+        gemma = mm.load("gemma", gemma_path, n_parallel=2, n_ctx=1024, default=True)
+        assert (tiny.mode, tiny.capabilities) == ("server", ("generate", "chat"))
+        assert (bert.mode, bert.capabilities) == ("direct", ("embed",))
+        assert (rr.mode, rr.capabilities) == ("direct", ("rerank",))
+        assert gemma.default and mm.default == "gemma"
+        # greedy through the manager (a batching server) = greedy on the bare model
+        for id_ in ("tiny", "gemma"):
+            routed = mm.generate(id_, "The capital of France is", max_tokens=12, temp=0)
+            plain = lc.generate(mm.model(id_), "The capital of France is", max_tokens=12, temp=0)
+            assert routed.tokens == plain.tokens
+        assert mm.generate("default", "Hi", max_tokens=6, temp=0).tokens == \
+            mm.generate("gemma", "Hi", max_tokens=6, temp=0).tokens
+        mm.set_default("tiny")
+        assert mm.generate("default", "Hi", max_tokens=4, temp=0).tokens == \
+            mm.generate("tiny", "Hi", max_tokens=4, temp=0).tokens
+        assert "".join(mm.stream("tiny", "Hi", max_tokens=4, temp=0)) == str(mm.generate("tiny", "Hi", max_tokens=4,
+                                                                                        temp=0))
+        # chat forms
+        reply = mm.chat("gemma", MSG, max_tokens=6, temp=0, chat_template="gemma")
+        assert isinstance(reply, str)
+        done = mm.chat_completion("gemma", MSG, max_tokens=6, temp=0, chat_template="gemma")
+        assert done["choices"][0]["message"]["content"] == reply
+        chunks = list(mm.stream_chat_completion("gemma", MSG, max_tokens=6, temp=0, chat_template="gemma"))
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == reply
+        # direct mode: embeddings and rerank equal the plain calls
+        assert np.allclose(mm.embed("bert", ["a b", "c d"]), lc.embed(mm.model("bert"), ["a b", "c d"]))
+        scores = mm.rerank("rr", "query", ["doc one", "doc two"])
+        assert np.allclose(scores, lc.rerank(mm.model("rr"), "query", ["doc one", "doc two"]))
+        # a capability a model lacks names the id and what it can do
+        with pytest.raises(lc.InvalidArgumentError, match=r"'bert' cannot generate.*embed"):
+            mm.generate("bert", "Hi")
+        with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot embed"):
+            mm.embed("tiny", "x")
+        assert [i.id for i in mm.list()] == ["tiny", "bert", "rr", "gemma"]
+        assert all(i.status == "ready" and i.estimated and i.placement for i in mm.list())
+    assert track_models and all(m.freed for m in track_models)
+
+
+def test_async_forms(tiny_model_path, bert_path):
+    async def main(mm):
+        text = await mm.agenerate("tiny", "Hi", max_tokens=4, temp=0)
+        pieces = [p async for p in mm.astream("tiny", "Hi", max_tokens=4, temp=0)]
+        reply = await mm.achat("tiny", MSG, max_tokens=4, temp=0, chat_template="chatml")
+        chunks = [c async for c in mm.astream_chat_completion("tiny", MSG, max_tokens=4, temp=0,
+                                                              chat_template="chatml")]
+        vec = await mm.aembed("bert", "a b")
+        return text, pieces, reply, chunks, vec
+
+    with lc.ModelManager() as mm:
+        mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=256)
+        mm.load("bert", bert_path)
+        text, pieces, reply, chunks, vec = asyncio.run(main(mm))
+        assert "".join(pieces) == str(text) == str(mm.generate("tiny", "Hi", max_tokens=4, temp=0))
+        assert reply == mm.chat("tiny", MSG, max_tokens=4, temp=0, chat_template="chatml")
+        assert chunks and vec.shape == (mm.model("bert").n_embd_out,)
+
+
+def test_budget_counts_resident_models(tiny_model_path, gemma_path):
+    est_tiny = lc.estimate_memory(tiny_model_path, **lc.Server.context_options(2, 256))
+    with lc.ModelManager(memory_budget=est_tiny.total * 2 + 2**20) as mm:
+        info = mm.load("a", tiny_model_path, n_parallel=2, n_ctx=256)
+        assert info.estimated == {"ram": est_tiny.total}
+        assert info.actual and abs(info.actual["ram"] - est_tiny.total) <= 0.1 * est_tiny.total
+        mm.load("b", tiny_model_path, n_parallel=2, n_ctx=256)
+        with pytest.raises(lc.InsufficientMemoryError) as err:
+            mm.load("c", tiny_model_path, n_parallel=2, n_ctx=256)
+        assert err.value.device == "total" and err.value.required == est_tiny.total
+        assert err.value.available < est_tiny.total
+        assert mm.info("c").status == "failed" and "needs" in mm.info("c").error
+        mm.unload("a")  # frees its share: c fits now (a failed id may be loaded again)
+        assert mm.load("c", tiny_model_path, n_parallel=2, n_ctx=256).status == "ready"
+    with lc.ModelManager(memory_budget={"ram": 64 * 2**20}) as mm:
+        with pytest.raises(lc.InsufficientMemoryError) as err:
+            mm.load("gemma", gemma_path)
+        assert err.value.device == "ram"
+
+
+def test_bad_input_leaves_the_manager_usable(tiny_model_path, tmp_path):
+    with pytest.raises(lc.InvalidArgumentError):
+        lc.ModelManager(memory_budget={"ram": -1})
+    with pytest.raises(TypeError):
+        lc.ModelManager(memory_budget={"gpu_ram": 1})
+    with lc.ModelManager() as mm:
+        with pytest.raises(KeyError):
+            mm.generate("nope", "Hi")
+        with pytest.raises(KeyError):
+            mm.info("nope")
+        with pytest.raises(KeyError):
+            mm.generate("default", "Hi")  # nothing loaded
+        with pytest.raises(TypeError):
+            mm.load("x", 42)
+        with pytest.raises(lc.InvalidArgumentError):
+            mm.load("", tiny_model_path)
+        with pytest.raises(FileNotFoundError):
+            mm.load("missing", tmp_path / "missing.gguf")
+        assert mm.info("missing").status == "failed"
+        with pytest.raises(TypeError):
+            mm.load("typo", tiny_model_path, n_ctx_typo=1)
+        with pytest.raises(lc.InvalidArgumentError):
+            mm.load("mode", tiny_model_path, mode="batch")
+        mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=256)
+        with pytest.raises(lc.AlreadyLoadedError):
+            mm.load("tiny", tiny_model_path)
+        with pytest.raises(lc.ModelNotReadyError):
+            mm.generate("missing", "Hi")
+        assert mm.generate("tiny", "Hi", max_tokens=3, temp=0).tokens
+
+
+def test_unload_during_a_stream_ends_it_clearly(tiny_model_path, track_models):
+    with lc.ModelManager() as mm:
+        mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=512)
+        held = mm.model("tiny")
+        stream = mm.stream("tiny", "Once", max_tokens=400, temp=0.8, ignore_eos=True)
+        next(iter(stream))
+        mm.unload("tiny")
+        with pytest.raises(lc.LlamaError):
+            for _ in stream:
+                pass
+        with pytest.raises(lc.ClosedError):
+            lc.generate(held, "Hi", max_tokens=2)
+        assert not mm.loaded("tiny") and mm.list() == []
+        mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=256)  # still usable
+        assert mm.generate("tiny", "Hi", max_tokens=2, temp=0).tokens
+    assert all(m.freed for m in track_models)
+
+
+def test_a_slow_load_blocks_neither_list_nor_other_models(tiny_model_path, monkeypatch):
+    release = threading.Event()
+    real = manager_module.load_model
+
+    def slow(path, **opts):
+        if not opts.get("vocab_only"):
+            release.wait(30)
+        return real(path, **opts)
+
+    with lc.ModelManager() as mm:
+        mm.load("fast", tiny_model_path, n_parallel=1, n_ctx=256)
+        monkeypatch.setattr(manager_module, "load_model", slow)
+        future = mm.load("slow", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
+        t0 = time.monotonic()
+        while mm.info("slow").status != "loading" or not mm.info("slow").estimated:
+            time.sleep(0.01)  # it has reserved its memory and waits in the native load
+        assert [i.status for i in mm.list()] == ["ready", "loading"]
+        assert not mm.loaded("slow")
+        assert mm.generate("fast", "Hi", max_tokens=2, temp=0).tokens
+        mm.set_default("fast")
+        assert time.monotonic() - t0 < 5
+        release.set()
+        assert future.result(30).status == "ready" and mm.loaded("slow")
+
+
+def test_unload_while_loading_frees_what_the_load_made(tiny_model_path, monkeypatch, track_models):
+    release = threading.Event()
+    real = manager_module.load_model
+
+    def slow(path, **opts):
+        if not opts.get("vocab_only"):
+            release.wait(30)
+        return real(path, **opts)
+
+    monkeypatch.setattr(manager_module, "load_model", slow)
+    with lc.ModelManager() as mm:
+        future = mm.load("x", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
+        while not mm.info("x").estimated:
+            time.sleep(0.01)
+        mm.unload("x")
+        release.set()
+        with pytest.raises(lc.ClosedError):
+            future.result(30)
+        assert mm.list() == []
+    assert all(m.freed for m in track_models if m.params.vocab_only is False)
+
+
+def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
+    ids = ["m0", "m1", "m2"]
+    errors: list[BaseException] = []
+    done: dict[str, int] = {}
+    stop = time.monotonic() + 8
+    with lc.ModelManager(workers=3) as mm:
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop:
+                id_ = rng.choice(ids)
+                action = rng.choice(["load", "unload", "generate", "generate", "list", "info"])
+                try:
+                    if action == "load":
+                        mm.load(id_, tiny_model_path, n_parallel=1, n_ctx=128)
+                    elif action == "unload":
+                        mm.unload(id_)
+                    elif action == "generate":
+                        mm.generate(id_, "Hi", max_tokens=2, temp=0)
+                    elif action == "list":
+                        mm.list()
+                    else:
+                        mm.info(id_)
+                    done[action] = done.get(action, 0) + 1
+                except (KeyError, lc.AlreadyLoadedError, lc.ClosedError, lc.ServerClosedError,
+                        lc.ModelNotReadyError):
+                    pass  # the races the API defines: gone, already there, closed under us
+                except BaseException as exc:  # anything else is a defect
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "deadlock"
+    assert errors == []
+    assert done.get("load", 0) > 2 and done.get("unload", 0) > 2 and done.get("generate", 0) > 2, done
+    assert track_models and all(m.freed for m in track_models)
