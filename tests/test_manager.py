@@ -232,7 +232,7 @@ def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
             rng = random.Random(seed)
             while time.monotonic() < stop:
                 id_ = rng.choice(ids)
-                action = rng.choice(["load", "unload", "generate", "generate", "list", "info"])
+                action = rng.choice(["load", "load", "load", "unload", "generate", "generate", "list", "info"])
                 try:
                     if action == "load":
                         mm.load(id_, tiny_model_path, n_parallel=1, n_ctx=128)
