@@ -50,7 +50,7 @@ def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank
         bert = mm.load("bert", bert_path)
         rr = mm.load("rr", rerank_path)
         gemma = mm.load("gemma", gemma_path, n_parallel=2, n_ctx=1024, default=True)
-        assert (tiny.mode, tiny.capabilities) == ("server", ("generate", "chat"))
+        assert (tiny.mode, tiny.capabilities) == ("server", ("generate", "chat", "embed"))
         assert (bert.mode, bert.capabilities) == ("direct", ("embed",))
         assert (rr.mode, rr.capabilities) == ("direct", ("rerank",))
         assert gemma.default and mm.default == "gemma"
@@ -80,8 +80,9 @@ def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank
         # a capability a model lacks names the id and what it can do
         with pytest.raises(lc.InvalidArgumentError, match=r"'bert' cannot generate.*embed"):
             mm.generate("bert", "Hi")
-        with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot embed"):
-            mm.embed("tiny", "x")
+        with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot rerank"):
+            mm.rerank("tiny", "q", ["d"])
+        assert np.allclose(mm.embed("tiny", "x"), lc.embed(mm.model("tiny"), "x"))
         assert [i.id for i in mm.list()] == ["tiny", "bert", "rr", "gemma"]
         assert all(i.status == "ready" and i.estimated and i.placement for i in mm.list())
     assert track_models and all(m.freed for m in track_models)

@@ -101,7 +101,8 @@ def _capabilities(model: Model) -> tuple[Capability, ...]:
         return ("rerank",)
     if pooling is not None or (model.has_encoder and not model.has_decoder):
         return ("embed",)
-    return ("generate", "chat")
+    # A generative model embeds too (mean pooling over its last hidden states, in its own context).
+    return ("generate", "chat", "embed")
 
 
 class ModelManager(Closeable):
@@ -301,6 +302,14 @@ class ModelManager(Closeable):
             if id not in self._entries:
                 raise KeyError(id)
             self._default = id
+
+    def used(self) -> Footprint:
+        """Bytes per pool the resident (and loading) models take, as the budget counts them."""
+        return self._used()
+
+    def describe(self) -> str:
+        """The budget per pool: capacity, used by the models here, left."""
+        return self.budget.describe(self._used())
 
     @property
     def default(self) -> str | None:
