@@ -318,7 +318,7 @@ class ModelManager(Closeable):
 
     def model(self, id: str = "default") -> Model:
         """The :class:`Model` behind ``id`` (closed, and raising ClosedError, once unloaded)."""
-        return self._ready(id).model  # type: ignore[return-value]
+        return self._target(id, None, direct=True)
 
     def _resolve_id(self, id: str) -> str:
         if id == "default":
@@ -339,7 +339,7 @@ class ModelManager(Closeable):
             entry.done.wait()
         return entry
 
-    def _ready(self, id: str, capability: Capability | None = None) -> _Entry:
+    def _ready(self, id: str, capability: Capability | None) -> _Entry:
         entry = self._entry(id, wait=True)
         if entry.status != "ready":
             raise ModelNotReadyError(f"model {entry.id!r} failed to load: {entry.error}")
@@ -359,9 +359,13 @@ class ModelManager(Closeable):
         )
 
     # ---- routing -------------------------------------------------------------------------------
-    def _target(self, id: str, capability: Capability):
+    def _target(self, id: str, capability: Capability | None, direct: bool = False):
+        """The Server (server mode) or Model to call. Once unloaded, either raises ClosedError when used."""
         entry = self._ready(id, capability)
-        return entry.server if entry.mode == "server" else entry.model
+        target = entry.model if direct or entry.mode == "direct" else entry.server
+        if target is None:  # unloaded between the lookup and here
+            raise ClosedError(f"model {entry.id!r} was unloaded")
+        return target
 
     def generate(self, id: str, prompt: str, **opts: Any):
         """A completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.generate`)."""
@@ -391,11 +395,11 @@ class ModelManager(Closeable):
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
         """Embeddings (see :func:`llama_ctypes.embed`)."""
-        return _emb.embed(self._ready(id, "embed").model, texts, **opts)
+        return _emb.embed(self._target(id, "embed", direct=True), texts, **opts)
 
     def rerank(self, id: str, query: str, documents: Sequence[str], **opts: Any):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
-        return _emb.rerank(self._ready(id, "rerank").model, query, documents, **opts)
+        return _emb.rerank(self._target(id, "rerank", direct=True), query, documents, **opts)
 
     # async forms: the server's own async API where it has one, else a worker thread
     async def agenerate(self, id: str, prompt: str, **opts: Any):
