@@ -50,7 +50,7 @@ def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank
         bert = mm.load("bert", bert_path)
         rr = mm.load("rr", rerank_path)
         gemma = mm.load("gemma", gemma_path, n_parallel=2, n_ctx=1024, default=True)
-        assert (tiny.mode, tiny.capabilities) == ("server", ("generate", "chat", "embed"))
+        assert (tiny.mode, tiny.capabilities) == ("server", ("generate", "chat"))
         assert (bert.mode, bert.capabilities) == ("direct", ("embed",))
         assert (rr.mode, rr.capabilities) == ("direct", ("rerank",))
         assert gemma.default and mm.default == "gemma"
@@ -80,9 +80,8 @@ def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank
         # a capability a model lacks names the id and what it can do
         with pytest.raises(lc.InvalidArgumentError, match=r"'bert' cannot generate.*embed"):
             mm.generate("bert", "Hi")
-        with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot rerank"):
-            mm.rerank("tiny", "q", ["d"])
-        assert np.allclose(mm.embed("tiny", "x"), lc.embed(mm.model("tiny"), "x"))
+        with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot embed"):
+            mm.embed("tiny", "x")  # a server-mode model: its embedding context is not budgeted
         assert [i.id for i in mm.list()] == ["tiny", "bert", "rr", "gemma"]
         assert all(i.status == "ready" and i.estimated and i.placement for i in mm.list())
     assert track_models and all(m.freed for m in track_models)
@@ -261,3 +260,83 @@ def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
     assert errors == []
     assert done.get("load", 0) > 2 and done.get("unload", 0) > 2 and done.get("generate", 0) > 2, done
     assert track_models and all(m.freed for m in track_models)
+
+
+def test_direct_mode_generative_model_fixes_its_contexts(tiny_model_path):
+    with lc.ModelManager() as mm:
+        info = mm.load("d", tiny_model_path, mode="direct", n_ctx=256, n_batch=64)
+        assert info.mode == "direct" and info.capabilities == ("generate", "chat", "embed")
+        # both contexts it will make are in the estimate: generation and embedding
+        gen = lc.estimate_memory(tiny_model_path, n_ctx=256)
+        assert sum(info.estimated.values()) > gen.total
+        out = mm.generate("d", "Hi", max_tokens=3, temp=0)
+        assert out.tokens == lc.generate(mm.model("d"), "Hi", max_tokens=3, temp=0, n_ctx=256).tokens
+        assert mm.embed("d", ["a", "b"]).shape[0] == 2
+        with pytest.raises(TypeError, match="fixed when model 'd' is loaded"):
+            mm.generate("d", "Hi", n_ctx=8192)
+        with pytest.raises(TypeError, match="fixed"):
+            mm.embed("d", "a", n_batch=4096)
+        with pytest.raises(TypeError):
+            mm.load("d2", tiny_model_path, mode="direct", temp=0.5)  # request defaults are server-mode
+        with pytest.raises(lc.InvalidArgumentError):
+            mm.load("v", tiny_model_path, vocab_only=True)
+
+
+def test_memory_of_an_unloaded_loading_model_counts_until_freed(tiny_model_path, monkeypatch, track_models):
+    est = lc.estimate_memory(tiny_model_path, **lc.Server.context_options(1, 256)).total
+    entered, release = threading.Event(), threading.Event()
+    real = manager_module.load_model
+
+    def slow(path, **opts):
+        if not opts.get("vocab_only"):
+            entered.set()
+            release.wait(30)
+        return real(path, **opts)
+
+    monkeypatch.setattr(manager_module, "load_model", slow)
+    with lc.ModelManager(memory_budget=est + est // 2) as mm:
+        future = mm.load("x", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
+        assert entered.wait(30)
+        mm.unload("x")
+        assert mm.used().total() == est  # still being built: still counted
+        release.set()
+        with pytest.raises(lc.ClosedError):
+            future.result(30)
+        assert mm.used().total() == 0
+        monkeypatch.setattr(manager_module, "load_model", real)
+        assert mm.load("y", tiny_model_path, n_parallel=1, n_ctx=256).status == "ready"
+    assert all(m.freed for m in track_models)
+
+
+def test_cancelling_an_async_stream_cancels_it(tiny_model_path):
+    async def main(mm):
+        async def consume():
+            async for _ in mm.astream_chat_completion("t", MSG, max_tokens=2000, temp=0.8, ignore_eos=True,
+                                                      chat_template="chatml"):
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with lc.ModelManager() as mm:
+        mm.load("t", tiny_model_path, n_parallel=1, n_ctx=4096)
+        asyncio.run(main(mm))
+        # the slot is free again: a new request is served at once
+        t0 = time.monotonic()
+        assert mm.generate("t", "Hi", max_tokens=2, temp=0).tokens
+        assert time.monotonic() - t0 < 10
+
+
+def test_default_follows_loads_and_failures(tiny_model_path, tmp_path):
+    with lc.ModelManager() as mm:
+        with pytest.raises(FileNotFoundError):
+            mm.load("bad", tmp_path / "missing.gguf", default=True)
+        assert mm.default is None
+        mm.load("a", tiny_model_path, n_parallel=1, n_ctx=128)
+        mm.load("b", tiny_model_path, n_parallel=1, n_ctx=128, default=True)
+        assert mm.default == "b" and mm.info("b").default
+        mm.unload("b")
+        assert mm.default == "a"

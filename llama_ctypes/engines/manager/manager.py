@@ -23,6 +23,7 @@ Unloading is deterministic: the server is closed (requests in flight end with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Sequence
 
 from ...core.backend import devices
+from ...core.context_pool import ContextPool
 from ...core.generation import generate as _generate, stream as _stream
 from ...core.handle import Closeable
 from ...core.memory import MemoryUsage, estimate_memory
@@ -50,6 +52,8 @@ Mode = Literal["server", "direct"]
 Status = Literal["loading", "ready", "failed"]
 Capability = Literal["generate", "chat", "embed", "rerank"]
 
+_WORKER_PREFIX = "llama_ctypes-load"
+_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
 _SERVER_OPTIONS = ("n_parallel", "n_ctx", "n_batch", "batch_strategy", "max_queue", "cache_prompt",
                    "prompt_cache_ram_mb", "kv_unified")
 # The context embed()/rerank() create (features/embeddings.py), for the memory estimate.
@@ -91,6 +95,8 @@ class _Entry:
     server: Server | None = None
     owns_model: bool = True
     error: BaseException | None = None
+    call_opts: dict = field(default_factory=dict)  # context options of every direct-mode call
+    embed_batch: int = 2048
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -101,8 +107,8 @@ def _capabilities(model: Model) -> tuple[Capability, ...]:
         return ("rerank",)
     if pooling is not None or (model.has_encoder and not model.has_decoder):
         return ("embed",)
-    # A generative model embeds too (mean pooling over its last hidden states, in its own context).
-    return ("generate", "chat", "embed")
+    # (in direct mode a generative model also embeds, in a second budgeted context: see _load)
+    return ("generate", "chat")
 
 
 class ModelManager(Closeable):
@@ -126,9 +132,10 @@ class ModelManager(Closeable):
         self._lock = threading.Lock()  # the registry and the default id
         self._budget_lock = threading.Lock()  # a budget check and its reservation, together
         self._entries: dict[str, _Entry] = {}
+        self._releasing: list[_Entry] = []  # unloaded, still being freed: still counted
         self._default: str | None = None
         self._closed = False
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="llama_ctypes-load")
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=_WORKER_PREFIX)
         try:
             for spec in models:
                 if not isinstance(spec, Mapping) or "id" not in spec or "source" not in spec:
@@ -158,6 +165,8 @@ class ModelManager(Closeable):
         described = self._describe_source(source)
         if isinstance(source, Model) and model_opts:
             raise ArgumentTypeError(f"model options {sorted(model_opts)} need a path (the model is already loaded)")
+        if model_opts.get("vocab_only") or (isinstance(source, Model) and source.params.vocab_only):
+            raise InvalidArgumentError("vocab_only models have no weights to run; load them with lc.load_model")
         entry = _Entry(id=id, source=described, owns_model=not isinstance(source, Model))
         with self._lock:
             self._check_open()
@@ -167,7 +176,11 @@ class ModelManager(Closeable):
             self._entries[id] = entry
             if default or self._default is None:
                 self._default = id
-        future = self._executor.submit(self._load, entry, source, mode, server_opts, model_opts, ctx_opts, defaults)
+        try:
+            future = self._executor.submit(self._load, entry, source, mode, server_opts, model_opts, ctx_opts,
+                                           defaults)
+        except RuntimeError:  # the manager closed in between
+            raise ClosedError("the ModelManager is closed") from None
         return future.result() if wait else future
 
     @staticmethod
@@ -198,14 +211,14 @@ class ModelManager(Closeable):
               ctx_opts: dict, defaults: dict) -> ModelInfo:
         model = None
         try:
+            self._check_live(entry)
             if isinstance(source, Model):
                 model, path = source, source.path
-                model_opts = {}
             elif isinstance(source, tuple):
                 path = hub.download(source[1], source[2])
             else:
                 path = Path(source)
-            # The estimate needs the capabilities (they decide the mode): read them cheaply first.
+            # The capabilities decide the mode, and the mode what to estimate.
             if model is None:
                 with load_model(path, vocab_only=True) as probe:
                     caps = _capabilities(probe)
@@ -214,71 +227,133 @@ class ModelManager(Closeable):
             chosen: Mode = mode or ("direct" if "generate" not in caps else "server")
             if chosen == "server" and "generate" not in caps:
                 raise InvalidArgumentError(f"model {entry.id!r} ({', '.join(caps)}) cannot run in server mode")
-            est_ctx = (Server.context_options(**{k: v for k, v in server_opts.items() if k in
-                                                 ("n_parallel", "n_ctx", "n_batch", "kv_unified")}, **ctx_opts)
-                       if chosen == "server" else {**_DIRECT_CONTEXT, **ctx_opts})
+            if chosen == "direct" and defaults:
+                raise ArgumentTypeError(f"options {sorted(defaults)} are server-mode request defaults")
+            if chosen == "direct" and "generate" in caps:
+                caps = (*caps, "embed")  # a generative model embeds too, in its own context
             params = model.params if model is not None else ModelParams(**model_opts)
-            estimate = estimate_memory(path, **_model_options(params), **est_ctx)
-            required = Footprint(estimate.by_pool())
+            estimate, required = self._estimate(path, params, chosen, caps, server_opts, ctx_opts,
+                                                weights=model is None)
             with self._budget_lock:
+                self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)
                 entry.reserved = required  # counted from now on, before the native load
             entry.mode, entry.capabilities, entry.estimate = chosen, caps, estimate
+            entry.call_opts = dict(ctx_opts)
+            entry.embed_batch = server_opts.get("n_batch", 2048)
+            self._check_live(entry)
             if model is None:
                 model = load_model(path, **model_opts)
+            entry.model = model
             if chosen == "server":
                 entry.server = Server(model=model, **server_opts, **ctx_opts, **defaults)
                 entry.actual = entry.server.memory
-            elif defaults or server_opts:
-                raise ArgumentTypeError(f"options {sorted({**defaults, **server_opts})} apply to server mode only")
-            entry.model = model
             with self._lock:
-                if self._entries.get(entry.id) is not entry:  # unloaded (or the manager closed) meanwhile
-                    raise ClosedError(f"model {entry.id!r} was unloaded while it loaded")
+                self._check_live(entry)
                 entry.status = "ready"
         except BaseException as exc:
-            self._discard(entry, model)
             entry.error = exc
-            with self._lock:
-                if self._entries.get(entry.id) is entry:
-                    entry.status = "failed"
-                if self._default == entry.id:
-                    self._default = next((k for k, e in self._entries.items() if e.status != "failed"), None)
-            entry.done.set()
+            try:
+                self._discard(entry, model)
+            finally:
+                with self._lock:
+                    if self._entries.get(entry.id) is entry:
+                        entry.status = "failed"
+                        if self._default == entry.id:
+                            self._default = self._first_usable()
+                    if entry in self._releasing:
+                        self._releasing.remove(entry)
+                entry.done.set()
             logger.warning("loading %r from %s failed: %s", entry.id, entry.source, exc)
             raise
         entry.done.set()
         return self._info(entry)
 
+    def _estimate(self, path: Path, params: ModelParams, mode: Mode, caps: tuple, server_opts: dict,
+                  ctx_opts: dict, weights: bool) -> tuple[MemoryUsage, Footprint]:
+        """llama.cpp's dry run for every context this mode creates, and the footprint to budget.
+
+        Server mode: the server's context. Direct mode: the context embed()/rerank() make,
+        and for a generative model also the one generate() makes. A Model handed in is
+        resident already: only its contexts are charged.
+        """
+        model_opts = _model_options(params)
+        runs = []
+        if mode == "server":
+            sized = {k: v for k, v in server_opts.items() if k in ("n_parallel", "n_ctx", "n_batch", "kv_unified")}
+            runs.append(Server.context_options(**sized, **ctx_opts))
+        else:
+            if "generate" in caps:
+                runs.append(dict(ctx_opts))
+            if "embed" in caps or "rerank" in caps:
+                n_batch = server_opts.get("n_batch", 2048)
+                runs.append({**_DIRECT_CONTEXT, "n_ctx": n_batch, "n_batch": n_batch, "n_ubatch": n_batch,
+                             **ctx_opts})
+        usages = [estimate_memory(path, **model_opts, **opts) for opts in runs]
+        required = Footprint()
+        for i, usage in enumerate(usages):
+            for d in usage.devices:
+                charged = d.context + d.compute + (d.model if weights and i == 0 else 0)
+                if charged:
+                    required = required + Footprint({d.pool: charged})
+        rows = tuple(d for u in usages for d in u.devices)
+        return MemoryUsage(rows), required
+
+    def _check_live(self, entry: _Entry) -> None:
+        """Stop a load whose id was unloaded (or whose manager closed) meanwhile."""
+        if self._closed or self._entries.get(entry.id) is not entry:
+            raise ClosedError(f"model {entry.id!r} was unloaded while it loaded")
+
+    def _first_usable(self) -> str | None:
+        return next((k for k, e in self._entries.items() if e.status != "failed"), None)
+
     def _used(self) -> Footprint:
+        """Reserved bytes per pool: resident and loading models, and those still being freed."""
         total = Footprint()
         with self._lock:
-            for e in self._entries.values():
+            for e in (*self._entries.values(), *self._releasing):
                 total = total + e.reserved
         return total
 
     def _discard(self, entry: _Entry, model: Model | None) -> None:
-        """Free what a load made: its server, and its model unless handed in."""
-        if entry.server is not None:
-            entry.server.close()
-            entry.server = None
-        if model is not None and entry.owns_model:
-            model.close()
-        entry.model = None
-        entry.reserved = Footprint()
+        """Free what a load made: its server, its contexts, and its model unless handed in."""
+        try:
+            if entry.server is not None:
+                server, entry.server = entry.server, None
+                server.close()
+        finally:
+            entry.model = None
+            if model is not None:
+                if entry.owns_model:
+                    model.close()
+                else:
+                    ContextPool.of(model).close_idle()
+            entry.reserved = Footprint()
 
     # ---- registry ------------------------------------------------------------------------------
     def unload(self, id: str) -> None:
-        """Stop and free a model now (requests in flight end with ServerClosedError); KeyError if unknown."""
+        """Stop and free a model now (requests in flight end with ServerClosedError); KeyError if unknown.
+
+        Its memory stays counted until it is freed. Unloading a model that is still
+        loading stops the load; the load's caller gets ClosedError.
+        """
         with self._lock:
             entry = self._entries.pop(self._resolve_id(id), None)
             if entry is None:
                 raise KeyError(id)
             if self._default == entry.id:
-                self._default = next(iter(self._entries), None)
-        if entry.status == "ready":
+                self._default = self._first_usable()
+            if entry.status == "loading":
+                self._releasing.append(entry)  # its worker frees it and drops it from here
+                return
+            if entry.status != "ready":
+                return
+            self._releasing.append(entry)
+        try:
             self._discard(entry, entry.model)
-        # A load still in flight sees its entry gone and frees what it made itself.
+        finally:
+            with self._lock:
+                self._releasing.remove(entry)
 
     def list(self) -> list[ModelInfo]:
         """Every managed model (loading, ready or failed), in load order."""
@@ -341,6 +416,8 @@ class ModelManager(Closeable):
 
     def _ready(self, id: str, capability: Capability | None) -> _Entry:
         entry = self._entry(id, wait=True)
+        if isinstance(entry.error, ClosedError):
+            raise ClosedError(f"model {entry.id!r} was unloaded")
         if entry.status != "ready":
             raise ModelNotReadyError(f"model {entry.id!r} failed to load: {entry.error}")
         if capability is not None and capability not in entry.capabilities:
@@ -367,54 +444,84 @@ class ModelManager(Closeable):
             raise ClosedError(f"model {entry.id!r} was unloaded")
         return target
 
+    def _direct(self, id: str, capability: Capability, opts: Mapping[str, Any],
+                allowed: tuple[str, ...] = ()) -> tuple[Model, dict[str, Any], _Entry]:
+        """A direct-mode call's model and options: the context options are those given at load.
+
+        Per-call context options would make (and keep) another, unbudgeted context.
+        """
+        entry = self._ready(id, capability)
+        model = entry.model
+        if model is None:
+            raise ClosedError(f"model {entry.id!r} was unloaded")
+        fixed = sorted(k for k in opts if k in _CONTEXT_FIELDS or (allowed and k not in allowed))
+        if fixed:
+            raise ArgumentTypeError(f"options {fixed} are fixed when model {entry.id!r} is loaded "
+                                    f"(they size its budgeted context)")
+        return model, {**entry.call_opts, **opts}, entry
+
+    def _generation_target(self, id: str, capability: Capability, opts: Mapping[str, Any]):
+        entry = self._ready(id, capability)
+        if entry.mode == "server":
+            return self._target(id, capability), dict(opts)
+        model, merged, _ = self._direct(id, capability, opts)
+        return model, merged
+
     def generate(self, id: str, prompt: str, **opts: Any):
         """A completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.generate`)."""
-        target = self._target(id, "generate")
+        target, opts = self._generation_target(id, "generate", opts)
         return target.generate(prompt, **opts) if isinstance(target, Server) else _generate(target, prompt, **opts)
 
     def stream(self, id: str, prompt: str, **opts: Any):
         """Stream a completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.stream`)."""
-        target = self._target(id, "generate")
+        target, opts = self._generation_target(id, "generate", opts)
         return target.stream(prompt, **opts) if isinstance(target, Server) else _stream(target, prompt, **opts)
 
     def chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """The assistant's answer (see :func:`llama_ctypes.chat`)."""
-        return _chat.chat(self._target(id, "chat"), messages, **opts)
+        target, opts = self._generation_target(id, "chat", opts)
+        return _chat.chat(target, messages, **opts)
 
     def stream_chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """Stream the assistant's answer (see :func:`llama_ctypes.stream_chat`)."""
-        return _chat.stream_chat(self._target(id, "chat"), messages, **opts)
+        target, opts = self._generation_target(id, "chat", opts)
+        return _chat.stream_chat(target, messages, **opts)
 
     def chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """An OpenAI-shaped chat completion (see :func:`llama_ctypes.chat_completion`)."""
-        return _chat.chat_completion(self._target(id, "chat"), messages, **opts)
+        target, opts = self._generation_target(id, "chat", opts)
+        return _chat.chat_completion(target, messages, **opts)
 
     def stream_chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any) -> Iterator:
         """OpenAI-shaped chat completion chunks (see :func:`llama_ctypes.stream_chat_completion`)."""
-        return _chat.stream_chat_completion(self._target(id, "chat"), messages, **opts)
+        target, opts = self._generation_target(id, "chat", opts)
+        return _chat.stream_chat_completion(target, messages, **opts)
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
-        """Embeddings (see :func:`llama_ctypes.embed`)."""
-        return _emb.embed(self._target(id, "embed", direct=True), texts, **opts)
+        """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
+        model, merged, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate"))
+        return _emb.embed(model, texts, n_batch=entry.embed_batch, **merged)
 
     def rerank(self, id: str, query: str, documents: Sequence[str], **opts: Any):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
-        return _emb.rerank(self._target(id, "rerank", direct=True), query, documents, **opts)
+        model, merged, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
+        return _emb.rerank(model, query, documents, n_batch=entry.embed_batch, **merged)
 
-    # async forms: the server's own async API where it has one, else a worker thread
+    # async forms: looking the model up may wait for its load, so that happens in a worker
+    # thread too; a server's own async API is used where it has one.
     async def agenerate(self, id: str, prompt: str, **opts: Any):
-        target = self._target(id, "generate")
+        target, opts = await asyncio.to_thread(self._generation_target, id, "generate", opts)
         if isinstance(target, Server):
             return await target.agenerate(prompt, **opts)
         return await asyncio.to_thread(_generate, target, prompt, **opts)
 
     async def astream(self, id: str, prompt: str, **opts: Any) -> AsyncIterator[str]:
-        target = self._target(id, "generate")
+        target, opts = await asyncio.to_thread(self._generation_target, id, "generate", opts)
         if isinstance(target, Server):
             async for piece in target.astream(prompt, **opts):
                 yield piece
         else:
-            async for piece in _iterate_in_thread(_stream(target, prompt, **opts)):
+            async for piece in _iterate_in_thread(await asyncio.to_thread(_stream, target, prompt, **opts)):
                 yield piece
 
     async def achat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
@@ -424,12 +531,13 @@ class ModelManager(Closeable):
         return await asyncio.to_thread(self.chat_completion, id, messages, **opts)
 
     async def astream_chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any) -> AsyncIterator:
-        async for piece in _iterate_in_thread(self.stream_chat(id, messages, **opts)):
+        async for piece in _iterate_in_thread(await asyncio.to_thread(self.stream_chat, id, messages, **opts)):
             yield piece
 
     async def astream_chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]],
                                       **opts: Any) -> AsyncIterator:
-        async for chunk in _iterate_in_thread(self.stream_chat_completion(id, messages, **opts)):
+        chunks = await asyncio.to_thread(self.stream_chat_completion, id, messages, **opts)
+        async for chunk in _iterate_in_thread(chunks):
             yield chunk
 
     async def aembed(self, id: str, texts: str | Sequence[str], **opts: Any):
@@ -444,7 +552,7 @@ class ModelManager(Closeable):
             raise ClosedError("the ModelManager is closed")
 
     def close(self) -> None:
-        """Unload every model (loads in flight free what they made) and stop the workers."""
+        """Unload every model; loads in flight stop and free what they made; queued ones never start."""
         with self._lock:
             if getattr(self, "_closed", True):
                 return
@@ -455,25 +563,48 @@ class ModelManager(Closeable):
         for entry in entries:
             if entry.status == "ready":
                 self._discard(entry, entry.model)
-        self._executor.shutdown(wait=True)
+        # From one of our own workers (a future's callback), waiting for the workers would deadlock.
+        in_worker = threading.current_thread().name.startswith(_WORKER_PREFIX)
+        self._executor.shutdown(wait=not in_worker, cancel_futures=True)
+        for entry in entries:
+            if not entry.done.is_set() and not in_worker:
+                entry.error = entry.error or ClosedError("the ModelManager was closed")
+                entry.done.set()  # a load cancelled before it started: nobody else will
 
 
 def _model_options(params: ModelParams) -> dict[str, Any]:
-    """The placement-relevant model options of params, for the memory estimate."""
-    return {k: getattr(params, k) for k in ("n_gpu_layers", "split_mode", "main_gpu", "tensor_split")
-            if getattr(params, k) is not None}
+    """params as load_model options, for the dry run (no progress callback)."""
+    fields = {f.name for f in dataclasses.fields(params)} - {"progress_callback"}
+    defaults = ModelParams()
+    return {k: getattr(params, k) for k in fields if getattr(params, k) != getattr(defaults, k)}
 
 
 async def _iterate_in_thread(iterator: Any) -> AsyncIterator:
-    """Drive a blocking stream from a worker thread; leaving early cancels it."""
+    """Drive a blocking stream from a worker thread; leaving early (or being cancelled) stops it.
+
+    A step in flight is never abandoned: the stream is cancelled (thread-safe on our
+    streams), the step awaited, and only then the iterator closed, in a worker thread,
+    so a generator is never closed while it runs.
+    """
     done = object()
+    step: asyncio.Future | None = None
     try:
         while True:
-            item = await asyncio.to_thread(next, iterator, done)
+            step = asyncio.ensure_future(asyncio.to_thread(next, iterator, done))
+            item = await asyncio.shield(step)
+            step = None
             if item is done:
                 return
             yield item
     finally:
-        cancel = getattr(iterator, "cancel", None) or getattr(iterator, "close", None)
+        cancel = getattr(iterator, "cancel", None)
         if cancel is not None:
             cancel()
+        if step is not None:
+            try:
+                await asyncio.shield(step)
+            except BaseException:  # the step's own outcome no longer matters
+                pass
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
