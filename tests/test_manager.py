@@ -340,3 +340,39 @@ def test_default_follows_loads_and_failures(tiny_model_path, tmp_path):
         assert mm.default == "b" and mm.info("b").default
         mm.unload("b")
         assert mm.default == "a"
+
+
+def test_hub_source(tiny_model_path, tmp_path, monkeypatch):
+    from fake_hub import FakeHub, Repo
+
+    with FakeHub() as fake:
+        fake.state.repos["acme/tiny-GGUF"] = Repo(files={"tiny-Q8_0.gguf": tiny_model_path.read_bytes()})
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        monkeypatch.setenv("LLAMA_CTYPES_MODELS_DIR", str(tmp_path / "cache"))
+        for var in ("HF_TOKEN", "LLAMA_OFFLINE", "HF_HUB_OFFLINE"):
+            monkeypatch.delenv(var, raising=False)
+        with lc.ModelManager() as mm:
+            info = mm.load("hubbed", ("hub", "acme/tiny-GGUF", "tiny-Q8_0.gguf"), n_parallel=1, n_ctx=128)
+            assert info.source == "hub:acme/tiny-GGUF/tiny-Q8_0.gguf" and info.status == "ready"
+            assert mm.generate("hubbed", "Hi", max_tokens=3, temp=0).tokens == \
+                lc.generate(mm.model("hubbed"), "Hi", max_tokens=3, temp=0).tokens
+            with pytest.raises(lc.HubNotFoundError):
+                mm.load("nope", ("hub", "acme/tiny-GGUF", "missing.gguf"))
+            with pytest.raises(ValueError):
+                mm.load("badrepo", ("hub", "not a repo", "x.gguf"))
+
+
+def test_a_model_handed_in_is_used_not_owned(tiny_model_path):
+    with lc.load_model(tiny_model_path) as model:
+        with lc.ModelManager() as mm:
+            info = mm.load("mine", model, n_parallel=1, n_ctx=256)
+            assert info.source == f"model:{model.path}"
+            full = lc.estimate_memory(tiny_model_path, **lc.Server.context_options(1, 256))
+            # its weights are resident already: only the server's context is charged
+            assert sum(info.estimated.values()) == full.total
+            assert mm.used().total() == full.context + full.compute
+            with pytest.raises(TypeError):
+                mm.load("again", model, n_gpu_layers=0)  # model options need a path
+            mm.unload("mine")
+        assert not model.closed
+        assert lc.generate(model, "Hi", max_tokens=2, temp=0).tokens
