@@ -34,7 +34,7 @@ def test_every_prototype_resolves(lib):
 
 def test_struct_layouts_match_native(lib):
     native_table = layout.native_layouts(lib)
-    mirrored = {**llama_h.STRUCTS, **ggml_h.STRUCTS}
+    mirrored = {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS}
     # Every struct the adapter reports is mirrored, and every mirror is checked.
     assert set(native_table) == set(mirrored)
     layout.check_layouts(native_table, mirrored)  # raises on any difference
