@@ -376,3 +376,14 @@ def test_a_model_handed_in_is_used_not_owned(tiny_model_path):
             mm.unload("mine")
         assert not model.closed
         assert lc.generate(model, "Hi", max_tokens=2, temp=0).tokens
+
+
+def test_models_at_construction(tiny_model_path, tmp_path):
+    specs = [{"id": "a", "source": tiny_model_path, "n_parallel": 1, "n_ctx": 128},
+             {"id": "b", "source": tiny_model_path, "n_parallel": 1, "n_ctx": 128, "default": True}]
+    with lc.ModelManager(models=specs) as mm:
+        assert [i.id for i in mm.list()] == ["a", "b"] and mm.default == "b"
+    with pytest.raises(TypeError):
+        lc.ModelManager(models=[{"source": tiny_model_path}])
+    with pytest.raises(FileNotFoundError):  # a failing entry fails the constructor, after freeing the rest
+        lc.ModelManager(models=[specs[0], {"id": "x", "source": tmp_path / "missing.gguf"}])
