@@ -4,7 +4,11 @@ Each model runs in one of two modes: ``server`` (a batching :class:`Server`,
 the default for generative models) or ``direct`` (calls on the :class:`Model`,
 the default for embedding and reranking models, whose calls make their own
 contexts). Routing methods (``generate``, ``chat``, ``embed``, ...) take the id,
-or ``"default"``.
+or ``"default"``. A direct-mode model's contexts are sized at load (context
+options and ``n_batch`` given to ``load``) and budgeted; per-call context options
+are refused, since each new set would make and keep another context. A generative
+model in direct mode also embeds; in server mode it does not (its embedding
+context would not be budgeted): load it a second time with ``mode="direct"``.
 
 Concurrency: the registry lock guards only dictionary updates, never a load.
 Loading runs in a worker thread (Hub download, memory estimate, native load),
