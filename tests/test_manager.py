@@ -44,6 +44,32 @@ def track_models(monkeypatch):
     return made
 
 
+class _Gate:
+    """Holds every native model load (not the vocabulary probe) until ``release`` is set."""
+
+    def __init__(self, monkeypatch):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self._monkeypatch = monkeypatch
+        self.real = manager_module.load_model  # (the tracking one, when track_models came first)
+
+    def install(self) -> None:
+        self._monkeypatch.setattr(manager_module, "load_model", self._slow)
+
+    def uninstall(self) -> None:
+        self._monkeypatch.setattr(manager_module, "load_model", self.real)
+
+    def _slow(self, path, **opts):
+        if not opts.get("vocab_only"):
+            self.entered.set()
+            self.release.wait(30)
+        return self.real(path, **opts)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    return _Gate(monkeypatch)
+
+
 def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank_path, gemma_path, track_models):
     with lc.ModelManager() as mm:
         tiny = mm.load("tiny", tiny_model_path, n_parallel=2, n_ctx=256)
@@ -175,18 +201,10 @@ def test_unload_during_a_stream_ends_it_clearly(tiny_model_path, track_models):
     assert all(m.freed for m in track_models)
 
 
-def test_a_slow_load_blocks_neither_list_nor_other_models(tiny_model_path, monkeypatch):
-    release = threading.Event()
-    real = manager_module.load_model
-
-    def slow(path, **opts):
-        if not opts.get("vocab_only"):
-            release.wait(30)
-        return real(path, **opts)
-
+def test_a_slow_load_blocks_neither_list_nor_other_models(tiny_model_path, gate):
     with lc.ModelManager() as mm:
         mm.load("fast", tiny_model_path, n_parallel=1, n_ctx=256)
-        monkeypatch.setattr(manager_module, "load_model", slow)
+        gate.install()
         future = mm.load("slow", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
         t0 = time.monotonic()
         while mm.info("slow").status != "loading" or not mm.info("slow").estimated:
@@ -196,26 +214,18 @@ def test_a_slow_load_blocks_neither_list_nor_other_models(tiny_model_path, monke
         assert mm.generate("fast", "Hi", max_tokens=2, temp=0).tokens
         mm.set_default("fast")
         assert time.monotonic() - t0 < 5
-        release.set()
+        gate.release.set()
         assert future.result(30).status == "ready" and mm.loaded("slow")
 
 
-def test_unload_while_loading_frees_what_the_load_made(tiny_model_path, monkeypatch, track_models):
-    release = threading.Event()
-    real = manager_module.load_model
-
-    def slow(path, **opts):
-        if not opts.get("vocab_only"):
-            release.wait(30)
-        return real(path, **opts)
-
-    monkeypatch.setattr(manager_module, "load_model", slow)
+def test_unload_while_loading_frees_what_the_load_made(tiny_model_path, track_models, gate):
+    gate.install()
     with lc.ModelManager() as mm:
         future = mm.load("x", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
         while not mm.info("x").estimated:
             time.sleep(0.01)
         mm.unload("x")
-        release.set()
+        gate.release.set()
         with pytest.raises(lc.ClosedError):
             future.result(30)
         assert mm.list() == []
@@ -282,28 +292,19 @@ def test_direct_mode_generative_model_fixes_its_contexts(tiny_model_path):
             mm.load("v", tiny_model_path, vocab_only=True)
 
 
-def test_memory_of_an_unloaded_loading_model_counts_until_freed(tiny_model_path, monkeypatch, track_models):
+def test_memory_of_an_unloaded_loading_model_counts_until_freed(tiny_model_path, track_models, gate):
     est = lc.estimate_memory(tiny_model_path, **lc.Server.context_options(1, 256)).total
-    entered, release = threading.Event(), threading.Event()
-    real = manager_module.load_model
-
-    def slow(path, **opts):
-        if not opts.get("vocab_only"):
-            entered.set()
-            release.wait(30)
-        return real(path, **opts)
-
-    monkeypatch.setattr(manager_module, "load_model", slow)
+    gate.install()
     with lc.ModelManager(memory_budget=est + est // 2) as mm:
         future = mm.load("x", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
-        assert entered.wait(30)
+        assert gate.entered.wait(30)
         mm.unload("x")
         assert mm.used().total() == est  # still being built: still counted
-        release.set()
+        gate.release.set()
         with pytest.raises(lc.ClosedError):
             future.result(30)
         assert mm.used().total() == 0
-        monkeypatch.setattr(manager_module, "load_model", real)
+        gate.uninstall()
         assert mm.load("y", tiny_model_path, n_parallel=1, n_ctx=256).status == "ready"
     assert all(m.freed for m in track_models)
 
