@@ -388,3 +388,10 @@ def test_models_at_construction(tiny_model_path, tmp_path):
         lc.ModelManager(models=[{"source": tiny_model_path}])
     with pytest.raises(FileNotFoundError):  # a failing entry fails the constructor, after freeing the rest
         lc.ModelManager(models=[specs[0], {"id": "x", "source": tmp_path / "missing.gguf"}])
+
+
+def test_metadata_overrides_decide_the_capabilities(bert_path):
+    with lc.ModelManager() as mm:
+        assert mm.load("e", bert_path).capabilities == ("embed",)
+        ranked = mm.load("r", bert_path, kv_overrides={"bert.pooling_type": 4})  # 4: rank
+        assert ranked.capabilities == ("rerank",) and ranked.mode == "direct"

@@ -9,7 +9,7 @@ unless overridden; a decoder model without one (e.g. Gemma) is mean-pooled.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Sequence, overload
+from typing import Any, Literal, Mapping, Sequence, overload
 
 import numpy as np
 
@@ -39,14 +39,20 @@ class EmbeddingError(LlamaError, ValueError):
     """The model or the options cannot produce the requested embeddings."""
 
 
-def model_pooling(model: Model) -> PoolingName:
-    """The pooling a model declares in its metadata, or ``"mean"`` when it declares none."""
-    raw = model.meta(f"{model.architecture}.pooling_type")
+def declared_pooling(model: Model, kv_overrides: Mapping[str, Any] | None = None) -> PoolingName | None:
+    """The pooling a model declares (metadata, or a ``kv_overrides`` entry), None when it declares none."""
+    key = f"{model.architecture}.pooling_type"
+    raw = kv_overrides[key] if kv_overrides and key in kv_overrides else model.meta(key)
     try:
         name = _POOLING_NAMES.get(int(raw)) if raw is not None else None
-    except ValueError:
+    except (TypeError, ValueError):
         name = None
-    return name if name not in (None, "unspecified", "none") else "mean"  # type: ignore[return-value]
+    return name if name not in (None, "unspecified", "none") else None  # type: ignore[return-value]
+
+
+def model_pooling(model: Model) -> PoolingName:
+    """The pooling a model declares in its metadata, or ``"mean"`` when it declares none."""
+    return declared_pooling(model) or "mean"
 
 
 def _max_tokens_per_text(model: Model, n_batch: int) -> int:

@@ -104,9 +104,9 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _capabilities(model: Model) -> tuple[Capability, ...]:
-    raw = model.meta(f"{model.architecture}.pooling_type")
-    pooling = _emb.model_pooling(model) if raw is not None else None
+def _capabilities(model: Model, overrides: Mapping[str, Any] | None = None) -> tuple[Capability, ...]:
+    # (the model's metadata strings do not show overrides: they are passed along)
+    pooling = _emb.declared_pooling(model, overrides)
     if pooling == "rank":
         return ("rerank",)
     if pooling is not None or (model.has_encoder and not model.has_decoder):
@@ -224,10 +224,12 @@ class ModelManager(Closeable):
                 path = Path(source)
             # The capabilities decide the mode, and the mode what to estimate.
             if model is None:
-                with load_model(path, vocab_only=True) as probe:
-                    caps = _capabilities(probe)
+                # (with the user's metadata overrides: they may change the pooling type)
+                overrides = {"kv_overrides": model_opts["kv_overrides"]} if model_opts.get("kv_overrides") else {}
+                with load_model(path, vocab_only=True, **overrides) as probe:
+                    caps = _capabilities(probe, model_opts.get("kv_overrides"))
             else:
-                caps = _capabilities(model)
+                caps = _capabilities(model, model.params.kv_overrides)
             chosen: Mode = mode or ("direct" if "generate" not in caps else "server")
             if chosen == "server" and "generate" not in caps:
                 raise InvalidArgumentError(f"model {entry.id!r} ({', '.join(caps)}) cannot run in server mode")
