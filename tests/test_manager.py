@@ -109,6 +109,7 @@ def test_routing_by_id_and_default_with_modes(tiny_model_path, bert_path, rerank
         with pytest.raises(lc.InvalidArgumentError, match="'tiny' cannot embed"):
             mm.embed("tiny", "x")  # a server-mode model: its embedding context is not budgeted
         assert [i.id for i in mm.list()] == ["tiny", "bert", "rr", "gemma"]
+        assert len({*mm.list(), *mm.list()}) == 4  # sanitised views: hashable, equal by value
         assert all(i.status == "ready" and i.estimated and i.placement for i in mm.list())
     assert track_models and all(m.freed for m in track_models)
 

@@ -84,6 +84,12 @@ class ModelInfo:
     default: bool
     error: str | None = None  # why a failed load failed
 
+    def __hash__(self) -> int:  # (the memory mappings are compared by value, so hashed by value)
+        return hash((self.id, self.source, self.status, self.mode, self.capabilities, self.placement,
+                     tuple(sorted(self.estimated.items(), key=repr)),
+                     tuple(sorted(self.actual.items(), key=repr)) if self.actual is not None else None,
+                     self.default, self.error))
+
 
 @dataclass
 class _Entry:
