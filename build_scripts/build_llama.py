@@ -100,7 +100,8 @@ def resolve_backend(requested: str) -> str:
 
 def cuda_release() -> str | None:
     """nvcc's release ("13.0"), or None without a CUDA toolkit."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    # CMake takes CUDACXX first, then nvcc on PATH
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -529,9 +530,10 @@ def build(
         # Only what this configuration builds may reach the cache: a library an earlier
         # configuration of this folder made (a CPU variant since dropped) goes first;
         # the kept objects make relinking the rest cheap.
-        if (build_dir / "bin").is_dir():
-            for stale in _shared_libs(build_dir / "bin"):
-                stale.unlink()
+        for out_dir in (build_dir / "bin", build_dir / "bin" / "Release"):
+            if out_dir.is_dir():
+                for stale in _shared_libs(out_dir):
+                    stale.unlink()
         if module:
             targets = [f"ggml-{module}"]
         else:

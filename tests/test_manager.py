@@ -277,11 +277,17 @@ def test_direct_mode_generative_model_fixes_its_contexts(tiny_model_path):
     with lc.ModelManager() as mm:
         info = mm.load("d", tiny_model_path, mode="direct", n_ctx=256, n_batch=64)
         assert info.mode == "direct" and info.capabilities == ("generate", "chat", "embed")
-        # both contexts it will make are in the estimate: generation and embedding
-        gen = lc.estimate_memory(tiny_model_path, n_ctx=256)
-        assert sum(info.estimated.values()) > gen.total
+        # both contexts it will make are in the estimate: generation (n_ctx, n_batch as given) and embedding
+        gen = lc.estimate_memory(tiny_model_path, n_ctx=256, n_batch=64, n_ubatch=64)
+        emb = lc.estimate_memory(tiny_model_path, n_ctx=64, n_batch=64, n_ubatch=64, n_seq_max=64, kv_unified=True,
+                                 embeddings=True, flash_attn="disabled")
+        assert sum(info.estimated.values()) == gen.total + emb.context + emb.compute
         out = mm.generate("d", "Hi", max_tokens=3, temp=0)
         assert out.tokens == lc.generate(mm.model("d"), "Hi", max_tokens=3, temp=0, n_ctx=256).tokens
+        with pytest.raises(TypeError, match="server mode only"):
+            mm.load("d3", tiny_model_path, mode="direct", n_parallel=4)
+        assert mm.load("b2", tiny_model_path, mode="direct", n_ubatch=32, n_batch=64).status == "ready"
+        assert mm.embed("b2", "a").ndim == 1  # n_ubatch is generate()'s; embed sets its own
         assert mm.embed("d", ["a", "b"]).shape[0] == 2
         with pytest.raises(TypeError, match="fixed when model 'd' is loaded"):
             mm.generate("d", "Hi", n_ctx=8192)
@@ -396,3 +402,25 @@ def test_metadata_overrides_decide_the_capabilities(bert_path):
         assert mm.load("e", bert_path).capabilities == ("embed",)
         ranked = mm.load("r", bert_path, kv_overrides={"bert.pooling_type": 4})  # 4: rank
         assert ranked.capabilities == ("rerank",) and ranked.mode == "direct"
+
+
+def test_close_from_a_worker_wakes_every_waiter(tiny_model_path, gate):
+    gate.install()
+    mm = lc.ModelManager(workers=1)
+    first = mm.load("a", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+    queued = mm.load("b", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+    outcome: list[BaseException] = []
+
+    def waiter():
+        try:
+            mm.generate("b", "Hi", max_tokens=1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    first.add_done_callback(lambda _f: mm.close())  # runs in the load worker
+    gate.release.set()
+    t.join(30)
+    assert not t.is_alive() and outcome and isinstance(outcome[0], lc.ClosedError)
+    assert queued.cancelled()

@@ -368,7 +368,15 @@ def test_broken_and_mismatched_plugins_leave_the_cpu_path_working(venv, tmp_path
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         (info / "entry_points.txt").write_text(f"[llama_ctypes.backends]\n{name} = {target}\n")
 
+    # Hard links to the package's own CPU modules: one is the backend already registered
+    # (ggml hands back its handle), the others would register a second "CPU".
+    lib_dir = venv["site"] / "llama_ctypes" / "lib"
+    links = []
+    for variant in sorted(lib_dir.glob("libggml-cpu-*.so")):
+        os.link(variant, plugins / variant.name)
+        links.append(str(plugins / variant.name))
     (plugins / "fake_plugins.py").write_text(
+        f"def duplicates():\n    return {links!r}\n"
         "def unloadable():\n"
         f"    return [{str(bogus)!r}]\n"
         "def raising():\n"
@@ -385,6 +393,7 @@ def test_broken_and_mismatched_plugins_leave_the_cpu_path_working(venv, tmp_path
     fake_dist("llama-ctypes-raising", __version__, "fake_plugins:raising")
     fake_dist("llama-ctypes-string", __version__, "fake_plugins:one_string")
     fake_dist("llama-ctypes-reentrant", __version__, "fake_plugins:reentrant")
+    fake_dist("llama-ctypes-duplicates", __version__, "fake_plugins:duplicates")
     script = """
         import json, logging, sys
         records = []
@@ -406,7 +415,8 @@ def test_broken_and_mismatched_plugins_leave_the_cpu_path_working(venv, tmp_path
     assert "could not load" in text and "bogus_backend.so" in text
     assert "llama-ctypes-string" in text and "expected a list of module paths" in text
     assert "llama-ctypes-reentrant" in text and "while init() loads the backends" in text  # not a deadlock
-    assert res["tokens"] == 4 and "CPU" in res["backends"]
+    assert res["tokens"] == 4 and res["backends"].count("CPU") == 1
+    assert "is already registered" in text  # a second CPU backend was refused, the first kept
 
 
 def test_plugin_extras_pin_this_version():

@@ -29,7 +29,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from ..errors import NativeLibraryError
 
@@ -130,13 +130,13 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
-def variant_score(path: Path) -> int:
+def variant_score(path: Path, extra_flags: Mapping[str, tuple[str, ...]] = _EXTRA_CPU_FLAGS) -> int:
     """ggml_backend_score() of a CPU variant module: 0 when this CPU cannot run it.
 
     The module is opened privately and closed again; only the chosen one is
     loaded for good through ggml.
     """
-    needed = _EXTRA_CPU_FLAGS.get(_stem(path)[len("ggml-cpu-"):], ())
+    needed = extra_flags.get(_stem(path)[len("ggml-cpu-"):], ())
     flags = _cpu_flags() if needed else None
     if flags is not None and not set(needed) <= flags:
         return 0
@@ -187,6 +187,8 @@ def _describe(lib: NativeLibrary, reg: int, origin: str, path: Path | None, vari
 
 
 def _load_cpu_variant(lib: NativeLibrary, variants: dict[str, Path]) -> LoadedBackend:
+    # A build that kept the AMX kernels compiled its sapphirerapids variant as ggml does.
+    extra = {} if "-DLLAMA_CTYPES_AMX=ON" in lib.build_info.get("cmake_args", ()) else _EXTRA_CPU_FLAGS
     forced = os.environ.get(CPU_VARIANT_ENV, "").strip()
     if forced:
         if forced not in variants:
@@ -194,11 +196,11 @@ def _load_cpu_variant(lib: NativeLibrary, variants: dict[str, Path]) -> LoadedBa
                 f"{CPU_VARIANT_ENV}={forced!r}: no such CPU variant in {lib.directory}; "
                 f"available: {', '.join(variants)}"
             )
-        if variant_score(variants[forced]) == 0:
+        if variant_score(variants[forced], extra) == 0:
             raise NativeLibraryError(f"{CPU_VARIANT_ENV}={forced!r}: this CPU lacks that variant's instructions")
         name, path = forced, variants[forced]
     else:
-        scores = {name: variant_score(path) for name, path in variants.items()}
+        scores = {name: variant_score(path, extra) for name, path in variants.items()}
         name = max(scores, key=lambda n: scores[n])
         if scores[name] == 0:
             raise NativeLibraryError(f"no CPU variant in {lib.directory} runs on this CPU (scores {scores})")
@@ -207,7 +209,21 @@ def _load_cpu_variant(lib: NativeLibrary, variants: dict[str, Path]) -> LoadedBa
     if reg is None:
         raise NativeLibraryError(f"ggml could not load the CPU backend {path} (see the llama.cpp log)")
     logger.info("CPU backend: variant %s from %s", name, path)
-    return _describe(lib, reg, "package", path, variant=name)
+    return _remember(reg, _describe(lib, reg, "package", path, variant=name))
+
+
+# What this process registered, by registry handle: an init() retried after a failure
+# must neither register a module twice nor describe it as linked.
+_registered: dict[int, LoadedBackend] = {}
+
+
+def _remember(reg: int, backend: LoadedBackend) -> LoadedBackend:
+    _registered[reg] = backend
+    return backend
+
+
+def _registry_handles(lib: NativeLibrary) -> list[int]:
+    return [lib.ggml_backend_reg_get(i) for i in range(lib.ggml_backend_reg_count())]
 
 
 def _plugin_entry_points() -> list:
@@ -219,9 +235,13 @@ def _plugin_entry_points() -> list:
 def _load_plugin(
     lib: NativeLibrary, ep, package_version: str, seen_paths: set[str], seen_names: set[str]
 ) -> list[LoadedBackend]:
-    dist = getattr(ep, "dist", None)
-    dist_name = dist.metadata["Name"] if dist is not None else ep.name
-    dist_version = dist.version if dist is not None else "?"
+    try:
+        dist = getattr(ep, "dist", None)
+        dist_name = dist.metadata["Name"] if dist is not None else ep.name
+        dist_version = dist.version if dist is not None else "?"
+    except Exception as exc:  # broken metadata: skip it like any other broken plugin
+        logger.warning("skipping backend entry point %s: %s: %s", getattr(ep, "name", ep), type(exc).__name__, exc)
+        return []
     label = f"plugin {dist_name} {dist_version}"
     if dist is not None and dist_version != package_version:
         logger.warning(
@@ -240,11 +260,14 @@ def _load_plugin(
         if str(path) in seen_paths:
             continue
         seen_paths.add(str(path))
+        known = set(_registry_handles(lib))
         reg = _register(lib, path)
         if reg is None:
             logger.warning(
                 "backend %s: could not load %s (see the llama.cpp error above); models run on the CPU", label, path
             )
+            continue
+        if reg in known:  # ggml handed back a backend registered already (the same module): keep it as is
             continue
         backend = _describe(lib, reg, label, path)
         if backend.name in seen_names:
@@ -254,6 +277,7 @@ def _load_plugin(
             logger.warning("backend %s from %s is already registered; ignoring %s", backend.name, label, path)
             continue
         seen_names.add(backend.name)
+        _remember(reg, backend)
         if backend.devices == 0 and backend.name not in _DEVICELESS:
             logger.warning("backend %s (%s) found no device; models run on the CPU", backend.name, label)
         else:
@@ -281,25 +305,32 @@ def load_backends(lib: NativeLibrary) -> list[LoadedBackend]:
     """Register every backend this process uses with ggml (call once, before llama_backend_init)."""
     from .._version import __version__
 
-    loaded = [
-        _describe(lib, lib.ggml_backend_reg_get(i), "linked", None) for i in range(lib.ggml_backend_reg_count())
-    ]
+    # Backends registered before: linked into libggml, or loaded by an earlier init() that
+    # then failed (described as they were, and not loaded twice).
+    loaded = [_registered.get(reg) or _describe(lib, reg, "linked", None) for reg in _registry_handles(lib)]
     if is_module_build(lib):
         variants = cpu_variant_files(lib.directory)
-        if variants:
+        if variants and not any(b.variant for b in loaded):
             loaded.append(_load_cpu_variant(lib, variants))
         for path in _other_modules(lib.directory):
+            if any(b.path == str(path) for b in loaded):
+                continue
             reg = _register(lib, path)
             if reg is None:
                 logger.warning("could not load the backend module %s (see the llama.cpp log)", path)
             else:
-                loaded.append(_describe(lib, reg, "package", path))
+                loaded.append(_remember(reg, _describe(lib, reg, "package", path)))
     elif os.environ.get(CPU_VARIANT_ENV):
         logger.warning("%s is ignored: the libraries in %s have one CPU backend built in", CPU_VARIANT_ENV, lib.directory)
     if os.environ.get(NO_PLUGINS_ENV) != "1":
         seen_paths = {b.path for b in loaded if b.path}
         seen_names = {b.name for b in loaded}
-        for ep in _plugin_entry_points():
+        try:
+            entry_points = _plugin_entry_points()
+        except Exception as exc:  # unreadable installed metadata must not stop the CPU path
+            logger.warning("could not list backend plugins: %s: %s", type(exc).__name__, exc)
+            entry_points = []
+        for ep in entry_points:
             loaded.extend(_load_plugin(lib, ep, __version__, seen_paths, seen_names))
     if not any(b.name == "CPU" for b in loaded):
         raise NativeLibraryError(f"no CPU backend in {lib.directory}: the build is incomplete")

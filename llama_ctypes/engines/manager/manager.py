@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Sequence
@@ -58,6 +58,10 @@ Capability = Literal["generate", "chat", "embed", "rerank"]
 
 _WORKER_PREFIX = "llama_ctypes-load"
 _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
+# Server settings that size a direct-mode generation context too.
+_DIRECT_SIZING = ("n_ctx", "n_batch", "kv_unified")
+# Context options embed() sets itself (features/embeddings.py).
+_EMBED_SETS = frozenset({"embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"})
 _SERVER_OPTIONS = ("n_parallel", "n_ctx", "n_batch", "batch_strategy", "max_queue", "cache_prompt",
                    "prompt_cache_ram_mb", "kv_unified")
 # The context embed()/rerank() create (features/embeddings.py), for the memory estimate.
@@ -105,8 +109,12 @@ class _Entry:
     server: Server | None = None
     owns_model: bool = True
     error: BaseException | None = None
-    call_opts: dict = field(default_factory=dict)  # context options of every direct-mode call
+    call_opts: dict = field(default_factory=dict)  # direct mode: generate()'s context options
+    embed_opts: dict = field(default_factory=dict)  # direct mode: embed()/rerank()'s context options
+    embed_pooling: str | None = None
     embed_batch: int = 2048
+    capabilities_pending: tuple = ()
+    future: Future | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -191,7 +199,13 @@ class ModelManager(Closeable):
                                            defaults)
         except RuntimeError:  # the manager closed in between
             raise ClosedError("the ModelManager is closed") from None
-        return future.result() if wait else future
+        entry.future = future
+        if not wait:
+            return future
+        try:
+            return future.result()
+        except CancelledError:  # closed before the load started
+            raise ClosedError("the ModelManager was closed before this load started") from None
 
     @staticmethod
     def _split(opts: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -239,20 +253,17 @@ class ModelManager(Closeable):
             chosen: Mode = mode or ("direct" if "generate" not in caps else "server")
             if chosen == "server" and "generate" not in caps:
                 raise InvalidArgumentError(f"model {entry.id!r} ({', '.join(caps)}) cannot run in server mode")
-            if chosen == "direct" and defaults:
-                raise ArgumentTypeError(f"options {sorted(defaults)} are server-mode request defaults")
-            if chosen == "direct" and "generate" in caps:
-                caps = (*caps, "embed")  # a generative model embeds too, in its own context
+            if chosen == "direct":
+                caps = self._direct_options(entry, caps, server_opts, ctx_opts, defaults)
+            entry.capabilities_pending = caps
             params = model.params if model is not None else ModelParams(**model_opts)
-            estimate, required = self._estimate(path, params, chosen, caps, server_opts, ctx_opts,
+            estimate, required = self._estimate(path, params, chosen, entry, server_opts, ctx_opts,
                                                 weights=model is None)
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)
                 entry.reserved = required  # counted from now on, before the native load
             entry.mode, entry.capabilities, entry.estimate = chosen, caps, estimate
-            entry.call_opts = dict(ctx_opts)
-            entry.embed_batch = server_opts.get("n_batch", 2048)
             self._check_live(entry)
             if model is None:
                 model = load_model(path, **model_opts)
@@ -281,7 +292,33 @@ class ModelManager(Closeable):
         entry.done.set()
         return self._info(entry)
 
-    def _estimate(self, path: Path, params: ModelParams, mode: Mode, caps: tuple, server_opts: dict,
+    @staticmethod
+    def _direct_options(entry: _Entry, caps: tuple, server_opts: dict, ctx_opts: dict, defaults: dict) -> tuple:
+        """Fix a direct-mode model's context options at load; returns its capabilities.
+
+        generate() gets ``n_ctx``/``n_batch``/``kv_unified`` and the context options;
+        embed()/rerank() get ``n_batch``, ``pooling`` and the context options they do not set
+        themselves. Server-only settings and request defaults are refused.
+        """
+        server_only = sorted(set(server_opts) - set(_DIRECT_SIZING)) + sorted(defaults)
+        if server_only:
+            raise ArgumentTypeError(f"options {server_only} apply to server mode only")
+        if "generate" in caps:
+            caps = (*caps, "embed")  # a generative model embeds too, in its own context
+        else:
+            unused = sorted(k for k in (*server_opts, *ctx_opts) if k in _EMBED_SETS or k in ("n_ctx", "kv_unified"))
+            if unused:
+                raise ArgumentTypeError(f"options {unused} have no effect on an embedding model (embed sets them)")
+        entry.call_opts = {**{k: server_opts[k] for k in _DIRECT_SIZING if k in server_opts}, **ctx_opts}
+        if "n_batch" in server_opts and "n_ubatch" not in ctx_opts:  # as the server sizes it
+            entry.call_opts["n_ubatch"] = min(server_opts["n_batch"], 512)
+        entry.embed_opts = {k: v for k, v in ctx_opts.items() if k not in _EMBED_SETS}
+        pooling = ctx_opts.get("pooling")
+        entry.embed_pooling = pooling if pooling not in (None, "unspecified") else None
+        entry.embed_batch = server_opts.get("n_batch", 2048)
+        return caps
+
+    def _estimate(self, path: Path, params: ModelParams, mode: Mode, entry: _Entry, server_opts: dict,
                   ctx_opts: dict, weights: bool) -> tuple[MemoryUsage, Footprint]:
         """llama.cpp's dry run for every context this mode creates, and the footprint to budget.
 
@@ -295,12 +332,13 @@ class ModelManager(Closeable):
             sized = {k: v for k, v in server_opts.items() if k in ("n_parallel", "n_ctx", "n_batch", "kv_unified")}
             runs.append(Server.context_options(**sized, **ctx_opts))
         else:
+            caps = entry.capabilities_pending
             if "generate" in caps:
-                runs.append(dict(ctx_opts))
+                runs.append(dict(entry.call_opts))
             if "embed" in caps or "rerank" in caps:
-                n_batch = server_opts.get("n_batch", 2048)
-                runs.append({**_DIRECT_CONTEXT, "n_ctx": n_batch, "n_batch": n_batch, "n_ubatch": n_batch,
-                             **ctx_opts})
+                n = entry.embed_batch
+                pooling = {"pooling": entry.embed_pooling} if entry.embed_pooling else {}
+                runs.append({**_DIRECT_CONTEXT, "n_ctx": n, "n_batch": n, "n_ubatch": n, **entry.embed_opts, **pooling})
         usages = [estimate_memory(path, **model_opts, **opts) for opts in runs]
         required = Footprint()
         for i, usage in enumerate(usages):
@@ -308,7 +346,8 @@ class ModelManager(Closeable):
                 charged = d.context + d.compute + (d.model if weights and i == 0 else 0)
                 if charged:
                     required = required + Footprint({d.pool: charged})
-        rows = tuple(d for u in usages for d in u.devices)
+        # (the weights once: every run loads the same model)
+        rows = tuple(d if i == 0 else dataclasses.replace(d, model=0) for i, u in enumerate(usages) for d in u.devices)
         return MemoryUsage(rows), required
 
     def _check_live(self, entry: _Entry) -> None:
@@ -457,7 +496,7 @@ class ModelManager(Closeable):
         return target
 
     def _direct(self, id: str, capability: Capability, opts: Mapping[str, Any],
-                allowed: tuple[str, ...] = ()) -> tuple[Model, dict[str, Any], _Entry]:
+                allowed: tuple[str, ...] = ()) -> tuple[Model, _Entry]:
         """A direct-mode call's model and options: the context options are those given at load.
 
         Per-call context options would make (and keep) another, unbudgeted context.
@@ -470,14 +509,14 @@ class ModelManager(Closeable):
         if fixed:
             raise ArgumentTypeError(f"options {fixed} are fixed when model {entry.id!r} is loaded "
                                     f"(they size its budgeted context)")
-        return model, {**entry.call_opts, **opts}, entry
+        return model, entry
 
     def _generation_target(self, id: str, capability: Capability, opts: Mapping[str, Any]):
         entry = self._ready(id, capability)
         if entry.mode == "server":
             return self._target(id, capability), dict(opts)
-        model, merged, _ = self._direct(id, capability, opts)
-        return model, merged
+        model, entry = self._direct(id, capability, opts)
+        return model, {**entry.call_opts, **opts}
 
     def generate(self, id: str, prompt: str, **opts: Any):
         """A completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.generate`)."""
@@ -511,13 +550,14 @@ class ModelManager(Closeable):
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
         """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
-        model, merged, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate"))
-        return _emb.embed(model, texts, n_batch=entry.embed_batch, **merged)
+        model, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate"))
+        return _emb.embed(model, texts, n_batch=entry.embed_batch, pooling=entry.embed_pooling,
+                          **entry.embed_opts, **opts)
 
     def rerank(self, id: str, query: str, documents: Sequence[str], **opts: Any):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
-        model, merged, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
-        return _emb.rerank(model, query, documents, n_batch=entry.embed_batch, **merged)
+        model, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
+        return _emb.rerank(model, query, documents, n_batch=entry.embed_batch, **entry.embed_opts, **opts)
 
     # async forms: looking the model up may wait for its load, so that happens in a worker
     # thread too; a server's own async API is used where it has one.
@@ -579,9 +619,10 @@ class ModelManager(Closeable):
         in_worker = threading.current_thread().name.startswith(_WORKER_PREFIX)
         self._executor.shutdown(wait=not in_worker, cancel_futures=True)
         for entry in entries:
-            if not entry.done.is_set() and not in_worker:
+            if entry.future is not None and entry.future.cancelled():
+                # a load cancelled before it started: nobody else will wake its waiters
                 entry.error = entry.error or ClosedError("the ModelManager was closed")
-                entry.done.set()  # a load cancelled before it started: nobody else will
+                entry.done.set()
 
 
 def _model_options(params: ModelParams) -> dict[str, Any]:
