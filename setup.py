@@ -12,18 +12,12 @@ from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
-from setuptools.dist import Distribution
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "build_scripts"))
 
 import build_llama  # noqa: E402
-
-try:
-    from setuptools.command.bdist_wheel import bdist_wheel
-except ImportError:  # setuptools < 70
-    from wheel.bdist_wheel import bdist_wheel
-
+from wheel_tags import BinaryDistribution, PlatformWheel  # noqa: E402
 
 # A folder holding lib/ and build_info.json (a build_llama.py output): package those
 # libraries instead of building. build_scripts/build_wheel.py sets it.
@@ -49,21 +43,6 @@ class BuildPyWithNative(build_py):
                 build_llama.install_into(cached, Path(self.build_lib) / "llama_ctypes" / "lib")
             except build_llama.BuildError as exc:
                 sys.exit(f"llama_ctypes: {exc}")
-
-
-class PlatformWheel(bdist_wheel):
-    def finalize_options(self):
-        super().finalize_options()
-        self.root_is_pure = False
-
-    def get_tag(self):
-        _, _, plat = super().get_tag()
-        return "py3", "none", plat
-
-
-class BinaryDistribution(Distribution):
-    def has_ext_modules(self):
-        return True
 
 
 setup(

@@ -247,6 +247,7 @@ def build_plugin_wheel(name: str, out: Path) -> Path:
         project = Path(tmp) / "project"
         (project / package / "lib").mkdir(parents=True)
         shutil.copy2(HERE / "plugin" / "setup.py", project / "setup.py")
+        shutil.copy2(HERE / "wheel_tags.py", project / "wheel_tags.py")
         shutil.copy2(HERE / "plugin" / "plugin_init.py", project / package / "__init__.py")
         shutil.copy2(library, project / package / "lib" / library.name)
         (project / package / "plugin.json").write_text(

@@ -113,7 +113,6 @@ class _Entry:
     embed_opts: dict = field(default_factory=dict)  # direct mode: embed()/rerank()'s context options
     embed_pooling: str | None = None
     embed_batch: int = 2048
-    capabilities_pending: tuple = ()
     future: Future | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -255,9 +254,8 @@ class ModelManager(Closeable):
                 raise InvalidArgumentError(f"model {entry.id!r} ({', '.join(caps)}) cannot run in server mode")
             if chosen == "direct":
                 caps = self._direct_options(entry, caps, server_opts, ctx_opts, defaults)
-            entry.capabilities_pending = caps
             params = model.params if model is not None else ModelParams(**model_opts)
-            estimate, required = self._estimate(path, params, chosen, entry, server_opts, ctx_opts,
+            estimate, required = self._estimate(path, params, chosen, caps, entry, server_opts, ctx_opts,
                                                 weights=model is None)
             with self._budget_lock:
                 self._check_live(entry)
@@ -318,8 +316,8 @@ class ModelManager(Closeable):
         entry.embed_batch = server_opts.get("n_batch", 2048)
         return caps
 
-    def _estimate(self, path: Path, params: ModelParams, mode: Mode, entry: _Entry, server_opts: dict,
-                  ctx_opts: dict, weights: bool) -> tuple[MemoryUsage, Footprint]:
+    def _estimate(self, path: Path, params: ModelParams, mode: Mode, caps: tuple, entry: _Entry,
+                  server_opts: dict, ctx_opts: dict, weights: bool) -> tuple[MemoryUsage, Footprint]:
         """llama.cpp's dry run for every context this mode creates, and the footprint to budget.
 
         Server mode: the server's context. Direct mode: the context embed()/rerank() make,
@@ -332,7 +330,6 @@ class ModelManager(Closeable):
             sized = {k: v for k, v in server_opts.items() if k in ("n_parallel", "n_ctx", "n_batch", "kv_unified")}
             runs.append(Server.context_options(**sized, **ctx_opts))
         else:
-            caps = entry.capabilities_pending
             if "generate" in caps:
                 runs.append(dict(entry.call_opts))
             if "embed" in caps or "rerank" in caps:
