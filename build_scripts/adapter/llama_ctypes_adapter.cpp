@@ -7,6 +7,7 @@
 #include "llama-ext.h"        // src/: MTP hidden-state calls (C++ linkage)
 #include "json.h"             // common/
 #include "json-schema-to-grammar.h"
+#include "chat.h"               // common/: chat templates, tool-call grammars and parsers
 #include "ggml-backend.h"
 
 #include <cstddef>
@@ -24,7 +25,7 @@
 #endif
 
 // Bump when the meaning of an lcx_* function changes.
-#define LCX_ABI_VERSION 2
+#define LCX_ABI_VERSION 3
 
 // One device's share of a context's memory, in bytes (llama_get_memory_breakdown).
 // dev is NULL for host buffers: system RAM, pinned host memory included.
@@ -396,4 +397,196 @@ LCX_API int32_t lcx_estimate_memory(const char * path, const llama_model_params 
     } catch (const std::exception &) {
         return -3;
     }
+}
+
+// ---- common/chat: templates, tool-call grammars, output parsing ------------------
+//
+// The same code llama-server runs for /v1/chat/completions. Everything crosses as
+// JSON text so no C++ type reaches ctypes; every exception becomes an error string.
+
+namespace {
+
+void set_error(char ** error, const char * what) {
+    if (error != nullptr) {
+        *error = dup_string(what);
+    }
+}
+
+// Every trigger as a regex pattern (the grammar sampler's lazy form), as
+// common/sampling.cpp converts them. A TOKEN trigger matches its piece, which the
+// lazy grammar sees with special tokens rendered.
+std::string trigger_pattern(const common_grammar_trigger & trigger) {
+    switch (trigger.type) {
+        case COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN:
+        case COMMON_GRAMMAR_TRIGGER_TYPE_WORD:
+            return regex_escape(trigger.value);
+        case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN:
+            return trigger.value;
+        case COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL: {
+            const std::string & p = trigger.value;
+            if (p.empty()) {
+                return "^$";
+            }
+            return (p.front() != '^' ? "^" : "") + p + (p.back() != '$' ? "$" : "");
+        }
+    }
+    throw std::runtime_error("unknown grammar trigger type");
+}
+
+} // namespace
+
+// Chat templates of a model (model may be NULL when template_src is given).
+// template_src "" = the model's own templates. Free with lcx_chat_templates_free.
+LCX_API common_chat_templates * lcx_chat_templates_init(const llama_model * model, const char * template_src,
+                                                        const char * bos_override, const char * eos_override,
+                                                        char ** error) {
+    try {
+        if (model == nullptr && (template_src == nullptr || template_src[0] == '\0')) {
+            set_error(error, "a template source is required without a model");
+            return nullptr;
+        }
+        return common_chat_templates_init(model, template_src ? template_src : "", bos_override ? bos_override : "",
+                                          eos_override ? eos_override : "").release();
+    } catch (const std::exception & e) {
+        set_error(error, e.what());
+    } catch (...) {
+        set_error(error, "unknown error initialising the chat templates");
+    }
+    return nullptr;
+}
+
+LCX_API void lcx_chat_templates_free(common_chat_templates * tmpls) {
+    common_chat_templates_free(tmpls);
+}
+
+// Renders a request. inputs_json: {"messages": [OpenAI messages], "tools": [OpenAI tools],
+// "tool_choice": "auto"|"none"|"required", "parallel_tool_calls": bool, "json_schema": {...},
+// "grammar": str, "add_generation_prompt": bool, "enable_thinking": bool,
+// "reasoning_format": "none"|"auto"|"deepseek"|"deepseek-legacy", "chat_template_kwargs": {name: value}}.
+// Returns malloc'd JSON: {"format", "prompt", "grammar", "grammar_lazy", "trigger_patterns",
+// "preserved_tokens", "additional_stops", "generation_prompt", "parser", "supports_thinking",
+// "thinking_start_tag", "thinking_end_tags", "caps": {"supports_tool_calls": bool, ...}}, or NULL
+// with *error set.
+LCX_API char * lcx_chat_templates_apply(const common_chat_templates * tmpls, const char * inputs_json,
+                                        char ** error) {
+    try {
+        const common_json in = common_json::parse(inputs_json);
+        common_chat_templates_inputs inputs;
+        inputs.messages = common_chat_msgs_parse_oaicompat(in.value("messages", common_json::array()));
+        if (in.contains("tools") && !in.at("tools").is_null()) {
+            inputs.tools = common_chat_tools_parse_oaicompat(in.at("tools"));
+        }
+        inputs.tool_choice           = common_chat_tool_choice_parse_oaicompat(in.value("tool_choice", std::string("auto")));
+        inputs.parallel_tool_calls   = in.value("parallel_tool_calls", false);
+        inputs.add_generation_prompt = in.value("add_generation_prompt", true);
+        inputs.enable_thinking       = in.value("enable_thinking", true);
+        inputs.reasoning_format      = common_reasoning_format_from_name(in.value("reasoning_format", std::string("deepseek")));
+        inputs.grammar               = in.value("grammar", std::string());
+        inputs.use_jinja             = true;
+        if (in.contains("json_schema") && !in.at("json_schema").is_null()) {
+            inputs.json_schema = in.at("json_schema").dump();
+        }
+        if (in.contains("chat_template_kwargs")) {
+            for (const auto & item : in.at("chat_template_kwargs").items()) {
+                inputs.chat_template_kwargs[item.key()] = item.value().dump();
+            }
+        }
+        const common_chat_params params = common_chat_templates_apply(tmpls, inputs);
+
+        common_json out = common_json::object();
+        out["format"]            = std::string(common_chat_format_name(params.format));
+        out["format_id"]         = static_cast<int>(params.format);
+        out["prompt"]            = params.prompt;
+        out["grammar"]           = params.grammar;
+        out["grammar_lazy"]      = params.grammar_lazy;
+        out["generation_prompt"] = params.generation_prompt;
+        out["parser"]            = params.parser;
+        out["supports_thinking"] = params.supports_thinking;
+        out["thinking_start_tag"] = params.thinking_start_tag;
+        common_json end_tags = common_json::array();
+        for (const auto & t : params.thinking_end_tags) {
+            end_tags.push_back(t);
+        }
+        out["thinking_end_tags"] = end_tags;
+        common_json triggers = common_json::array();
+        for (const auto & t : params.grammar_triggers) {
+            triggers.push_back(trigger_pattern(t));
+        }
+        out["trigger_patterns"] = triggers;
+        common_json preserved = common_json::array();
+        for (const auto & t : params.preserved_tokens) {
+            preserved.push_back(t);
+        }
+        out["preserved_tokens"] = preserved;
+        common_json stops = common_json::array();
+        for (const auto & t : params.additional_stops) {
+            stops.push_back(t);
+        }
+        out["additional_stops"] = stops;
+        common_json caps = common_json::object();
+        for (const auto & [name, value] : common_chat_templates_get_caps(tmpls)) {
+            caps[name] = value;
+        }
+        out["caps"] = caps;
+        return dup_string(out.dump());
+    } catch (const std::exception & e) {
+        set_error(error, e.what());
+    } catch (...) {
+        set_error(error, "unknown error applying the chat template");
+    }
+    return nullptr;
+}
+
+// A parser for one request's output, from what lcx_chat_templates_apply returned.
+struct lcx_chat_parser {
+    common_chat_parser_params params;
+};
+
+// params_json: {"format_id", "generation_prompt", "parser", "reasoning_format", "parse_tool_calls"}.
+LCX_API lcx_chat_parser * lcx_chat_parser_init(const char * params_json, char ** error) {
+    try {
+        const common_json in = common_json::parse(params_json);
+        auto * p = new lcx_chat_parser();
+        try {
+            const int format = in.value("format_id", 0);
+            if (format < 0 || format >= COMMON_CHAT_FORMAT_COUNT) {
+                throw std::invalid_argument("unknown chat format id");
+            }
+            p->params.format            = static_cast<common_chat_format>(format);
+            p->params.generation_prompt = in.value("generation_prompt", std::string());
+            p->params.reasoning_format  = common_reasoning_format_from_name(in.value("reasoning_format", std::string("deepseek")));
+            p->params.parse_tool_calls  = in.value("parse_tool_calls", true);
+            const std::string parser = in.value("parser", std::string());
+            if (!parser.empty()) {
+                p->params.parser.load(parser);
+            }
+        } catch (...) {
+            delete p;
+            throw;
+        }
+        return p;
+    } catch (const std::exception & e) {
+        set_error(error, e.what());
+    } catch (...) {
+        set_error(error, "unknown error creating the chat parser");
+    }
+    return nullptr;
+}
+
+LCX_API void lcx_chat_parser_free(lcx_chat_parser * parser) {
+    delete parser;
+}
+
+// Parses the generated text so far (is_partial) or in full into an OpenAI message:
+// malloc'd JSON {"role", "content", "reasoning_content"?, "tool_calls"?}, or NULL with *error.
+LCX_API char * lcx_chat_parse(const lcx_chat_parser * parser, const char * text, bool is_partial, char ** error) {
+    try {
+        const common_chat_msg msg = common_chat_parse(text, is_partial, parser->params);
+        return dup_string(msg.to_json_oaicompat().dump());
+    } catch (const std::exception & e) {
+        set_error(error, e.what());
+    } catch (...) {
+        set_error(error, "unknown error parsing the model's output");
+    }
+    return nullptr;
 }

@@ -243,6 +243,13 @@ class Model(NativeHandle):
         with self._shared():
             return (self._lib.llama_ftype_name(self._lib.llama_model_ftype(self._ptr)) or b"").decode()
 
+    def native(self):
+        """The ``llama_model *``, for native objects built from it (core and features use; the caller
+        holds the model, see :meth:`hold`, for as long as the pointer is used)."""
+        if self._freed:
+            raise ClosedError("Model is closed")
+        return self._ptr
+
     def chat_template_named(self, name: str | None = None) -> str | None:
         """The chat template stored under ``tokenizer.chat_template[.name]``, or None."""
         with self._shared():

@@ -3,7 +3,8 @@
 The adapter is a thin ``extern "C"`` layer over C++-only llama.cpp pieces:
 struct layouts, JSON-schema-to-GBNF conversion (common/), the MTP
 hidden-state calls of ``src/llama-ext.h``, and a C abort callback that reads a
-flag (so cancelling a decode costs no Python call per graph node).
+flag (so cancelling a decode costs no Python call per graph node), and common/chat
+(templates, tool-call grammars, output parsers; JSON in and out).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .llama_h import (
 )
 
 # Must equal LCX_ABI_VERSION in the adapter.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class lcx_device_memory(Structure):
@@ -33,6 +34,10 @@ class lcx_device_memory(Structure):
         ("compute", c_uint64),
     ]
 
+
+# Opaque handles of common/chat.
+lcx_chat_templates_p = c_void_p
+lcx_chat_parser_p = c_void_p
 
 STRUCTS = {"lcx_device_memory": lcx_device_memory}
 
@@ -78,4 +83,18 @@ PROTOTYPES = [
     ("lcx_estimate_memory",
      [c_char_p, POINTER(llama_model_params), POINTER(llama_context_params), POINTER(lcx_device_memory), c_int32],
      c_int32),
+    # common_chat_templates * lcx_chat_templates_init(const llama_model * model, const char * template_src,
+    #     const char * bos_override, const char * eos_override, char ** error);
+    ("lcx_chat_templates_init", [llama_model_p, c_char_p, c_char_p, c_char_p, POINTER(c_void_p)],
+     lcx_chat_templates_p),
+    # void lcx_chat_templates_free(common_chat_templates * tmpls);
+    ("lcx_chat_templates_free", [lcx_chat_templates_p], None),
+    # char * lcx_chat_templates_apply(const common_chat_templates * tmpls, const char * inputs_json, char ** error);
+    ("lcx_chat_templates_apply", [lcx_chat_templates_p, c_char_p, POINTER(c_void_p)], c_void_p),
+    # lcx_chat_parser * lcx_chat_parser_init(const char * params_json, char ** error);
+    ("lcx_chat_parser_init", [c_char_p, POINTER(c_void_p)], lcx_chat_parser_p),
+    # void lcx_chat_parser_free(lcx_chat_parser * parser);
+    ("lcx_chat_parser_free", [lcx_chat_parser_p], None),
+    # char * lcx_chat_parse(const lcx_chat_parser * parser, const char * text, bool is_partial, char ** error);
+    ("lcx_chat_parse", [lcx_chat_parser_p, c_char_p, c_bool, POINTER(c_void_p)], c_void_p),
 ]

@@ -1,0 +1,601 @@
+"""Chat requests in OpenAI's shape: prompt, constraints and output parsing, tool calls included.
+
+:func:`plan_chat` turns a request (messages, tools, ``tool_choice``, ...) into a
+:class:`ChatPlan`: the prompt tokens, the options the generation needs (grammar,
+lazy grammar triggers, stop strings) and a factory of :class:`ChatOutput`
+objects that turn the generated text into OpenAI deltas and the final message.
+
+Requests with tools run through llama.cpp's own chat code (``common/chat.cpp``,
+through the C adapter): the template is rendered by llama.cpp's Jinja engine,
+the tool-call grammar is built from the tools' schemas (``tool_choice="required"``
+or a named function: a strict grammar, so even a small model emits a valid
+call; ``"auto"``: a lazy grammar that starts at the format's trigger), and the
+output is parsed by the format's PEG parser (Hermes/Qwen ``<tool_call>``,
+Llama 3.x, Mistral ``[TOOL_CALLS]``, gpt-oss, DeepSeek, Functionary, Command R,
+Granite, ... — the formats llama-server handles, because it is the same code).
+Requests without tools keep the Python path of :mod:`.chat` (sandboxed Jinja,
+reasoning split by markers), which the rest of the library uses.
+
+Thread safety: a plan and the formatter cached on a model may be shared; a
+:class:`ChatOutput` belongs to one request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+from ctypes import byref, c_void_p, string_at
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from ..core.backend import init
+from ..core.handle import NativeHandle
+from ..core.model import Model
+from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
+from .chat import ChatParams, prompt_tokens, render_prompt
+from .chat_template import ChatTemplateError
+from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChatFormatter", "ChatFormat", "OutputParser", "ChatOutput", "ChatPlan", "plan_chat",
+           "ToolCallError"]
+
+
+class ToolCallError(LlamaError, ValueError):
+    """llama.cpp's chat code refused a request (template, tools, tool_choice) or its output."""
+
+
+def _take_string(lib, ptr: int | None, error: c_void_p, what: str) -> str:
+    """The malloc'd string an adapter call returned (freed here), or ToolCallError with its message."""
+    if not ptr:
+        message = string_at(error.value).decode("utf-8", "replace") if error.value else "unknown error"
+        if error.value:
+            lib.lcx_string_free(error.value)
+        raise ToolCallError(f"{what}: {message}")
+    try:
+        return string_at(ptr).decode("utf-8", "replace")
+    finally:
+        lib.lcx_string_free(ptr)
+
+
+def _error_text(lib, error: c_void_p) -> str:
+    if not error.value:
+        return "unknown error"
+    try:
+        return string_at(error.value).decode("utf-8", "replace")
+    finally:
+        lib.lcx_string_free(error.value)
+
+
+# ---- native: common_chat_templates and one request's parser ------------------------------------
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What llama.cpp's chat code made of one request (``common_chat_params``)."""
+
+    format: str
+    """The output format's name (e.g. ``"peg-native"``)."""
+    format_id: int
+    prompt: str
+    """The rendered prompt text."""
+    grammar: str
+    """GBNF constraining the output ("" = none)."""
+    grammar_lazy: bool
+    """The grammar applies only from a trigger on (``tool_choice="auto"``)."""
+    trigger_patterns: tuple[str, ...]
+    """Regex patterns that start a lazy grammar."""
+    preserved_tokens: tuple[str, ...]
+    """Special tokens the parser needs to see in the text."""
+    additional_stops: tuple[str, ...]
+    generation_prompt: str
+    """Text the template put after the last message; the parser reads it before the output."""
+    parser: str
+    """The serialised PEG parser of the output format."""
+    supports_thinking: bool
+    reasoning_format: str
+    caps: Mapping[str, bool]
+    """The template's capabilities as llama.cpp detects them (``supports_tool_calls``, ...)."""
+
+
+class ChatFormatter(NativeHandle):
+    """llama.cpp's ``common_chat_templates`` for a model (or a template source).
+
+    ``template``: Jinja source; None = the model's own (its ``tool_use`` variant for
+    requests with tools, as llama-server does). ``apply`` may be called from any
+    thread (calls are serialised).
+    """
+
+    _kind = "chat formatter"
+
+    def __init__(self, model: Model | None, template: str | None = None, *, bos_token: str | None = None,
+                 eos_token: str | None = None):
+        super().__init__()
+        if template is not None and not isinstance(template, str):
+            raise ArgumentTypeError("template must be Jinja source text")
+        if model is None and not template:
+            raise InvalidArgumentError("a ChatFormatter needs a model or a template")
+        self._lib = lib = init()
+        self._ptr = None
+        self._call_lock = threading.Lock()
+        error = c_void_p()
+        args = ((template or "").encode(), (bos_token or "").encode(), (eos_token or "").encode(), byref(error))
+        if model is not None:
+            # The templates copy what they read (template text, BOS/EOS pieces): the model is
+            # needed only during this call.
+            hold = model.hold()
+            try:
+                ptr = lib.lcx_chat_templates_init(model.native(), *args)
+            finally:
+                hold.release()
+        else:
+            ptr = lib.lcx_chat_templates_init(None, *args)
+        if not ptr:
+            self._mark_dead()
+            raise ChatTemplateError(f"llama.cpp could not load the chat template: {_error_text(lib, error)}")
+        self._ptr = ptr
+
+    def apply(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+              tool_choice: str = "auto", parallel_tool_calls: bool = False,
+              json_schema: Mapping[str, Any] | None = None, grammar: str | None = None,
+              enable_thinking: bool = True, reasoning_format: str = "deepseek",
+              template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> ChatFormat:
+        """Render ``messages`` (OpenAI shape) and build the output's grammar and parser.
+
+        ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"``. ``reasoning_format``:
+        ``"deepseek"`` puts thinking in ``reasoning_content``, ``"none"`` leaves it in the content.
+        """
+        inputs = {
+            "messages": list(messages), "tools": list(tools) if tools else None, "tool_choice": tool_choice,
+            "parallel_tool_calls": bool(parallel_tool_calls), "add_generation_prompt": bool(add_generation_prompt),
+            "enable_thinking": bool(enable_thinking), "reasoning_format": reasoning_format,
+            "chat_template_kwargs": dict(template_kwargs or {}),
+        }
+        if json_schema is not None:
+            inputs["json_schema"] = json_schema
+        if grammar:
+            inputs["grammar"] = grammar
+        try:
+            payload = json.dumps(inputs, ensure_ascii=False, allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"the request is not JSON-serialisable: {e}") from None
+        error = c_void_p()
+        with self._call_lock, self._shared():
+            out = self._lib.lcx_chat_templates_apply(self._ptr, payload, byref(error))
+        data = json.loads(_take_string(self._lib, out, error, "llama.cpp refused the chat request"))
+        return ChatFormat(
+            format=data["format"], format_id=int(data["format_id"]), prompt=data["prompt"],
+            grammar=data["grammar"], grammar_lazy=bool(data["grammar_lazy"]),
+            trigger_patterns=tuple(data["trigger_patterns"]), preserved_tokens=tuple(data["preserved_tokens"]),
+            additional_stops=tuple(data["additional_stops"]), generation_prompt=data["generation_prompt"],
+            parser=data["parser"], supports_thinking=bool(data["supports_thinking"]),
+            reasoning_format=reasoning_format, caps=dict(data.get("caps") or {}))
+
+    def _free(self) -> None:
+        if self._ptr:
+            self._lib.lcx_chat_templates_free(self._ptr)
+            self._ptr = None
+
+
+class OutputParser(NativeHandle):
+    """Parses one request's output with its format's parser (llama.cpp ``common_chat_parse``)."""
+
+    _kind = "chat output parser"
+
+    def __init__(self, fmt: ChatFormat, *, parse_tool_calls: bool = True):
+        super().__init__()
+        self._lib = lib = init()
+        self._ptr = None
+        params = {"format_id": fmt.format_id, "generation_prompt": fmt.generation_prompt, "parser": fmt.parser,
+                  "reasoning_format": fmt.reasoning_format, "parse_tool_calls": parse_tool_calls}
+        error = c_void_p()
+        ptr = lib.lcx_chat_parser_init(json.dumps(params).encode(), byref(error))
+        if not ptr:
+            self._mark_dead()
+            raise ToolCallError(f"llama.cpp could not build the output parser: {_error_text(lib, error)}")
+        self._ptr = ptr
+
+    def parse(self, text: str, partial: bool) -> dict[str, Any]:
+        """The OpenAI message in ``text`` (``partial``: more text will follow). Raises ToolCallError when
+        complete output does not match the format."""
+        error = c_void_p()
+        with self._exclusively():
+            out = self._lib.lcx_chat_parse(self._ptr, text.encode("utf-8", "surrogatepass"), partial, byref(error))
+        return json.loads(_take_string(self._lib, out, error, "the model's output does not match its chat format"))
+
+    def _free(self) -> None:
+        if self._ptr:
+            self._lib.lcx_chat_parser_free(self._ptr)
+            self._ptr = None
+
+
+# ---- output: text -> deltas -> message ---------------------------------------------------------
+
+def _new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+class ChatOutput:
+    """Turns one request's generated text into OpenAI deltas and the final message.
+
+    ``feed(piece)`` returns the deltas the piece completes (dicts such as
+    ``{"content": ...}``, ``{"reasoning_content": ...}`` or ``{"tool_calls": [...]}``);
+    ``end()`` returns the last deltas, after which ``message`` holds the final
+    assistant message (``content`` None when it only calls tools) and
+    ``has_tool_calls`` tells whether the finish reason is ``"tool_calls"``.
+    The concatenated deltas always equal the final message.
+    """
+
+    def __init__(self, parse: Callable[[str, bool], dict[str, Any]], owner: Any = None):
+        self._parse = parse
+        self._owner = owner  # keeps the native parser alive as long as this output
+        self._text: list[str] = []
+        self._sent_content = ""
+        self._sent_reasoning = ""
+        self._sent_calls: list[dict[str, str]] = []  # per index: id, name, arguments sent so far
+        self.message: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        """The raw generated text so far."""
+        return "".join(self._text)
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return bool(self._sent_calls)
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        if self.message is not None:
+            raise InvalidArgumentError("this ChatOutput has ended")
+        self._text.append(piece)
+        try:
+            msg = self._parse(self.text, True)
+        except LlamaError:
+            return []  # a partial parse can fail mid-marker; the next piece usually completes it
+        return self._diff(msg, final=False)
+
+    def end(self) -> list[dict[str, Any]]:
+        if self.message is not None:
+            return []
+        text = self.text
+        try:
+            msg = self._parse(text, False)
+        except LlamaError as e:
+            # The model left the format (possible with tool_choice="auto"): its text is the answer.
+            logger.warning("%s; returning the raw output as content", e)
+            msg = {"role": "assistant", "content": text}
+        deltas = self._diff(msg, final=True)
+        calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in self._sent_calls]
+        message: dict[str, Any] = {"role": "assistant", "content": self._sent_content or (None if calls else "")}
+        if self._sent_reasoning:
+            message["reasoning_content"] = self._sent_reasoning
+        if calls:
+            message["tool_calls"] = calls
+        self.message = message
+        return deltas
+
+    def finish(self) -> dict[str, Any]:
+        """``end()`` and return the final message (for non-streamed replies)."""
+        self.end()
+        assert self.message is not None
+        return self.message
+
+    def _diff(self, msg: Mapping[str, Any], final: bool) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        reasoning = msg.get("reasoning_content") or ""
+        if reasoning != self._sent_reasoning and reasoning.startswith(self._sent_reasoning):
+            deltas.append({"reasoning_content": reasoning[len(self._sent_reasoning):]})
+            self._sent_reasoning = reasoning
+        content = msg.get("content") or ""
+        if not isinstance(content, str):  # content parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+        if content != self._sent_content and content.startswith(self._sent_content):
+            deltas.append({"content": content[len(self._sent_content):]})
+            self._sent_content = content
+        elif final and content != self._sent_content:
+            # A partial parse showed text that the full parse gave to a tool call; what was sent stays.
+            logger.debug("final content differs from the streamed content; keeping the streamed text")
+        for i, call in enumerate(msg.get("tool_calls") or ()):
+            fn = call.get("function") or {}
+            name, args = fn.get("name") or "", fn.get("arguments") or ""
+            if not isinstance(args, str):
+                args = json.dumps(args, ensure_ascii=False)
+            if i == len(self._sent_calls):
+                if not name:
+                    break  # the name is not complete yet
+                sent = {"id": call.get("id") or _new_call_id(), "name": name, "arguments": ""}
+                self._sent_calls.append(sent)
+                delta_call = {"index": i, "id": sent["id"], "type": "function",
+                              "function": {"name": name, "arguments": ""}}
+                if args:
+                    delta_call["function"]["arguments"] = args
+                    sent["arguments"] = args
+                deltas.append({"tool_calls": [delta_call]})
+                continue
+            if i > len(self._sent_calls):
+                break
+            sent = self._sent_calls[i]
+            if args != sent["arguments"] and args.startswith(sent["arguments"]):
+                deltas.append({"tool_calls": [{"index": i, "function": {"arguments": args[len(sent["arguments"]):]}}]})
+                sent["arguments"] = args
+        return deltas
+
+
+# ---- the plan of one request -------------------------------------------------------------------
+
+@dataclass
+class ChatPlan:
+    """A chat request made ready for generation: tokens, generation options, output factory."""
+
+    prompt: list[int]
+    """Prompt tokens."""
+    options: dict[str, Any]
+    """Generation and sampling options the request needs (grammar, grammar_lazy_triggers, stop, special)."""
+    output: Callable[[], ChatOutput]
+    """A fresh :class:`ChatOutput` (one per choice)."""
+    format: ChatFormat | None = None
+    """llama.cpp's view of the request (requests with tools only)."""
+    prompt_text: str = ""
+
+
+_TOOL_CHOICES = ("auto", "none", "required")
+
+
+def _check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+    """Validated tools, the tool_choice mode and the forced function name (if any)."""
+    if tools is not None:
+        if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
+            raise ArgumentTypeError("tools must be a list of {'type': 'function', 'function': {...}} objects")
+        for i, t in enumerate(tools):
+            if not isinstance(t, Mapping) or t.get("type", "function") != "function" \
+                    or not isinstance(t.get("function"), Mapping):
+                raise InvalidArgumentError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+            fn = t["function"]
+            if not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise InvalidArgumentError(f"tools[{i}].function.name must be a non-empty string")
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, Mapping):
+                raise InvalidArgumentError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        tools = [dict(t) for t in tools] or None
+    forced = None
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise InvalidArgumentError("tool_choice must be 'auto', 'none', 'required' or "
+                                       "{'type': 'function', 'function': {'name': ...}}")
+        forced = fn["name"]
+        tool_choice = "required"
+    elif tool_choice is None:
+        tool_choice = "auto"
+    elif tool_choice not in _TOOL_CHOICES:
+        raise InvalidArgumentError(f"tool_choice={tool_choice!r}: expected one of {_TOOL_CHOICES} or a named function")
+    if forced is not None:
+        chosen = [t for t in tools or () if t["function"]["name"] == forced]
+        if not chosen:
+            raise InvalidArgumentError(f"tool_choice names {forced!r}, which is not among the tools")
+        tools = chosen  # llama.cpp has no named choice: offering only that tool, required, forces it
+    if tool_choice == "required" and not tools:
+        raise InvalidArgumentError("tool_choice='required' needs tools")
+    return tools, tool_choice, forced
+
+
+def formatter_for(model: Model, template: str | None = None) -> ChatFormatter:
+    """The :class:`ChatFormatter` of ``model`` for ``template`` (None = the model's own), created once and
+    closed with the model."""
+    key = "chat_formatter:" + (template or "")
+    return model.attachment(key, lambda: ChatFormatter(model, template))
+
+
+def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+              tool_choice: Any = "auto", parallel_tool_calls: bool | None = None, chat_template: str | None = None,
+              enable_thinking: bool | None = None, template_kwargs: Mapping[str, Any] | None = None,
+              json_schema: Mapping[str, Any] | None = None) -> ChatPlan:
+    """Prepare a chat request (OpenAI fields) for generation on ``model``.
+
+    With tools (and ``tool_choice`` other than ``"none"``), llama.cpp's chat code renders
+    the prompt and provides the tool-call grammar and parser; otherwise the library's
+    chat path does (``json_schema`` then constrains the answer with the library's own
+    schema converter). ``parallel_tool_calls`` defaults to False. ``enable_thinking``:
+    None = the template's default.
+    """
+    tools, mode, _ = _check_tools(tools, tool_choice)
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise ArgumentTypeError("template_kwargs must be a mapping")
+    kwargs = dict(template_kwargs or {})
+    if enable_thinking is None and isinstance(kwargs.get("enable_thinking"), bool):
+        enable_thinking = kwargs["enable_thinking"]
+    if not tools or mode == "none":
+        params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs,
+                            tools=tools)
+        text, template = render_prompt(model, messages, params)
+        formats = formats_for_template(template.source)
+        options: dict[str, Any] = {}
+        if formats:
+            options["special"] = True  # reasoning markers are often special tokens
+        if json_schema is not None:
+            options["json_schema"] = json_schema
+
+        def output() -> ChatOutput:
+            splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
+            return _SplitterOutput(splitter)
+
+        return ChatPlan(prompt_tokens(model, text), options, output, None, text)
+
+    if json_schema is not None:
+        raise InvalidArgumentError("response_format with a JSON schema cannot be combined with tools")
+    if chat_template is not None and "{" not in chat_template:
+        # A llama.cpp built-in format name: no Jinja for llama.cpp's chat code to analyse.
+        return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
+                             enable_thinking, kwargs)
+    formatter = formatter_for(model, chat_template)
+    fmt = formatter.apply(messages, tools=tools, tool_choice=mode, parallel_tool_calls=bool(parallel_tool_calls),
+                          enable_thinking=True if enable_thinking is None else enable_thinking,
+                          template_kwargs=kwargs)
+    if not fmt.caps.get("supports_tool_calls", False):
+        return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
+                             enable_thinking, kwargs)
+    options = {}
+    if fmt.grammar:
+        if not fmt.grammar_lazy:
+            options["grammar"] = fmt.grammar
+        elif fmt.trigger_patterns:
+            options["grammar"] = fmt.grammar
+            options["grammar_lazy_triggers"] = list(fmt.trigger_patterns)
+        # (a lazy grammar without triggers would never start)
+    if fmt.additional_stops:
+        options["stop"] = list(fmt.additional_stops)
+    # The parser must see the format's special tokens (e.g. <tool_call>) in the text.
+    options["special"] = True
+
+    def output() -> ChatOutput:
+        parser = OutputParser(fmt)
+        return ChatOutput(parser.parse, parser)
+
+    return ChatPlan(prompt_tokens(model, fmt.prompt), options, output, fmt, fmt.prompt)
+
+
+class _SplitterOutput(ChatOutput):
+    """The output of a request without tools: reasoning split by markers, the rest is content."""
+
+    def __init__(self, splitter: ReasoningSplitter | None):
+        super().__init__(lambda text, partial: {})
+        self._splitter = splitter
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        if self.message is not None:
+            raise InvalidArgumentError("this ChatOutput has ended")
+        self._text.append(piece)
+        parts = self._splitter.feed(piece) if self._splitter is not None else [("content", piece)]
+        return self._deltas(parts)
+
+    def _deltas(self, parts) -> list[dict[str, Any]]:
+        deltas = []
+        for kind, text in parts:
+            if not text:
+                continue
+            if kind == "reasoning":
+                self._sent_reasoning += text
+                deltas.append({"reasoning_content": text})
+            else:
+                self._sent_content += text
+                deltas.append({"content": text})
+        return deltas
+
+    def end(self) -> list[dict[str, Any]]:
+        if self.message is not None:
+            return []
+        deltas = self._deltas(self._splitter.flush()) if self._splitter is not None else []
+        message: dict[str, Any] = {"role": "assistant", "content": self._sent_content}
+        if self._sent_reasoning:
+            message["reasoning_content"] = self._sent_reasoning
+        self.message = message
+        return deltas
+
+
+# ---- templates that cannot express tool calls ---------------------------------------------------
+#
+# The pinned llama.cpp's chat code handles only templates that render tool calls (it has no
+# "generic" format any more). For the others (Gemma 2/3, chatml, ...) the tools are described in
+# a system message and the answer is constrained to JSON: {"tool_calls": [{"name", "arguments"}]}
+# or, with tool_choice="auto", {"response": "..."} - the generic scheme llama.cpp used before.
+
+def _generic_schema(tools: list[dict[str, Any]], mode: str, parallel: bool) -> dict[str, Any]:
+    variants = []
+    for t in tools:
+        fn = t["function"]
+        variants.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                         "properties": {"name": {"const": fn["name"]},
+                                        "arguments": dict(fn.get("parameters") or {"type": "object"})}})
+    calls: dict[str, Any] = {"type": "array", "minItems": 1,
+                             "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
+    if not parallel:
+        calls["maxItems"] = 1
+    with_calls = {"type": "object", "additionalProperties": False, "required": ["tool_calls"],
+                  "properties": {"tool_calls": calls}}
+    if mode == "required":
+        return with_calls
+    answer = {"type": "object", "additionalProperties": False, "required": ["response"],
+              "properties": {"response": {"type": "string"}}}
+    return {"anyOf": [with_calls, answer]}
+
+
+def _generic_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]], mode: str,
+                      parallel: bool) -> list[dict[str, Any]]:
+    described = json.dumps([t["function"] for t in tools], ensure_ascii=False, indent=2)
+    reply = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments>}}' + \
+        (", ...]}" if parallel else "]}")
+    instructions = (f"You can call the following tools:\n{described}\n\n"
+                    f"Respond with a JSON object: {reply} to call "
+                    f"{'tools' if parallel else 'a tool'}")
+    instructions += '.' if mode == "required" else ', or {"response": "<your answer>"} to answer directly.'
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise InvalidArgumentError(f"messages[{i}] must be a dict with a 'role'")
+        role, content = m["role"], m.get("content")
+        if role == "tool":
+            result = {"tool_response": {"tool_call_id": m.get("tool_call_id"), "content": content}}
+            out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = c.get("function") or {}
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        pass
+                calls.append({"name": fn.get("name"), "arguments": args})
+            out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
+        else:
+            out.append(dict(m))
+    if out and out[0]["role"] in ("system", "developer"):
+        first = out[0]
+        out[0] = {"role": "system", "content": f"{first.get('content') or ''}\n\n{instructions}"}
+    else:
+        out.insert(0, {"role": "system", "content": instructions})
+    return out
+
+
+class _GenericOutput(ChatOutput):
+    """Parses the generic JSON reply at the end (a partial JSON object has no safe deltas)."""
+
+    def __init__(self):
+        super().__init__(self._parse_json)
+
+    @staticmethod
+    def _parse_json(text: str, partial: bool) -> dict[str, Any]:
+        if partial:
+            return {}
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ToolCallError("the model's reply is not the JSON the tool grammar asks for") from None
+        if isinstance(data, dict) and isinstance(data.get("tool_calls"), list):
+            calls = [{"type": "function", "function": {"name": c.get("name"),
+                                                       "arguments": json.dumps(c.get("arguments", {}),
+                                                                               ensure_ascii=False)}}
+                     for c in data["tool_calls"] if isinstance(c, dict)]
+            return {"role": "assistant", "content": "", "tool_calls": calls}
+        if isinstance(data, dict) and isinstance(data.get("response"), str):
+            return {"role": "assistant", "content": data["response"]}
+        raise ToolCallError("the model's reply is not the JSON the tool grammar asks for")
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        if self.message is not None:
+            raise InvalidArgumentError("this ChatOutput has ended")
+        self._text.append(piece)
+        return []
+
+
+def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]], mode: str,
+                  parallel: bool, chat_template: str | None, enable_thinking: bool | None,
+                  kwargs: dict[str, Any]) -> ChatPlan:
+    params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs)
+    text, _ = render_prompt(model, _generic_messages(messages, tools, mode, parallel), params)
+    options = {"json_schema": _generic_schema(tools, mode, parallel)}
+    return ChatPlan(prompt_tokens(model, text), options, _GenericOutput, None, text)

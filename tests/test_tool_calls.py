@@ -1,0 +1,220 @@
+"""Tool calls through llama.cpp's own chat code (features/tool_calls.py over the C adapter).
+
+The parser cases are upstream's own vectors: each input string and expected message is
+taken from llama.cpp's ``tests/test-chat.cpp`` in the pinned source (the line of each
+case is given), run against the same templates from ``models/templates``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+
+import llama_ctypes as lc
+from conftest import llama_cpp_dir
+from llama_ctypes.features.tool_calls import (ChatFormatter, OutputParser, ToolCallError, _GenericOutput,
+                                              plan_chat)
+
+TEMPLATES = llama_cpp_dir() / "models" / "templates"
+
+# test-chat.cpp:425 special_function_tool
+SPECIAL_FUNCTION = {"type": "function", "function": {
+    "name": "special_function", "description": "I'm special",
+    "parameters": {"type": "object", "properties": {"arg1": {"type": "integer", "description": "The arg."}},
+                   "required": ["arg1"]}}}
+USER = [{"role": "user", "content": "Hey there!"}]  # test-chat.cpp:956 message_user
+CALL = {"name": "special_function", "arguments": {"arg1": 1}}
+
+# (template, model output, reasoning_format, expected content, expected reasoning, expected calls, test-chat.cpp line)
+VECTORS = [
+    ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+     '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>', "none", "", "", [CALL], 3332),
+    ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+     'Hello, world!\nWhat\'s up?<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+     "none", "Hello, world!\nWhat's up?", "", [CALL], 3340),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+     '[TOOL_CALLS][{"name": "special_function", "arguments": {"arg1": 1}, "id": "123456789"}]', "none", "", "",
+     [dict(CALL, id="123456789")], 5917),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "Hello, world!\nWhat's up?", "none",
+     "Hello, world!\nWhat's up?", "", [], 5916),
+    ("meetkai-functionary-medium-v3.1.jinja", '<function=special_function>{"arg1": 1}</function>', "none", "", "",
+     [CALL], 5934),
+    ("meetkai-functionary-medium-v3.2.jinja", 'special_function\n{"arg1": 1}', "none", "", "", [CALL], 5952),
+    ("meetkai-functionary-medium-v3.2.jinja", "all\nHello, world!\nWhat's up?", "none",
+     "Hello, world!\nWhat's up?", "", [], 5951),
+    ("CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja",
+     "<|START_THINKING|>I'm\nthinking<|END_THINKING|><|START_ACTION|>[\n"
+     '    {"tool_call_id": "0", "tool_name": "special_function", "parameters": {"arg1": 1}}\n]<|END_ACTION|>',
+     "deepseek", "", "I'm\nthinking", [dict(CALL, id="0")], 5881),
+    ("CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+     'Action:\n```json\n[{"tool_name": "special_function", "parameters": {"arg1": 1}}]\n```', "none", "", "",
+     [CALL], 5896),
+    ("llama-cpp-deepseek-r1.jinja",
+     "</think><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>special_function\n"
+     '```json\n{"arg1": 1}```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "deepseek", "", "", [CALL], 6028),
+    ("llama-cpp-deepseek-r1.jinja", "I'm\nthinking</think>Hello, world!\nWhat's up?", "deepseek",
+     "Hello, world!\nWhat's up?", "I'm\nthinking", None, 6025),
+    ("ibm-granite-granite-4.0.jinja",
+     '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>', "none", "", "", [CALL],
+     3411),
+    ("openai-gpt-oss-120b.jinja", "<|channel|>final<|message|>Hello, world!\nWhat's up?", "none",
+     "Hello, world!\nWhat's up?", "", None, 6428),
+    ("openai-gpt-oss-120b.jinja",
+     "<|channel|>analysis<|message|>I'm\nthinking<|end|><|start|>assistant<|channel|>final<|message|>"
+     "Hello, world!\nWhat's up?", "auto", "Hello, world!\nWhat's up?", "I'm\nthinking", None, 6434),
+]
+
+
+def _formatter(name: str) -> ChatFormatter:
+    return ChatFormatter(None, (TEMPLATES / name).read_text())
+
+
+@pytest.mark.parametrize("name,output,reasoning,content,thinking,calls,line", VECTORS,
+                         ids=[f"{v[0].split('.jinja')[0]}:{v[-1]}" for v in VECTORS])
+def test_upstream_parser_vectors(name, output, reasoning, content, thinking, calls, line):
+    formatter = _formatter(name)
+    tools = [SPECIAL_FUNCTION] if calls is not None else None
+    fmt = formatter.apply(USER, tools=tools, reasoning_format=reasoning, parallel_tool_calls=name.startswith("llama-cpp-deepseek"))
+    msg = OutputParser(fmt).parse(output, partial=False)
+    assert msg["role"] == "assistant"
+    # Upstream compares with assert_msg_equals(..., ignore_whitespace_differences=true).
+    assert (msg.get("content") or "").strip() == content
+    assert (msg.get("reasoning_content") or "").strip() == thinking
+    got = [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]),
+            **({"id": c["id"]} if "id" in c else {})} for c in msg.get("tool_calls", [])]
+    assert got == (calls or [])
+
+
+@pytest.mark.parametrize("name", ["NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja",
+                                  "meta-llama-Llama-3.1-8B-Instruct.jinja",
+                                  "mistralai-Mistral-Nemo-Instruct-2407.jinja", "Qwen-Qwen2.5-7B-Instruct.jinja"])
+def test_tool_templates_give_a_grammar_and_describe_the_tools(name):
+    fmt = _formatter(name).apply(USER, tools=[SPECIAL_FUNCTION], tool_choice="required")
+    assert fmt.caps["supports_tool_calls"]
+    assert "special_function" in fmt.prompt  # the template describes the tool
+    assert fmt.grammar and not fmt.grammar_lazy  # required: a strict grammar from the first token
+    auto = _formatter(name).apply(USER, tools=[SPECIAL_FUNCTION], tool_choice="auto")
+    assert auto.grammar == "" or (auto.grammar_lazy and auto.trigger_patterns)
+    none = _formatter(name).apply(USER, tools=[SPECIAL_FUNCTION], tool_choice="none")
+    assert none.grammar == ""
+
+
+def test_streamed_deltas_reassemble_to_the_final_message():
+    fmt = _formatter("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja").apply(USER, tools=[SPECIAL_FUNCTION])
+    output = ('Let me check.<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>'
+              '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 22}}</tool_call>')
+    from llama_ctypes.features.tool_calls import ChatOutput
+    parser = OutputParser(fmt)
+    out = ChatOutput(parser.parse, parser)
+    deltas = []
+    for i in range(0, len(output), 3):  # pieces cut anywhere, markers included
+        deltas += out.feed(output[i:i + 3])
+    deltas += out.end()
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for c in d.get("tool_calls", []):
+            slot = calls.setdefault(c["index"], {"id": None, "name": "", "arguments": ""})
+            slot["id"] = c.get("id", slot["id"])
+            slot["name"] += c.get("function", {}).get("name", "")
+            slot["arguments"] += c.get("function", {}).get("arguments", "")
+    msg = out.message
+    assert content == msg["content"] == "Let me check."
+    assert len(msg["tool_calls"]) == 2 and out.has_tool_calls
+    for i, call in enumerate(msg["tool_calls"]):
+        assert calls[i]["id"] == call["id"] and calls[i]["id"].startswith("call_")
+        assert calls[i]["name"] == call["function"]["name"] == "special_function"
+        assert json.loads(calls[i]["arguments"]) == json.loads(call["function"]["arguments"]) == {"arg1": [1, 22][i]}
+
+
+def test_bad_requests_raise_clear_errors(tiny_model):
+    fmt_t = _formatter("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja")
+    with pytest.raises(lc.InvalidArgumentError, match="tool_choice"):
+        plan_chat(tiny_model, USER, tools=[SPECIAL_FUNCTION], tool_choice="sometimes", chat_template="chatml")
+    with pytest.raises(lc.InvalidArgumentError, match="not among the tools"):
+        plan_chat(tiny_model, USER, tools=[SPECIAL_FUNCTION],
+                  tool_choice={"type": "function", "function": {"name": "nope"}}, chat_template="chatml")
+    with pytest.raises(lc.InvalidArgumentError, match=r"tools\[0\]"):
+        plan_chat(tiny_model, USER, tools=[{"type": "function"}], chat_template="chatml")
+    with pytest.raises(lc.InvalidArgumentError, match="needs tools"):
+        plan_chat(tiny_model, USER, tools=[], tool_choice="required", chat_template="chatml")
+    with pytest.raises(ToolCallError):  # llama.cpp rejects the message list (role missing content)
+        fmt_t.apply([{"role": "user"}], tools=[SPECIAL_FUNCTION])
+    with pytest.raises(lc.LlamaError):
+        ChatFormatter(None, "{% for %}")  # a template llama.cpp's Jinja cannot parse
+    with pytest.raises(lc.InvalidArgumentError):
+        ChatFormatter(None, None)
+
+
+def test_formatter_is_closed_with_its_model_and_refuses_use_after(tiny_model_path):
+    model = lc.load_model(tiny_model_path)
+    from llama_ctypes.features.tool_calls import formatter_for
+    formatter = formatter_for(model, (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    assert formatter is formatter_for(model, (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text())
+    model.close()
+    assert formatter.closed
+    with pytest.raises(lc.ClosedError):
+        formatter.apply(USER, tools=[SPECIAL_FUNCTION])
+
+
+def test_apply_from_many_threads():
+    formatter = _formatter("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja")
+    prompts, errors = [], []
+
+    def work():
+        try:
+            for _ in range(20):
+                prompts.append(formatter.apply(USER, tools=[SPECIAL_FUNCTION]).prompt)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(prompts)) == 1 and len(prompts) == 80
+
+
+GEMMA_TEMPLATE = "google-gemma-2-2b-it.jinja"  # Gemma 3 uses the same turn format; it has no tool syntax
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+
+
+@pytest.mark.gemma
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_tool_call_on_gemma_is_valid(gemma, choice):
+    template = (TEMPLATES / GEMMA_TEMPLATE).read_text()
+    messages = [{"role": "user", "content": "What's the weather in Paris for the next 2 days?"}]
+    plan = plan_chat(gemma, messages, tools=[WEATHER, SPECIAL_FUNCTION], tool_choice=choice, chat_template=template)
+    assert plan.format is None  # the template cannot express tools: the generic JSON scheme
+    reply = lc.generate(gemma, plan.prompt, max_tokens=96, temp=0, **plan.options)
+    out = plan.output()
+    for piece in reply:
+        out.feed(piece)
+    msg = out.finish()
+    assert reply.finish_reason == "eog" and out.has_tool_calls
+    assert msg["content"] is None and len(msg["tool_calls"]) == 1
+    call = msg["tool_calls"][0]["function"]
+    if isinstance(choice, dict):
+        assert call["name"] == "get_weather"
+    tool = {"get_weather": WEATHER, "special_function": SPECIAL_FUNCTION}[call["name"]]
+    jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
+
+
+def test_generic_output_reads_an_answer_or_calls():
+    out = _GenericOutput()
+    out.feed('{"response": "hi"}')
+    assert out.finish() == {"role": "assistant", "content": "hi"}
+    out = _GenericOutput()
+    out.feed('{"tool_calls": [{"name": "f", "arguments": {"a": 1}}]}')
+    msg = out.finish()
+    assert msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    out = _GenericOutput()
+    out.feed("not json")
+    assert out.finish() == {"role": "assistant", "content": "not json"}  # kept as the answer
