@@ -218,3 +218,27 @@ def test_generic_output_reads_an_answer_or_calls():
     out = _GenericOutput()
     out.feed("not json")
     assert out.finish() == {"role": "assistant", "content": "not json"}  # kept as the answer
+
+
+@pytest.mark.gemma
+def test_python_api_tool_calls_streamed_equal_non_streamed_on_model_and_server(gemma):
+    template = (TEMPLATES / GEMMA_TEMPLATE).read_text()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    opts = dict(tools=[WEATHER], tool_choice="required", chat_template=template, max_tokens=60, temp=0)
+    done = lc.chat_completion(gemma, messages, **opts)
+    choice = done["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    chunks = list(lc.stream_chat_completion(gemma, messages, **opts))
+    args = "".join(tc["function"].get("arguments", "") for c in chunks
+                   for tc in c["choices"][0]["delta"].get("tool_calls", []))
+    assert json.loads(args) == json.loads(call["function"]["arguments"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["usage"]["completion_tokens"] == done["usage"]["completion_tokens"]
+    with lc.Server(model=gemma, n_parallel=2, n_ctx=1024) as server:
+        served = lc.chat_completion(server, messages, **opts)["choices"][0]["message"]
+        assert served["tool_calls"][0]["function"] == call["function"]
+        # tool_choice="none" keeps the plain chat path
+        plain = lc.chat_completion(server, messages, **dict(opts, tool_choice="none", max_tokens=4))
+        assert plain["choices"][0]["message"].get("tool_calls") is None

@@ -394,7 +394,17 @@ def _model_id(model: Model) -> str:
 
 
 def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> ChatCompletion:
-    """An OpenAI ``chat.completion`` dict for ``messages`` (a Model or a Server); options as :func:`stream_chat`."""
+    """An OpenAI ``chat.completion`` dict for ``messages`` (a Model or a Server); options as :func:`stream_chat`.
+
+    With ``tools`` (and ``tool_choice``: ``"auto"``, ``"required"``, ``"none"`` or a named function;
+    ``parallel_tool_calls``) the reply's ``tool_calls`` are parsed from the model's format
+    (see :mod:`llama_ctypes.features.tool_calls`).
+    """
+    from . import tool_calls
+
+    if tool_calls.wants_tools(opts):
+        return tool_calls.chat_completion_with_tools(model, messages, **opts)  # type: ignore[return-value]
+    opts = {k: v for k, v in opts.items() if k not in ("tool_choice", "parallel_tool_calls")}
     reply = chat(model, messages, **opts)
     message: ChatCompletionMessage = {"role": "assistant", "content": reply.content}
     if reply.reasoning:
@@ -412,8 +422,14 @@ def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> C
 def stream_chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> Iterator[ChatCompletionChunk]:
     """OpenAI ``chat.completion.chunk`` dicts: a role chunk, content/reasoning deltas, a finish chunk.
 
-    The last chunk carries ``usage``. Closing the iterator stops generation.
+    The last chunk carries ``usage``. Closing the iterator stops generation. With ``tools``,
+    ``tool_calls`` arrive as deltas (see :func:`chat_completion`).
     """
+    from . import tool_calls
+
+    if tool_calls.wants_tools(opts):
+        return tool_calls.stream_chat_completion_with_tools(model, messages, **opts)
+    opts = {k: v for k, v in opts.items() if k not in ("tool_choice", "parallel_tool_calls")}
     chat_stream = stream_chat(model, messages, **opts)
     return _chunks(chat_stream, _model_id(model.get_model() if _is_server(model) else model))
 

@@ -599,3 +599,86 @@ def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: li
     text, _ = render_prompt(model, _generic_messages(messages, tools, mode, parallel), params)
     options = {"json_schema": _generic_schema(tools, mode, parallel)}
     return ChatPlan(prompt_tokens(model, text), options, _GenericOutput, None, text)
+
+
+# ---- the Python API's OpenAI shapes with tools ------------------------------------------------
+
+_TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+def wants_tools(opts: Mapping[str, Any]) -> bool:
+    """Whether a chat call's options ask for tool calling (tools given, tool_choice not "none")."""
+    return bool(opts.get("tools")) and opts.get("tool_choice", "auto") != "none"
+
+
+def _start(target: Any, messages: Sequence[Mapping[str, Any]], opts: dict[str, Any]):
+    from .chat import _is_server
+
+    tool_opts = {k: opts.pop(k) for k in _TOOL_OPTIONS if k in opts}
+    server = target if _is_server(target) else None
+    model = server.get_model() if server is not None else target
+    plan = plan_chat(model, messages, chat_template=opts.pop("chat_template", None),
+                     enable_thinking=opts.pop("enable_thinking", None),
+                     template_kwargs=opts.pop("template_kwargs", None), **tool_opts)
+    request = {**opts, **plan.options}
+    if "stop" in opts and "stop" in plan.options:
+        request["stop"] = list(opts["stop"] if not isinstance(opts["stop"], str) else [opts["stop"]]) + \
+            plan.options["stop"]
+    if server is not None:
+        text_stream = server.stream_tokens(plan.prompt, **request)
+    else:
+        from ..core.generation import stream
+
+        text_stream = stream(model, plan.prompt, **request)
+    return model, plan, text_stream
+
+
+def chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]], **opts: Any) -> dict[str, Any]:
+    """``lc.chat_completion`` for a request with tools: the reply's ``tool_calls`` parsed by the
+    model's format; ``finish_reason`` is ``"tool_calls"`` when it calls tools."""
+    import time
+    import uuid
+
+    model, plan, text_stream = _start(target, messages, dict(opts))
+    out = plan.output()
+    with text_stream:
+        for piece in text_stream:
+            out.feed(piece)
+        completion = text_stream.completion()
+    message = out.finish()
+    finish = "tool_calls" if out.has_tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model.path.stem, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
+                      "total_tokens": completion.prompt_tokens + len(completion.tokens)}}
+
+
+def stream_chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]], **opts: Any):
+    """``lc.stream_chat_completion`` for a request with tools: ``tool_calls`` arrive as deltas."""
+    import time
+    import uuid
+
+    model, plan, text_stream = _start(target, messages, dict(opts))
+    out = plan.output()
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model.path.stem}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def chunks():
+        with text_stream:
+            yield chunk({"role": "assistant", "content": ""})
+            for piece in text_stream:
+                for delta in out.feed(piece):
+                    yield chunk(delta)
+            for delta in out.end():
+                yield chunk(delta)
+            completion = text_stream.completion()
+        finish = "tool_calls" if out.has_tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+        last = chunk({}, finish)
+        last["usage"] = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
+                         "total_tokens": completion.prompt_tokens + len(completion.tokens)}
+        yield last
+
+    return chunks()
