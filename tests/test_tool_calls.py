@@ -242,3 +242,22 @@ def test_python_api_tool_calls_streamed_equal_non_streamed_on_model_and_server(g
         # tool_choice="none" keeps the plain chat path
         plain = lc.chat_completion(server, messages, **dict(opts, tool_choice="none", max_tokens=4))
         assert plain["choices"][0]["message"].get("tool_calls") is None
+
+
+@pytest.mark.gemma
+def test_grammar_prefill_skips_text_already_in_the_prompt(gemma):
+    grammar = 'root ::= "Hello" " world"'
+    out = lc.generate(gemma, "Say hi:", grammar=grammar, grammar_prefill="Hello", max_tokens=8, temp=0)
+    assert out == " world" and out.finish_reason == "eog"
+    sampler = lc.Sampler.create(gemma, grammar=grammar, grammar_prefill="Hello")
+    sampler.reset()  # the prefill is fed again after a reset
+    assert sampler.names[0] == "grammar"
+    with pytest.raises(lc.GrammarError, match="grammar_prefill"):
+        lc.Sampler.create(gemma, grammar=grammar, grammar_prefill="Goodbye")  # refused, not an abort
+    with pytest.raises(lc.InvalidArgumentError, match="non-lazy"):
+        lc.Sampler.create(gemma, grammar=grammar, grammar_prefill="Hello", grammar_lazy_triggers=["x"])
+    # what the chat code asks for with a native tool format: the grammar starts with the generation prompt
+    plan = plan_chat(gemma, USER, tools=[SPECIAL_FUNCTION], tool_choice="required",
+                     chat_template=(TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
+    assert plan.options["grammar_prefill"] == plan.format.generation_prompt != ""
+    lc.Sampler.create(gemma, grammar=plan.options["grammar"], grammar_prefill=plan.options["grammar_prefill"])

@@ -91,6 +91,10 @@ class SamplingParams:
     """Start rule of the grammar."""
     grammar_lazy_triggers: Sequence[str] = field(default=())
     """Regex patterns; when given, the grammar applies only after one matches (lazy grammar)."""
+    grammar_prefill: str = ""
+    """Text at the end of the prompt that the grammar's start rule expects (llama.cpp's chat code
+    writes the generation prompt into its tool-call grammars); fed to the grammar before the first
+    token and after a reset. Not for lazy grammars."""
 
     def __hash__(self) -> int:
         # Consistent with the field-wise ==: json_schema and logit_bias may be dicts, so hash a
@@ -160,6 +164,10 @@ class SamplingParams:
         if triggers and self.grammar is None:
             raise InvalidArgumentError("grammar_lazy_triggers need a grammar (or json_schema)")
         object.__setattr__(self, "grammar_lazy_triggers", triggers)
+        if not isinstance(self.grammar_prefill, str):
+            raise ArgumentTypeError("grammar_prefill must be a str")
+        if self.grammar_prefill and (self.grammar is None or triggers):
+            raise InvalidArgumentError("grammar_prefill needs a (non-lazy) grammar")
 
     @property
     def greedy(self) -> bool:
@@ -351,7 +359,28 @@ class Sampler(NativeHandle):
             raise GrammarError(f"invalid grammar_lazy_triggers {list(p.grammar_lazy_triggers)!r}: {message}")
         if not smpl:
             raise GrammarError("invalid GBNF grammar: " + native_error("syntax error or undefined rule"))
+        try:
+            self._prefill(smpl)
+        except BaseException:
+            lib.llama_sampler_free(smpl)
+            raise
         return smpl
+
+    def _prefill(self, grammar) -> None:
+        """Advance the grammar past ``grammar_prefill`` (as common/sampling.cpp does for chat grammars)."""
+        text = self.params.grammar_prefill
+        if not text:
+            return
+        vocab = self.model.vocab
+        tokens = vocab.tokenize(text, add_special=False, parse_special=True)
+        for i, token in enumerate(tokens):
+            piece = vocab.token_bytes(token, special=True)
+            if i == 0 and piece[:1].isspace() and not text[:1].isspace():
+                continue  # some tokenizers put a space before a leading special token
+            # llama.cpp throws (and the process aborts) on accepting a token the grammar refuses.
+            if not self._grammar_allows(token, grammar):
+                raise GrammarError(f"grammar_prefill {text!r} does not match the grammar's start")
+            self._lib.llama_sampler_accept(grammar, token)
 
     def _free(self) -> None:
         if self._ptr:
@@ -461,11 +490,11 @@ class Sampler(NativeHandle):
             if self._grammar:
                 self._lib.llama_sampler_accept(self._grammar, token)
 
-    def _grammar_allows(self, token: int) -> bool:
+    def _grammar_allows(self, token: int, grammar=None) -> bool:
         one = np.zeros(1, dtype=_TOKEN_DATA)
         one[0] = (token, 0.0, 0.0)
         arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
-        self._lib.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        self._lib.llama_sampler_apply(grammar or self._grammar, ctypes.byref(arr))
         return bool(np.isfinite(one[0]["logit"]))
 
     def reset(self) -> None:
@@ -474,6 +503,7 @@ class Sampler(NativeHandle):
             self._lib.llama_sampler_reset(self._ptr)
             if self._grammar:
                 self._lib.llama_sampler_reset(self._grammar)
+                self._prefill(self._grammar)
 
     @property
     def names(self) -> list[str]:

@@ -441,6 +441,8 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     if fmt.grammar:
         if not fmt.grammar_lazy:
             options["grammar"] = fmt.grammar
+            # The grammar starts with the generation prompt, which is already in the prompt.
+            options["grammar_prefill"] = fmt.generation_prompt
         elif fmt.trigger_patterns:
             options["grammar"] = fmt.grammar
             options["grammar_lazy_triggers"] = list(fmt.trigger_patterns)
