@@ -424,3 +424,20 @@ def test_close_from_a_worker_wakes_every_waiter(tiny_model_path, gate):
     t.join(30)
     assert not t.is_alive() and outcome and isinstance(outcome[0], lc.ClosedError)
     assert queued.cancelled()
+
+
+def test_server_accessor_gives_the_batching_server_of_server_mode_models(tiny_model_path, bert_path):
+    with lc.ModelManager() as mm:
+        mm.load("gen", tiny_model_path, n_parallel=2, n_ctx=256)
+        mm.load("emb", bert_path)  # direct mode (an embedding model)
+        server = mm.server("gen")
+        assert server is mm.server("default") and isinstance(server, lc.Server)
+        assert server.generate("Hello", max_tokens=4, temp=0).tokens == mm.generate("gen", "Hello", max_tokens=4,
+                                                                                   temp=0).tokens
+        with pytest.raises(lc.InvalidArgumentError, match="direct mode"):
+            mm.server("emb")
+        with pytest.raises(KeyError):
+            mm.server("nope")
+        mm.unload("gen")
+        with pytest.raises(lc.ClosedError):
+            server.generate("Hello", max_tokens=1)

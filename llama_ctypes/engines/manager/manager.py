@@ -443,6 +443,17 @@ class ModelManager(Closeable):
         """The :class:`Model` behind ``id`` (closed, and raising ClosedError, once unloaded)."""
         return self._target(id, None, direct=True)
 
+    def server(self, id: str = "default") -> Server:
+        """The batching :class:`Server` of a server-mode model (for its asyncio API, ``stats()``, ...).
+
+        Raises InvalidArgumentError for a direct-mode model; once unloaded the server is closed and
+        raises ServerClosedError (a ClosedError) when used.
+        """
+        entry = self._ready(id, None)
+        if entry.mode != "server":
+            raise InvalidArgumentError(f"model {entry.id!r} is loaded in direct mode; it has no Server")
+        return self._target(id, None)
+
     def _resolve_id(self, id: str) -> str:
         if id == "default":
             if self._default is None:
