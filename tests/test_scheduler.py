@@ -311,3 +311,37 @@ def test_a_step_may_carry_several_sampled_tokens():
     assert a.generated == [0, 5] and a.finish_reason == "eog"
     assert b.generated == [0, 4] and b_slot.tokens == [2, 0]
     assert a_slot.free and not b_slot.free
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------
+
+def entry(tok):
+    from llama_ctypes.core.logprobs import TokenLogprob
+
+    return TokenLogprob(tok, bytes([97 + tok]), -0.5 - tok)
+
+
+def test_logprob_entries_follow_their_tokens():
+    s = make(n_parallel=2)
+    params = GenerationParams(max_tokens=50, logprobs=1)
+    a = Request([1], params, FakeSampler(), Channel(), text=TextOut(Letters()))
+    b = req([2], max_tokens=50)  # no logprobs asked: entries for it are ignored
+    assert a.logprobs == [] and b.logprobs is None
+    s.submit(a)
+    s.submit(b)
+    s.update_from_output(plan(s), [0, 1], logprobs=[entry(0), None])
+    assert a.generated == [0] and a.logprobs == [entry(0)] and b.logprobs is None
+    # the entry goes out before the text its token completes
+    assert items(a) == [entry(0), "a"]
+    # a speculative-shaped step: the entry of an end-of-generation token, and of a token after the end,
+    # are dropped with their tokens
+    a_slot = s.pool.slots[a.seq_id]
+    p = TickPlan([Step(a_slot, [0, 5, 6], (0, 1, 2))], [], 1)
+    s.update_from_output(p, [5, EOG, 7], logprobs=[entry(5), entry(EOG), entry(7)])
+    assert a.generated == [0, 5] and a.logprobs == [entry(0), entry(5)]
+    assert items(a) == [entry(5), "f", End("eog")]
+    # synthetic outputs without entries (no logprobs list) leave the list as it is
+    c = Request([3], params, FakeSampler(), Channel())
+    s.submit(c)
+    tick(s, 9, 4)  # b decodes, c completes its prompt
+    assert c.generated == [4] and c.logprobs == []

@@ -16,6 +16,7 @@ from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, De
 from .context import ABORTED, ContextLease, check_prompt, common_prefix
 from .context_pool import ContextPool
 from .handle import Closeable
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
@@ -54,6 +55,10 @@ class GenerationParams:
     Faster for repeated prefixes, but the reused part was computed in other batch
     shapes, so greedy output may differ from a cold run where the top two tokens
     are nearly tied. Off by default: the same input gives the same output."""
+    logprobs: int | None = None
+    """Log-probabilities of the generated tokens (``Completion.logprobs``): None = off, 0 = the
+    chosen token's only, 1..20 = also that many most likely alternatives. From the model's raw
+    distribution (before temperature, penalties and grammar); see ``core/logprobs.py``."""
 
     def __post_init__(self) -> None:
         for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt"):
@@ -68,6 +73,13 @@ class GenerationParams:
         for s in stop:
             encode_text(s)  # a lone surrogate can never appear in generated (UTF-8) text
         object.__setattr__(self, "stop", stop)
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
+                raise ArgumentTypeError(f"logprobs={self.logprobs!r}: expected None or an integer "
+                                        f"0..{MAX_TOP_LOGPROBS}")
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidArgumentError(f"logprobs={self.logprobs!r}: expected None or an integer "
+                                           f"0..{MAX_TOP_LOGPROBS} (alternatives per token)")
 
 
 @dataclass
@@ -114,21 +126,25 @@ class Completion(str):
 
     ``lc.generate(...)`` returns one, so it can be used as the text directly;
     ``tokens``, ``finish_reason`` (``"stop"``, ``"length"`` or ``"eog"``),
-    ``prompt_tokens`` and ``timings`` describe the run.
+    ``prompt_tokens`` and ``timings`` describe the run. ``logprobs`` (when
+    requested with ``logprobs=``, else None) holds one :class:`TokenLogprob`
+    per entry of ``tokens``, in order.
     """
 
     tokens: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
     timings: Timings
+    logprobs: list[TokenLogprob] | None
 
     def __new__(cls, text: str, tokens: list[int], finish_reason: FinishReason, prompt_tokens: int,
-                timings: Timings) -> "Completion":
+                timings: Timings, logprobs: list[TokenLogprob] | None = None) -> "Completion":
         self = super().__new__(cls, text)
         self.tokens = tokens
         self.finish_reason = finish_reason
         self.prompt_tokens = prompt_tokens
         self.timings = timings
+        self.logprobs = logprobs
         return self
 
     @property
@@ -142,10 +158,12 @@ class Completion(str):
 class _Run:
     """State of one generation: what the token loop reports to the layers above."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool = False) -> None:
         self.finish_reason: FinishReason | None = None
         self.timings = Timings()
         self.tokens: list[int] = []
+        #: One entry per token of ``tokens`` when logprobs were requested.
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
 
 
 def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[int], params: GenerationParams,
@@ -154,7 +172,8 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
 
     Each token is yielded before the next decode starts, so a consumer that
     stops iterating costs no extra decode. ``cancelled()`` is checked between
-    tokens (an abort stops a decode in flight).
+    tokens (an abort stops a decode in flight). With ``params.logprobs`` set,
+    each token's :class:`TokenLogprob` goes to ``run.logprobs`` before it is yielded.
     """
     t0 = time.perf_counter()
     timings = run.timings
@@ -166,6 +185,12 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
     append = lease.append_fn()
     tokens, ctx_tokens = run.tokens, lease.tokens
     max_tokens, n_ctx, ignore_eos = params.max_tokens, lease.ctx.n_ctx_seq, params.ignore_eos
+    logprob = None
+    if params.logprobs is not None:
+        logprob = _logprob_fn(lease, params)
+        if run.logprobs is None:
+            run.logprobs = []
+    entries = run.logprobs
     clock = time.perf_counter
     decode_s = sample_s = 0.0
     t_first = None
@@ -187,6 +212,8 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
                     run.finish_reason = "eog"
                     return
             tokens.append(tok)
+            if logprob is not None:  # (one test per token when off: the loop keeps its speed)
+                entries.append(logprob(tok))  # type: ignore[union-attr]
             timings.generated_tokens = len(tokens)
             yield tok
             if len(tokens) == max_tokens or len(ctx_tokens) >= n_ctx:
@@ -202,6 +229,21 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
             timings.generation_ms = (clock() - t_first) * 1e3
             timings.decode_ms = decode_s * 1e3
             timings.sample_ms = sample_s * 1e3
+
+
+def _logprob_fn(lease: ContextLease, params: GenerationParams) -> Callable[[int], TokenLogprob]:
+    """``token -> TokenLogprob`` over the last decode's output row (the row the token was sampled
+    from, still unchanged: sampling copies the logits); pieces rendered as the stream renders them."""
+    logits_of, k, special = lease.logits_view_fn(), params.logprobs or 0, params.special
+    token_bytes = lease.ctx.vocab.token_bytes
+
+    def piece(token: int) -> bytes:
+        return token_bytes(token, special)
+
+    def entry(token: int) -> TokenLogprob:
+        return token_logprob(logits_of(-1), token, k, piece)
+
+    return entry
 
 
 def partial_suffix(text: str, markers: Sequence[str]) -> int:
@@ -306,7 +348,8 @@ class _TextGeneration:
         self.sampler = sampler
         self.prompt = prompt
         self.params = params
-        self.run = _Run()
+        # (logprobs: the list exists from the start, so TextStream.logprobs is [] before the first token)
+        self.run = _Run(logprobs=params.logprobs is not None)
         self.pieces: list[str] = []
         # The stream keeps the context and the sampler alive from its creation to its end: a
         # ``with Sampler.create(...) as s: st = ctx.stream(s, ids)`` read later must not free them.
@@ -398,8 +441,8 @@ class TextStream(LazyStream):
     the loop, ``close()`` or dropping the stream stops decoding at once and
     releases both. ``cancel()``, from any thread, also interrupts a decode in
     flight (a long prompt); the iterating thread then gets ``CancelledError``.
-    After the end, ``finish_reason``, ``timings``, ``tokens`` and ``text``
-    describe the run.
+    After the end, ``finish_reason``, ``timings``, ``tokens``, ``text`` and
+    ``logprobs`` describe the run.
     """
 
     def __init__(self, ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
@@ -432,6 +475,11 @@ class TextStream(LazyStream):
         return "".join(self._g.pieces)
 
     @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One entry per token of ``tokens`` so far (None unless requested with ``logprobs=``)."""
+        return self._g.run.logprobs
+
+    @property
     def prompt_tokens(self) -> int:
         return len(self._g.prompt)
 
@@ -451,8 +499,9 @@ class TextStream(LazyStream):
         for _ in self:  # through __next__: a close() from another thread then cancels this loop
             pass
         g = self._g
+        entries = g.run.logprobs
         return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason or "length", len(g.prompt),
-                          g.run.timings)
+                          g.run.timings, None if entries is None else list(entries))
 
 
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:
@@ -490,7 +539,7 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
     """Stream generated text pieces for ``prompt`` (text, or token ids).
 
     Options: sampling (:class:`SamplingParams`: temp, top_k, top_p, seed, grammar, ...),
-    generation (:class:`GenerationParams`: max_tokens=256, stop, ...) and context
+    generation (:class:`GenerationParams`: max_tokens=256, stop, logprobs, ...) and context
     (:class:`ContextParams`: n_ctx=4096, type_k, flash_attn, ...). Unknown
     options raise TypeError. The stream is lazy; see :class:`TextStream`.
     """

@@ -5,7 +5,8 @@ A tick (see ``scheduler.py`` for the bookkeeping):
 1. under the scheduler's lock, only queue operations: take waiting requests for free slots;
 2. without the lock: admission (prefix reuse may copy, save or restore KV state),
    calls routed to this thread (``call``), the plan (``Scheduler.schedule``);
-3. :meth:`Engine.execute`: fill ONE batch from the plan, decode, sample every output row;
+3. :meth:`Engine.execute`: fill ONE batch from the plan, decode, sample every output row (and, for
+   requests that asked, compute each sampled token's log-probabilities from its row);
 4. ``Scheduler.update_from_output``: end-of-generation, stop strings, lengths, text to the channels.
 
 Clients (submit, cancel, the asyncio loop) therefore never wait for KV copies or decodes.
@@ -24,6 +25,7 @@ import numpy as np
 from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import ContextLease, check_decode
+from ...core.logprobs import TokenLogprob, token_logprob
 from ...errors import DecodeError
 from .prompt_cache import PromptCache
 from .request import Request
@@ -93,6 +95,12 @@ class Engine:
         self.batch = Batch(ctx.n_batch, 1)
         # The decode call, an attribute so that tests can slow it down.
         self._decode: Callable[[Batch], int] = lease.decode_rc
+        # Logits rows for logprobs, read through the lease: unusable once the server releases it.
+        self._logits_of = lease.logits_view_fn()
+        token_bytes = ctx.vocab.token_bytes
+        # Token pieces as a request's detokenizer renders them: [plain, special tokens as text].
+        self._pieces: tuple[Callable[[int], bytes], Callable[[int], bytes]] = (
+            lambda t: token_bytes(t, False), lambda t: token_bytes(t, True))
         model = ctx.model
         self.pool = SlotPool(ctx.n_seq_max, ContextKV(lease), unified=ctx.params.kv_unified,
                              partial_reuse=not (model.is_recurrent or model.is_hybrid),
@@ -184,8 +192,8 @@ class Engine:
                 scheduler.admit()
                 plan = scheduler.schedule()
                 if plan.steps:
-                    outputs, failure = self.execute(plan)
-                    scheduler.update_from_output(plan, outputs, failure)
+                    outputs, logprobs, failure = self.execute(plan)
+                    scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs)
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
         except BaseException as exc:  # a bug or a native failure: no caller may hang
@@ -215,8 +223,13 @@ class Engine:
             except Exception:  # pragma: no cover
                 logger.exception("freeing the server's context failed")
 
-    def execute(self, plan: TickPlan) -> tuple[Sequence[int] | None, BaseException | None]:
-        """Decode the plan's batch and sample its output rows: (tokens in plan order, None) or (None, error)."""
+    def execute(self, plan: TickPlan) -> tuple[Sequence[int] | None, list[TokenLogprob | None] | None,
+                                               BaseException | None]:
+        """Decode the plan's batch and sample its output rows.
+
+        Returns ``(tokens, logprobs, None)`` with the tokens in plan order and ``logprobs`` parallel to
+        them (None when no request of the plan asked for logprobs), or ``(None, None, error)``.
+        """
         batch = self.batch
         batch.clear()
         for step in plan.steps:
@@ -240,11 +253,35 @@ class Engine:
             try:
                 check_decode(rc, "llama_decode", batch.n_tokens)
             except DecodeError as error:
-                return None, error
+                return None, None, error
         outputs = [step.slot.sample(step.row + i) for step in plan.steps for i in step.sample]
+        # One attribute test per step when no request asked: ticks without logprobs keep their speed.
+        logprobs = self._logprobs(plan, outputs) \
+            if any(step.request.logprobs is not None for step in plan.steps) else None
         if telemetry.enabled("server.tick"):
             telemetry.emit("server.tick", {
                 "batch_tokens": batch.n_tokens, "decode_tokens": plan.n_decode,
                 "prefill_tokens": batch.n_tokens - plan.n_decode, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
-        return outputs, None
+        return outputs, logprobs, None
+
+    def _logprobs(self, plan: TickPlan, outputs: Sequence[int]) -> list[TokenLogprob | None]:
+        """The entry of each sampled token whose request asked for logprobs, parallel to ``outputs``.
+
+        Computed after sampling: the rows are unchanged until the next decode (samplers copy them).
+        """
+        logits_of, pieces = self._logits_of, self._pieces
+        entries: list[TokenLogprob | None] = []
+        k = 0
+        for step in plan.steps:
+            request = step.request
+            if request.logprobs is None:
+                entries.extend([None] * len(step.sample))
+                k += len(step.sample)
+                continue
+            params = request.params
+            piece = pieces[params.special]
+            for i in step.sample:
+                entries.append(token_logprob(logits_of(step.row + i), outputs[k], params.logprobs or 0, piece))
+                k += 1
+        return entries

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...core.generation import GenerationParams, StopFilter, Timings
+from ...core.logprobs import TokenLogprob
 
 
 class Status(enum.IntEnum):
@@ -38,7 +39,8 @@ _ids = itertools.count(1)
 
 
 class Channel:
-    """Where the scheduler thread puts a request's items (text pieces, then End or an exception).
+    """Where the scheduler thread puts a request's items (text pieces, then End or an exception;
+    with logprobs, each token's :class:`TokenLogprob` before the text it completes).
 
     Synchronous consumers block on a queue; asyncio consumers get items through
     their event loop, so waiting never blocks the loop.
@@ -121,7 +123,9 @@ class _Unset:
 class Request:
     """One generation request, from submission to its end. Owned by the scheduler once admitted.
 
-    ``generated`` and :meth:`timings` are frozen when the request ends.
+    ``generated`` and :meth:`timings` are frozen when the request ends. With
+    ``params.logprobs`` set, ``logprobs`` holds one entry per token of ``generated``
+    (the scheduler appends both together), else it is None.
     """
 
     prompt: list[int]
@@ -141,6 +145,7 @@ class Request:
     cached_tokens: int = 0  # of those, tokens reused from a cache instead of computed
     seq_id: int | None = None  # the slot that served it
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     cancel_requested: bool = False
     queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
@@ -148,6 +153,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampler is None:
             self.sampler = _Unset()
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def prefill_remaining(self) -> int:

@@ -7,8 +7,8 @@ synthetic outputs. One engine step, after vLLM's v1 engine::
     with scheduler.cond: scheduler.take()    # pop waiting requests for the free slots (lock held briefly)
     scheduler.admit()                        # prefix reuse: KV copies/saves/restores, without the lock
     plan = scheduler.schedule()              # pure: which slots decode, which prompt chunks go in
-    outputs = engine.execute(plan)           # one llama_decode, then sample every output row
-    scheduler.update_from_output(plan, outputs)   # eog/stop/length/cancel, text to channels, releases
+    out, lps, err = engine.execute(plan)     # one llama_decode, then sample every output row
+    scheduler.update_from_output(plan, out, err, logprobs=lps)   # eog/stop/length/cancel, text out, releases
 
 A plan is a list of :class:`Step`: one per slot, the tokens it puts in the
 batch and which of them are sampled. Decoding is one token with one sampled
@@ -25,6 +25,7 @@ import time
 from typing import Callable, Sequence
 
 from ... import telemetry
+from ...core.logprobs import TokenLogprob
 from ...errors import CancelledError, ClosedError, LlamaError
 from .request import End, Request, Status
 from .slots import Slot, SlotPool
@@ -230,9 +231,12 @@ class Scheduler:
         return TickPlan(steps, cancelled, n_decode)
 
     def update_from_output(self, plan: TickPlan, outputs: Sequence[int] | None,
-                           error: BaseException | None = None, now: float | None = None) -> None:
+                           error: BaseException | None = None, now: float | None = None, *,
+                           logprobs: Sequence[TokenLogprob | None] | None = None) -> None:
         """Apply a tick: ``outputs`` holds the sampled tokens of every step's ``sample`` rows, in plan
-        order; ``error`` (outputs None) fails the plan's requests, e.g. when the decode failed."""
+        order; ``error`` (outputs None) fails the plan's requests, e.g. when the decode failed.
+        ``logprobs``, parallel to ``outputs`` (None: no request of the tick asked), holds the entry
+        of each sampled token of a request with logprobs."""
         for slot in plan.cancelled:
             self.finish(slot, slot.request, Status.CANCELLED)
         if error is not None:
@@ -252,11 +256,13 @@ class Scheduler:
                 self.prompt_tokens_evaluated += n_prompt
             for _ in step.sample:
                 tok = outputs[k]  # type: ignore[index]
+                entry = logprobs[k] if logprobs is not None else None
                 k += 1
                 if request.ended is None:  # not finished by an earlier token of this step
-                    self._accept(slot, request, tok, now)
+                    self._accept(slot, request, tok, now, entry)
 
-    def _accept(self, slot: Slot, request: Request, tok: int, now: float) -> None:
+    def _accept(self, slot: Slot, request: Request, tok: int, now: float,
+                entry: TokenLogprob | None = None) -> None:
         """One sampled token, counted exactly as the single-sequence token loop counts it."""
         if request.first_token is None:
             request.first_token = now
@@ -265,6 +271,12 @@ class Scheduler:
             self._end(slot, request, "eog")
             return
         request.generated.append(tok)
+        if entry is not None and request.logprobs is not None:
+            # Kept in step with ``generated``, and sent ahead of the text the token completes so a
+            # consumer holds the entries of every token behind the text it has read.
+            request.logprobs.append(entry)
+            if not request.channel.put(entry):
+                request.cancel_requested = True
         text = request.text
         if text is not None:
             piece = text.push(tok)

@@ -5,6 +5,9 @@
         for piece in server.stream("Tell me a story"): ...
         text = await server.agenerate("Hi")            # asyncio
         async for piece in server.astream("Hi"): ...
+        async with server.asubmit("Hi", logprobs=2) as s:   # asyncio, with the request's metadata
+            async for piece in s: ...
+            s.finish_reason, s.tokens, s.logprobs
 
 Every method is thread-safe. One scheduler thread owns the context and, each
 tick, decodes one batch holding the next token of every running request plus
@@ -19,9 +22,10 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
-from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from ...core.context import Context
-from ...core.generation import Completion, GenerationParams, LazyStream, check_prompt, prompt_tokens
+from ...core.generation import Completion, GenerationParams, LazyStream, Timings, check_prompt, prompt_tokens
+from ...core.logprobs import TokenLogprob
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
@@ -31,7 +35,7 @@ from .request import Channel, End, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
 from .strategies import DecodeMaximal, resolve
 
-__all__ = ["Server", "ServerStream", "QueueFullError", "ServerClosedError"]
+__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +43,18 @@ _RESERVED = ("n_seq_max", "embeddings")
 
 
 class _Consumer:
-    """The consumer's end of a request: collects its text pieces, ends on End, raises its error."""
+    """The consumer's end of a request: collects its text pieces (and logprob entries), ends on End,
+    raises its error."""
 
-    __slots__ = ("server", "engine", "request", "pieces", "finish_reason", "error")
+    __slots__ = ("server", "engine", "request", "pieces", "logprobs", "finish_reason", "error")
 
     def __init__(self, server: "Server", request: Request):
         self.server = server  # a stream keeps its server alive (the server never refers to its streams)
         self.engine = server._engine
         self.request = request
         self.pieces: list[str] = []
+        # The entries received so far: in step with ``pieces`` (the request's own list runs ahead).
+        self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
 
@@ -56,6 +63,9 @@ class _Consumer:
         if item.__class__ is str:
             self.pieces.append(item)
             return item
+        if item.__class__ is TokenLogprob:
+            self.logprobs.append(item)  # type: ignore[union-attr]
+            return ""
         if isinstance(item, End):
             self.finish_reason = item.finish_reason
             return ""
@@ -69,8 +79,9 @@ class _Consumer:
 
     def completion(self) -> Completion:
         request = self.request
+        entries = request.logprobs
         return Completion("".join(self.pieces), list(request.generated), self.finish_reason or "length",
-                          len(request.prompt), request.timings())
+                          len(request.prompt), request.timings(), None if entries is None else list(entries))
 
 
 def _pieces(consumer: _Consumer) -> Iterator[str]:
@@ -96,8 +107,8 @@ class ServerStream(LazyStream):
     then gets :class:`~llama_ctypes.CancelledError` (after the pieces already
     produced). ``close()`` from another thread cancels too: a thread waiting in
     ``next()`` gets CancelledError, a later ``next()`` ends the iteration.
-    After the end, ``finish_reason``, ``tokens``, ``text`` and ``timings``
-    describe the result (frozen); ``request`` identifies it for
+    After the end, ``finish_reason``, ``tokens``, ``text``, ``logprobs`` and
+    ``timings`` describe the result (frozen); ``request`` identifies it for
     :meth:`Server.cancel`.
     """
 
@@ -126,6 +137,12 @@ class ServerStream(LazyStream):
     def prompt_tokens(self) -> int:
         return len(self.request.prompt)
 
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Entries of the tokens behind the text read so far (None unless requested with ``logprobs=``);
+        after the end, one per token of ``tokens``."""
+        return self._consumer.logprobs
+
     def cancel(self) -> None:
         """Cancel the request (any thread): a waiting one leaves the queue at once, a running one ends
         at the next tick. The iterating thread gets CancelledError."""
@@ -139,6 +156,120 @@ class ServerStream(LazyStream):
         for _ in self:
             pass
         return self._consumer.completion()
+
+
+class AsyncServerStream:
+    """An asyncio stream of a server request's text pieces, with its metadata (:meth:`Server.asubmit`).
+
+    ``async for piece in stream`` yields ``str`` pieces; waiting never blocks the event
+    loop. Cancelling the consuming task, :meth:`aclose`, leaving an ``async with`` block
+    or dropping the stream cancels the request: its slot and KV are freed at the next
+    tick. :meth:`cancel` works from any thread; the iterating task then gets
+    :class:`~llama_ctypes.CancelledError` (after the pieces already produced). The
+    request's error (e.g. a failed decode) is raised in the iterating task. After the
+    end, ``finish_reason``, ``tokens``, ``text``, ``logprobs`` and ``timings`` describe
+    the result (frozen); ``request`` identifies it for :meth:`Server.cancel`.
+    """
+
+    def __init__(self, server: "Server", request: Request):
+        self.request = request
+        self._consumer = _Consumer(server, request)
+        self._closed = False
+
+    # ---- iteration ----------------------------------------------------------------------------
+    def __aiter__(self) -> "AsyncServerStream":
+        return self
+
+    async def __anext__(self) -> str:
+        consumer = self._consumer
+        aget = self.request.channel.aget
+        # (after End, an error or aclose() nothing more arrives: waiting would hang)
+        while consumer.finish_reason is None and consumer.error is None and not self._closed:
+            try:
+                item = await aget()
+            except BaseException:  # the consuming task was cancelled: the request goes with it
+                consumer.end()
+                raise
+            out = consumer.handle(item)  # raises the request's error
+            if out:
+                return out
+        raise StopAsyncIteration
+
+    async def completion(self) -> Completion:
+        """Run to the end (if not done) and return the :class:`Completion`.
+
+        Raises the request's error (CancelledError when it was cancelled, also by closing the
+        stream before its end).
+        """
+        async for _ in self:
+            pass
+        consumer = self._consumer
+        if consumer.finish_reason is None:
+            if consumer.error is not None:  # raised once already by the iteration; raised again here
+                raise consumer.error
+            raise CancelledError("the stream was closed before the request finished")
+        return consumer.completion()
+
+    def cancel(self) -> None:
+        """Cancel the request (any thread): a waiting one leaves the queue at once, a running one ends
+        at the next tick."""
+        self._consumer.engine.cancel(self.request)
+
+    async def aclose(self) -> None:
+        """Stop reading; cancel the request if it has not finished (idempotent). Does not wait for the
+        slot: it is freed at the next tick."""
+        self._closed = True
+        self._consumer.end()
+
+    async def __aenter__(self) -> "AsyncServerStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # ``async for`` does not close a plain async iterator it leaves (``break``): dropping the
+        # stream must still free the slot. (The consumer never refers back to the stream.)
+        try:
+            self._consumer.end()
+        except Exception:
+            pass
+
+    # ---- results ------------------------------------------------------------------------------
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"`` or ``"eog"`` after a natural end; None before it (or when cancelled)."""
+        return self._consumer.finish_reason
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token ids generated so far (the scheduler's view: may run ahead of ``text``)."""
+        return self.request.generated
+
+    @property
+    def text(self) -> str:
+        """The text read so far."""
+        return "".join(self._consumer.pieces)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.request.prompt)
+
+    @property
+    def timings(self) -> Timings:
+        """Timings so far (milliseconds); frozen at the end."""
+        return self.request.timings()
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Entries of the tokens behind the text read so far (None unless requested with ``logprobs=``);
+        after the end, one per token of ``tokens``."""
+        return self._consumer.logprobs
+
+    def __repr__(self) -> str:
+        return (f"<AsyncServerStream request={self.request.id} status={self.request.status.name.lower()} "
+                f"tokens={len(self.request.generated)}>")
 
 
 class Server:
@@ -262,8 +393,8 @@ class Server:
 
     def stream(self, prompt: str, **opts: Any) -> ServerStream:
         """Stream text pieces for ``prompt``. Per-request options: sampling (temp, seed, grammar,
-        json_schema, ...) and generation (max_tokens, stop, ...); ``session`` is accepted for
-        affinity. Raises QueueFullError at once when the queue is full."""
+        json_schema, ...) and generation (max_tokens, stop, logprobs, ...); ``session`` is accepted
+        for affinity. Raises QueueFullError at once when the queue is full."""
         return ServerStream(self, self._request(prompt, opts, None))
 
     def stream_tokens(self, tokens: Sequence[int], **opts: Any) -> ServerStream:
@@ -278,38 +409,48 @@ class Server:
         """Like :meth:`generate`, for a pre-tokenized prompt."""
         return self.stream_tokens(tokens, **opts).completion()
 
+    def asubmit(self, prompt: str | Sequence[int], **opts: Any) -> AsyncServerStream:
+        """Submit a request from a running asyncio event loop; returns its :class:`AsyncServerStream`.
+
+        Synchronous: the request is validated and queued at once, so invalid options,
+        QueueFullError and ServerClosedError are raised here, as :meth:`stream` raises them.
+        Same options as :meth:`stream`; ``prompt`` is text or token ids. Outside a running
+        event loop it raises RuntimeError.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("Server.asubmit needs a running asyncio event loop (use stream() from "
+                               "synchronous code)") from None
+        return AsyncServerStream(self, self._request(prompt, opts, loop))
+
     async def astream(self, prompt: str | Sequence[int], **opts: Any) -> AsyncIterator[str]:
         """Async iterator of text pieces; waiting never blocks the event loop.
 
-        Cancelling the consuming task (or closing the iterator) cancels the request.
+        The request is submitted at the first iteration. Cancelling the consuming task (or closing
+        the iterator) cancels the request. :meth:`asubmit` gives the pieces with the request's metadata.
         """
-        consumer = _Consumer(self, self._request(prompt, opts, asyncio.get_running_loop()))
-        aget = consumer.request.channel.aget
+        stream = self.asubmit(prompt, **opts)
         try:
-            while consumer.finish_reason is None:
-                out = consumer.handle(await aget())
-                if out:
-                    yield out
+            async for piece in stream:
+                yield piece
         finally:
-            consumer.end()
+            stream._consumer.end()  # (not ``await aclose()``: an async generator being closed may not wait)
 
     async def agenerate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
         """Generate to completion without blocking the event loop (cancelling the task cancels the request)."""
-        consumer = _Consumer(self, self._request(prompt, opts, asyncio.get_running_loop()))
-        channel = consumer.request.channel
+        stream = self.asubmit(prompt, **opts)
         try:
-            while consumer.finish_reason is None:
-                consumer.handle(await channel.aget())
+            return await stream.completion()
         finally:
-            consumer.end()
-        return consumer.completion()
+            stream._consumer.end()
 
     # ---- control ------------------------------------------------------------------------------
-    def cancel(self, request: Request | ServerStream) -> None:
+    def cancel(self, request: Request | ServerStream | AsyncServerStream) -> None:
         """Cancel a request (or the request of a stream), from any thread: a waiting request leaves the
         queue at once, a running one ends at the next tick, freeing its slot. Its consumer gets
         CancelledError."""
-        if isinstance(request, ServerStream):
+        if isinstance(request, (ServerStream, AsyncServerStream)):
             request = request.request
         self._engine.cancel(request)
 
