@@ -1,6 +1,7 @@
 """The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
 
-Subcommands: ``generate``, ``chat``, ``hub search|list|download``, ``bench``, ``info``, ``devices``, ``version``.
+Subcommands: ``generate``, ``chat``, ``serve``, ``hub search|list|download``, ``bench``, ``info``, ``devices``,
+``version``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,42 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .http.serve import run  # (the server extra is imported only here)
+
+    return run(args)
+
+
+def _add_serve_parser(sub) -> None:
+    """``serve``: llama-server's option names where it has them (see docs/http_server.md)."""
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings, ...)",
+                       description="Serve one model (MODEL, --hub) or several (--config models.toml) over an "
+                                   "OpenAI-compatible HTTP API.")
+    p.add_argument("model", nargs="?", help="GGUF file")
+    p.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
+    p.add_argument("--config", help="TOML file listing several models (see docs/http_server.md)")
+    p.add_argument("--alias", help="the model's name in requests (default: the file name without .gguf)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); default: $LLAMA_CTYPES_API_KEY")
+    p.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml)")
+    p.add_argument("--embedding", action="store_true", help="serve MODEL for embeddings/rerank (direct mode)")
+    p.add_argument("--n-parallel", "-np", type=int, help="requests decoded together (slots), default 4")
+    p.add_argument("--ctx-size", "-c", type=int, help="context tokens per slot, default 4096")
+    p.add_argument("--batch-size", "-b", type=int, help="most tokens per decode, default 512")
+    p.add_argument("--n-gpu-layers", "-ngl", type=int, help="layers on the GPU (default -1: all)")
+    p.add_argument("--threads", "-t", type=int, help="CPU threads")
+    p.add_argument("--flash-attn", "-fa", choices=["auto", "enabled", "disabled"])
+    p.add_argument("--max-queue", type=int, help="most requests waiting for a slot; beyond it 429 (0: no limit)")
+    p.add_argument("--max-tokens", "-n", type=int,
+                   help="default max_tokens of a request (default -1: until the answer or the context ends)")
+    p.add_argument("--no-kv-unified", action="store_true",
+                   help="a KV buffer per slot: output independent of batch-mates (no cross-slot prefix reuse)")
+    p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
+    p.set_defaults(func=cmd_serve)
+
+
 def cmd_hub(args: argparse.Namespace) -> int:
     from ..features import hub
 
@@ -228,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--n-gpu-layers", type=int, default=-1)
     chat.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     chat.set_defaults(func=cmd_chat)
+
+    _add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="prefill/decode speed of a model (llama-bench shapes)")
     bench.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")

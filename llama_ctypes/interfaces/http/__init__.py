@@ -1,0 +1,10 @@
+"""An OpenAI-compatible HTTP server over a ModelManager (``llama-ctypes serve``).
+
+Needs the ``server`` extra (``pip install 'llama_ctypes[server]'``: Starlette, uvicorn,
+prometheus-client, pydantic). See docs/http_server.md.
+"""
+
+from .app import create_app
+from .routing import ModelSettings
+
+__all__ = ["create_app", "ModelSettings"]

@@ -1,0 +1,106 @@
+"""The Starlette app: routes, the error shape, the middleware and the app's lifetime.
+
+    app = create_app(manager, api_key="secret", models={"chat": ModelSettings(chat_template="chatml")})
+    uvicorn.run(app, host="127.0.0.1", port=8080)
+
+Everything runs on one event loop: generation waits on the servers' async
+streams, native work that would block (templating, tokenizing, embedding) runs
+in worker threads, and concurrent requests meet in each model's batching server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Mapping
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from ...engines.manager import ModelManager
+from .common import MAX_BODY_BYTES, AppContext
+from .errors import APIError
+from .metrics import Metrics
+from .middleware import ServiceMiddleware
+from .routes.chat import chat_completions
+from .routes.completions import completions
+from .routes.embeddings import embeddings, rerank
+from .routes.service import detokenize, health, metrics, models, tokenize
+from .routing import ModelSettings, Router
+
+logger = logging.getLogger(__name__)
+
+#: (paths, methods, endpoint, the endpoint's label in the metrics)
+_ROUTES = [
+    (("/v1/chat/completions", "/chat/completions"), ["POST"], chat_completions, "chat_completions"),
+    (("/v1/completions", "/completions"), ["POST"], completions, "completions"),
+    (("/v1/embeddings", "/embeddings"), ["POST"], embeddings, "embeddings"),
+    (("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"), ["POST"], rerank, "rerank"),
+    (("/v1/models", "/models"), ["GET"], models, "models"),
+    (("/health", "/v1/health"), ["GET"], health, "health"),
+    (("/metrics",), ["GET"], metrics, "metrics"),
+    (("/tokenize",), ["POST"], tokenize, "tokenize"),
+    (("/detokenize",), ["POST"], detokenize, "detokenize"),
+]
+_LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
+
+
+def _endpoint_label(path: str) -> str:
+    return _LABELS.get(path, "other")  # (unknown paths share one label: no unbounded label values)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    error = APIError(exc.detail or "error")
+    error.status = exc.status_code
+    error.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    error.code = "not_found" if exc.status_code == 404 else None
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
+
+
+def create_app(manager: ModelManager, *, api_key: str | None = None,
+               models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               close_manager: bool = False) -> Starlette:
+    """An OpenAI-compatible ASGI app over the models of ``manager``.
+
+    Args:
+        manager: the models, by id (generation needs a model in ``server`` mode, embeddings and
+            reranking one in ``direct`` mode). Loads may still be running: the model answers 503
+            (and /health too) until it is ready.
+        api_key: when set, every endpoint but /health needs ``Authorization: Bearer <key>``
+            (or ``X-Api-Key``).
+        models: per-model HTTP settings by id (chat template, aliases).
+        max_body_bytes: larger request bodies are refused with 413 while they are read.
+        close_manager: close the manager when the app shuts down.
+    """
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (None disables the check)")
+    router = Router(manager, models)
+    context = AppContext(router=router, metrics=Metrics(router.server_stats), api_key=api_key,
+                         max_body_bytes=max_body_bytes, close_manager=close_manager)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            context.closing = True
+            if context.close_manager:
+                await anyio.to_thread.run_sync(manager.close)
+
+    routes = [Route(path, fn, methods=methods) for paths, methods, fn, _ in _ROUTES for path in paths]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=[Middleware(ServiceMiddleware, context=context, endpoint_of=_endpoint_label)])
+    app.state.llama = context
+    return app
+
+
+__all__ = ["create_app", "ModelSettings"]

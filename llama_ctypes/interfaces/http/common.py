@@ -1,0 +1,101 @@
+"""What every endpoint shares: the app's context, body reading, the endpoint wrapper, OpenAI ids."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ... import __version__
+from .errors import BodyTooLarge, from_exception
+from .metrics import Metrics
+from .routing import Router
+from .streaming import ClientGone
+
+logger = logging.getLogger(__name__)
+
+#: Default request body limit (bytes).
+MAX_BODY_BYTES = 8 * 2**20
+#: Beyond the limit, the rest of a body is read and dropped up to this many bytes, so the client
+#: (still sending) gets the 413 instead of a reset connection; a larger body has the connection cut.
+_DRAIN_BYTES = 64 * 2**20
+
+SYSTEM_FINGERPRINT = f"llama_ctypes-{__version__}"
+
+#: OpenAI's finish reasons for ours ("eog": the model ended its turn).
+FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass
+class AppContext:
+    """The state an app's endpoints share (``request.app.state.llama``)."""
+
+    router: Router
+    metrics: Metrics
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    close_manager: bool = False
+    closing: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds ``limit`` bytes (before any parsing)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request, int(declared))
+        raise BodyTooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request, size)
+            raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, seen: int) -> None:
+    if seen > _DRAIN_BYTES:
+        return
+    try:
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if seen > _DRAIN_BYTES:
+                return
+    except Exception:  # (a disconnect, or a stream already consumed)
+        return
+
+
+Handler = Callable[[Request, AppContext], Awaitable[Response]]
+
+
+def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """An endpoint whose errors come out in OpenAI's shape (and a 499 when its client left)."""
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await fn(request, request.app.state.llama)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the metrics count it
+        except Exception as exc:  # noqa: BLE001 - every error becomes a response
+            return from_exception(exc).response()
+
+    return wrapper
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -1,0 +1,108 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every endpoint raises :class:`APIError` for what it refuses itself; library errors
+(:class:`~llama_ctypes.LlamaError` and its subclasses) are mapped to a status by
+:func:`from_exception`, and anything else becomes a 500 whose body says nothing of
+the internals (the traceback goes to the log).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from ...engines.server.scheduler import QueueFullError, ServerClosedError
+from ...errors import (
+    ArgumentTypeError,
+    ClosedError,
+    ContextOverflowError,
+    InsufficientMemoryError,
+    InvalidArgumentError,
+    LlamaError,
+    SchemaError,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a client is asked to wait after a 429 (queue full) or a 503 (loading).
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI error type, the offending field (``param``) and a code."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class BadRequest(APIError):
+    status, type, code = 400, "invalid_request_error", None
+
+
+class Unauthorized(APIError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class NotFound(APIError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class BodyTooLarge(APIError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class TooManyRequests(APIError):
+    status, type, code = 429, "rate_limit_error", "queue_full"
+
+    def __init__(self, message: str, **kw: Any):
+        super().__init__(message, headers={"Retry-After": str(RETRY_AFTER_S)}, **kw)
+
+
+class Unavailable(APIError):
+    status, type, code = 503, "unavailable_error", "unavailable"
+
+    def __init__(self, message: str, **kw: Any):
+        super().__init__(message, headers={"Retry-After": str(RETRY_AFTER_S)}, **kw)
+
+
+class InternalError(APIError):
+    status, type, code = 500, "server_error", None
+
+
+def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
+    """The response for an exception raised while serving a request (logs the unexpected ones)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return TooManyRequests(str(exc))
+    if isinstance(exc, (ServerClosedError, ClosedError)):
+        return Unavailable(f"the model is not available: {exc}")
+    if isinstance(exc, ContextOverflowError):
+        return BadRequest(str(exc), param=param, code="context_length_exceeded")
+    if isinstance(exc, SchemaError):
+        return BadRequest(str(exc), param=param or "response_format", code="invalid_schema")
+    if isinstance(exc, InsufficientMemoryError):
+        return Unavailable(str(exc))
+    if isinstance(exc, (InvalidArgumentError, ArgumentTypeError)) or (
+            isinstance(exc, LlamaError) and isinstance(exc, (ValueError, TypeError, IndexError))):
+        return BadRequest(str(exc), param=param)
+    logger.error("internal error while serving a request", exc_info=exc)
+    return InternalError("internal server error")

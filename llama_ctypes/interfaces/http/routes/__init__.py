@@ -1,0 +1,1 @@
+"""The endpoints, one module per group: chat, completions, embeddings (and rerank), service."""

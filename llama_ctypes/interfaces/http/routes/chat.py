@@ -1,0 +1,164 @@
+"""POST /v1/chat/completions (also /chat/completions).
+
+The chat pipeline (:func:`~llama_ctypes.features.tool_calls.plan_chat`) renders
+and tokenizes the conversation in a worker thread; the ``n`` choices go to the
+model's batching server as requests of their own (``Server.asubmit``), and each
+choice's :class:`ChatOutput` turns its text into OpenAI deltas (content,
+reasoning_content, tool_calls) and the final message.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ....core.grammar import json_schema_to_gbnf
+from ....features.tool_calls import plan_chat
+from ..common import FINISH_REASONS, SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
+from ..errors import BadRequest
+from ..generation import (cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options,
+                          submit)
+from ..schemas import ChatCompletionRequest, parse
+from ..streaming import EventStream, merge, until_disconnect
+
+
+def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[str, Any]]:
+    """(enable_thinking, the other template variables) from ``chat_template_kwargs`` and ``reasoning_effort``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    thinking = kwargs.pop("enable_thinking", None)
+    if thinking is not None and not isinstance(thinking, bool):
+        raise BadRequest("invalid 'chat_template_kwargs.enable_thinking': expected true or false",
+                         param="chat_template_kwargs.enable_thinking")
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    return thinking, kwargs
+
+
+def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None) -> tuple[Any, dict[str, Any]]:
+    """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
+    converts the JSON schema to a grammar)."""
+    thinking, kwargs = _template_options(body)
+    schema = body.response_format.schema() if body.response_format is not None else None
+    plan = plan_chat(model, [m.for_template() for m in body.messages], tools=body.tools,
+                     tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+                     parallel_tool_calls=body.parallel_tool_calls, chat_template=chat_template,
+                     enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema)
+    options = dict(plan.options)
+    if options.get("json_schema") is not None:
+        # converted here, off the event loop (the server's sampler would do it on submission)
+        options["grammar"] = json_schema_to_gbnf(options.pop("json_schema"))
+    return plan, options
+
+
+def _finish_reason(stream: Any, message: dict[str, Any]) -> str:
+    if message.get("tool_calls"):
+        return "tool_calls"
+    return FINISH_REASONS.get(stream.finish_reason or "length", "stop")
+
+
+@endpoint
+async def chat_completions(request: Request, app: AppContext) -> Response:
+    body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
+    model_id, server = app.router.server(body.model)
+    template = app.router.settings_of(model_id).chat_template
+    plan, required = await anyio.to_thread.run_sync(functools.partial(_plan, server.get_model(), body, template))
+    opts = merge_options(sampling_options(body, body.max_completion_tokens or body.max_tokens), required)
+    if body.logprobs:
+        opts["logprobs"] = body.top_logprobs or 0
+    streams = submit(server, plan.prompt, opts, body.n)
+    try:
+        reply = _Reply(app, model_id, body, streams, [plan.output() for _ in streams], len(plan.prompt))
+    except BaseException:
+        cancel_all(streams)
+        raise
+    if body.stream:
+        return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams))  # type: ignore[return-value]
+    result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
+    return JSONResponse(result)
+
+
+class _Reply:
+    """One chat request's choices, as one response or as a stream of chunks."""
+
+    def __init__(self, app: AppContext, model_id: str, body: ChatCompletionRequest, streams: list, outputs: list,
+                 prompt_tokens: int):
+        self.app, self.model_id, self.body = app, model_id, body
+        self.streams, self.outputs = streams, outputs
+        self.prompt_tokens = prompt_tokens
+        self.id = new_id("chatcmpl")
+        self.created = int(time.time())
+
+    def _usage(self) -> dict[str, Any]:
+        cached = min((s.timings.cached_tokens for s in self.streams), default=0)
+        return usage(self.prompt_tokens, sum(len(s.tokens) for s in self.streams), cached)
+
+    def _done(self, stream: Any) -> None:
+        self.app.metrics.generation_done(self.model_id, stream.prompt_tokens, len(stream.tokens), stream.timings)
+
+    # ---- one response ----
+    async def _choice(self, index: int) -> dict[str, Any]:
+        stream, out = self.streams[index], self.outputs[index]
+        async for piece in stream:
+            out.feed(piece)
+        message = out.finish()
+        self._done(stream)
+        logprobs = chat_logprobs(stream.logprobs or []) if self.body.logprobs else None
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(stream, message)}
+
+    async def complete(self) -> dict[str, Any]:
+        choices = await gather_all([self._choice(i) for i in range(len(self.streams))], self.streams)
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
+
+    # ---- a stream of chunks ----
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
+                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+        if self.body.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return chunk
+
+    async def _choice_chunks(self, index: int) -> AsyncIterator[dict[str, Any]]:
+        stream, out = self.streams[index], self.outputs[index]
+        want_logprobs = bool(self.body.logprobs)
+        sent = 0
+        pending: list[Any] = []  # token logprobs not yet attached to a chunk
+
+        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            nonlocal pending
+            lp = None
+            if want_logprobs and (pending or finish is not None):
+                lp, pending = chat_logprobs(pending), []
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+        async for piece in stream:
+            deltas = out.feed(piece)
+            if want_logprobs:
+                new, sent = new_logprobs(stream, sent)
+                pending += new
+            for delta in deltas:
+                yield self._chunk([choice(delta)])
+        for delta in out.end():
+            yield self._chunk([choice(delta)])
+        if want_logprobs:
+            pending += new_logprobs(stream, sent)[0]
+        message = out.finish()
+        self._done(stream)
+        yield self._chunk([choice({}, _finish_reason(stream, message))])
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        for i in range(len(self.streams)):
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None}])
+        async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):
+            yield chunk
+        if self.body.include_usage:
+            yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                   "model": self.model_id, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
+                   "usage": self._usage()}

@@ -1,0 +1,75 @@
+"""POST /v1/embeddings (also /embeddings) and POST /v1/rerank (also /rerank, llama-server's shape).
+
+Embedding and reranking run native code synchronously, so they run in a worker
+thread (through the ModelManager, which sizes their contexts); the event loop
+keeps serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+from typing import Any
+
+import anyio
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..common import AppContext, endpoint, read_body
+from ..errors import BadRequest
+from ..schemas import EmbeddingRequest, RerankRequest, parse
+
+
+def _embed(manager: Any, model_id: str, texts: list[str]) -> tuple[np.ndarray, int]:
+    """The vectors and the number of input tokens (a worker thread)."""
+    vocab = manager.model(model_id).vocab
+    n_tokens = sum(len(vocab.tokenize(t, add_special=True, parse_special=False)) for t in texts)
+    return np.asarray(manager.embed(model_id, texts), dtype=np.float32), n_tokens
+
+
+@endpoint
+async def embeddings(request: Request, app: AppContext) -> Response:
+    body = parse(EmbeddingRequest, await read_body(request, app.max_body_bytes))
+    info = app.router.resolve(body.model)
+    if "embed" not in info.capabilities:
+        raise BadRequest(f"the model {info.id!r} cannot embed (load it with mode='direct'; "
+                         f"it can {', '.join(info.capabilities)})", param="model")
+    vectors, n_tokens = await anyio.to_thread.run_sync(
+        functools.partial(_embed, app.router.manager, info.id, body.texts()))
+    if body.dimensions is not None and body.dimensions != vectors.shape[-1]:
+        raise BadRequest(f"the model {info.id!r} makes {vectors.shape[-1]}-dimensional embeddings; "
+                         f"dimensions={body.dimensions} is not supported", param="dimensions")
+    data = []
+    for i, vec in enumerate(vectors):
+        if body.encoding_format == "base64":
+            value: Any = base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+        else:
+            value = vec.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return JSONResponse({"object": "list", "data": data, "model": info.id,
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+
+def _rerank(manager: Any, model_id: str, query: str, documents: list[str]) -> tuple[list[float], int]:
+    vocab = manager.model(model_id).vocab
+    n_query = len(vocab.tokenize(query, add_special=True, parse_special=False))
+    n_tokens = sum(n_query + len(vocab.tokenize(d, add_special=False, parse_special=False)) for d in documents)
+    return manager.rerank(model_id, query, documents), n_tokens
+
+
+@endpoint
+async def rerank(request: Request, app: AppContext) -> Response:
+    body = parse(RerankRequest, await read_body(request, app.max_body_bytes))
+    info = app.router.resolve(body.model)
+    if "rerank" not in info.capabilities:
+        raise BadRequest(f"the model {info.id!r} is not a reranking model (it can {', '.join(info.capabilities)})",
+                         param="model")
+    scores, n_tokens = await anyio.to_thread.run_sync(
+        functools.partial(_rerank, app.router.manager, info.id, body.query, body.documents))
+    ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    if body.top_n is not None:
+        ranked = ranked[:body.top_n]
+    return JSONResponse({"model": info.id, "object": "list",
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+                         "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})

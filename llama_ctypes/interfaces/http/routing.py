@@ -1,0 +1,96 @@
+"""Which model serves a request: the request's ``model`` field → a ModelManager id.
+
+With one model, any name routes to it (as llama-server does); with several, the
+name must be a model id (or an alias), and an unknown one is a 404. A missing
+``model`` goes to the manager's default. A model still loading, or one that
+failed to load, answers 503.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...core.model import Model
+from ...engines.manager import ModelInfo, ModelManager
+from ...engines.server import Server
+from .errors import BadRequest, NotFound, Unavailable
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Per-model settings of the HTTP layer (the manager holds the rest)."""
+
+    chat_template: str | None = None
+    """Jinja source or a built-in format name; None = the model's own template."""
+    aliases: tuple[str, ...] = ()
+    """More names the ``model`` field may use."""
+
+
+class Router:
+    """Resolves model names and hands out the Server (generation) or the Model (embeddings, tokens)."""
+
+    def __init__(self, manager: ModelManager, settings: Mapping[str, ModelSettings] | None = None):
+        self.manager = manager
+        self.settings = dict(settings or {})
+        self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
+
+    def resolve(self, name: str | None) -> ModelInfo:
+        """The model a request names (raises NotFound, or Unavailable while it loads or after it failed)."""
+        infos = {i.id: i for i in self.manager.list()}
+        if name in infos:
+            info = infos[name]  # type: ignore[index]
+        elif name in self._aliases and self._aliases[name] in infos:
+            info = infos[self._aliases[name]]
+        elif len(infos) == 1 or (not name and self.manager.default in infos):
+            info = next(iter(infos.values())) if len(infos) == 1 else infos[self.manager.default]  # type: ignore[index]
+        else:
+            known = ", ".join(sorted(infos)) or "none"
+            raise NotFound(f"the model {name!r} does not exist (models: {known})", param="model")
+        if info.status == "loading":
+            raise Unavailable(f"the model {info.id!r} is loading")
+        if info.status == "failed":
+            raise Unavailable(f"the model {info.id!r} failed to load: {info.error}", code="model_failed")
+        return info
+
+    def settings_of(self, model_id: str) -> ModelSettings:
+        return self.settings.get(model_id, ModelSettings())
+
+    def server(self, name: str | None) -> tuple[str, Server]:
+        """The batching server of the model a generation request names."""
+        info = self.resolve(name)
+        if "generate" not in info.capabilities:
+            raise BadRequest(f"the model {info.id!r} cannot generate text (it can {', '.join(info.capabilities)})",
+                             param="model")
+        if info.mode != "server":
+            raise BadRequest(f"the model {info.id!r} is loaded in direct mode; generation over HTTP needs "
+                             "mode='server'", param="model")
+        return info.id, _server_of(self.manager, info.id)
+
+    def model(self, name: str | None) -> tuple[str, Model]:
+        """The :class:`Model` of the model a request names (for tokenizing)."""
+        info = self.resolve(name)
+        return info.id, self.manager.model(info.id)
+
+    def servers(self) -> dict[str, Server]:
+        """Every ready server-mode model's server (for the metrics and /health)."""
+        out = {}
+        for info in self.manager.list():
+            if info.status == "ready" and info.mode == "server":
+                try:
+                    out[info.id] = _server_of(self.manager, info.id)
+                except Exception:  # unloaded in between
+                    continue
+        return out
+
+    def server_stats(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for model_id, server in self.servers().items():
+            if not server.closed:
+                out[model_id] = server.stats()
+        return out
+
+
+def _server_of(manager: ModelManager, model_id: str) -> Server:
+    # Only called for a ready model, so it never waits for a load.
+    return manager.server(model_id)

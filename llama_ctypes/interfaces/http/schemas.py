@@ -1,0 +1,270 @@
+"""Request bodies of the HTTP endpoints, validated with pydantic v2.
+
+Unknown fields are ignored (as OpenAI does); a field of the wrong type or out of
+range is refused with a 400 that names it (``error.param``, e.g.
+``messages[0].content``). Validation is strict: ``"0.5"`` is not a number and
+``true`` is not an integer, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import BadRequest
+
+T = TypeVar("T", bound=BaseModel)
+
+#: Most choices (``n``) one request may ask for: each one is a request to the batching server.
+MAX_CHOICES = 16
+#: Most alternatives per token in ``top_logprobs`` / ``logprobs`` (as llama-server and OpenAI).
+MAX_TOP_LOGPROBS = 20
+
+_UNSUPPORTED_PARTS = {"image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images"}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    #: llama-server's extension: a schema for ``json_object``.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type 'json_schema' needs json_schema.schema")
+        return self
+
+    def schema(self) -> Mapping[str, Any] | None:
+        """The JSON schema the output must follow (None: free text)."""
+        if self.type == "json_schema":
+            return self.json_schema.schema_  # type: ignore[union-attr]
+        if self.type == "json_object":
+            return self.schema_ if self.schema_ is not None else {"type": "object"}
+        return None
+
+
+class Message(BaseModel):
+    """One chat message. Extra fields travel to the chat template untouched."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        for i, part in enumerate(content):
+            kind = part.get("type")
+            if kind in _UNSUPPORTED_PARTS:
+                raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} ({kind!r}) are not supported "
+                                 "by this server (text only)")
+            if kind != "text":
+                raise ValueError(f"content part {i}: unknown type {kind!r} (expected 'text')")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i}: 'text' must be a string")
+        return content
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (text parts joined into one string)."""
+        out = self.model_dump(exclude_none=True)
+        out["content"] = "".join(p["text"] for p in self.content) if isinstance(self.content, list) else self.content
+        return out
+
+
+class SamplingFields(_Body):
+    """Fields chat and text completions share."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id (a decimal integer string)")
+            if not -100 <= value <= 100:
+                raise ValueError(f"the bias of token {key} is {value}, outside [-100, 100]")
+        return bias
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be an empty list")
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
+        return suffix
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            raise ValueError("input must be a string or a list of strings (token arrays are not supported)")
+        if value == []:
+            raise ValueError("input must not be empty")
+        return value
+
+    def texts(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class RerankRequest(_Body):
+    model: str | None = None
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: int | None = Field(None, ge=1)
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def param_name(loc: Sequence[Any]) -> str | None:
+    """``("messages", 0, "content")`` → ``"messages[0].content"`` (pydantic's union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper():
+            continue  # a union member's tag ("str", "list[str]", "ResponseFormat"), not a field
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def parse(cls: type[T], body: bytes) -> T:
+    """Validate a JSON body; raises :class:`BadRequest` naming the first wrong field."""
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0]
+        if first["type"] == "json_invalid":
+            raise BadRequest(f"the body is not valid JSON: {first['msg']}", code="invalid_json") from None
+        if first["type"] == "model_type" and not first["loc"]:
+            raise BadRequest("the body must be a JSON object") from None
+        param = param_name(first["loc"])
+        msg = first["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if first["type"] == "missing":
+            msg = "this field is required"
+        raise BadRequest(f"invalid '{param}': {msg}" if param else msg, param=param) from None

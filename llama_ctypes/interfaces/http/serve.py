@@ -1,0 +1,207 @@
+"""``llama-ctypes serve``: the models to load (one GGUF, a Hub file, or a TOML config) and uvicorn.
+
+A config file lists the models for a :class:`ModelManager`::
+
+    memory_budget = "auto"          # optional: bytes, "auto", or {ram = ..., vram = [...]}
+
+    [[models]]
+    id = "chat"                     # the name requests use in "model"
+    path = "qwen3-4b-q4_k_m.gguf"   # relative to this file; or hub = ["owner/repo", "file.gguf"]
+    default = true                  # where requests without "model" go
+    chat_template = "chatml"        # optional: a built-in name, or a Jinja file
+    aliases = ["gpt-4o-mini"]       # optional: more names for it
+    n_parallel = 4                  # any ModelManager.load option: server, model, context
+    n_ctx = 8192                    # options and request defaults (temp, max_tokens, ...)
+
+    [[models]]
+    id = "embed"
+    path = "bge-small-en-v1.5-q8_0.gguf"
+    mode = "direct"                 # embedding and reranking models run in direct mode
+
+The server starts listening at once; the models load in the background (503 until
+they are ready). A model that fails to load stops the server with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLAMA_CTYPES_API_KEY"
+
+# CLI option → load option, applied to every model (a model's own config entry wins). Direct-mode
+# models (embeddings, reranking) take only the model and thread options.
+_CLI_LOAD_OPTIONS = {"n_parallel": "n_parallel", "ctx_size": "n_ctx", "batch_size": "n_batch",
+                     "n_gpu_layers": "n_gpu_layers", "threads": "n_threads", "flash_attn": "flash_attn",
+                     "max_queue": "max_queue", "max_tokens": "max_tokens"}
+_DIRECT_OPTIONS = ("n_gpu_layers", "n_threads", "n_threads_batch")
+#: A request without max_tokens runs until the end of its answer or of its slot's context (as llama-server).
+DEFAULT_MAX_TOKENS = -1
+# Keys of a config entry that belong to the HTTP layer, not to ModelManager.load.
+_HTTP_KEYS = ("chat_template", "aliases")
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise SystemExit("llama-ctypes serve: --config needs Python 3.11+ (or the tomli package)") from None
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def template_source(value: str | None, base: Path | None = None) -> str | None:
+    """A chat template option: a file of Jinja source (relative to ``base``), else a built-in name or source."""
+    if value is None:
+        return None
+    path = Path(value)
+    if base is not None and not path.is_absolute():
+        path = base / path
+    return path.read_text() if path.is_file() else value
+
+
+def models_from_config(path: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """(memory_budget, one dict of ModelManager.load arguments plus HTTP keys per model) from a TOML file."""
+    data = _toml(path)
+    unknown = sorted(set(data) - {"memory_budget", "models"})
+    if unknown:
+        raise InvalidArgumentError(f"{path}: unknown top-level keys {unknown} (expected memory_budget, [[models]])")
+    models = data.get("models")
+    if not isinstance(models, list) or not models:
+        raise InvalidArgumentError(f"{path}: expected at least one [[models]] table")
+    base = path.resolve().parent
+    out = []
+    for i, entry in enumerate(models):
+        entry = dict(entry)
+        if "id" not in entry or not isinstance(entry["id"], str):
+            raise InvalidArgumentError(f"{path}: models[{i}] needs an id (a string)")
+        if ("path" in entry) == ("hub" in entry):
+            raise InvalidArgumentError(f"{path}: model {entry['id']!r} needs exactly one of path or hub")
+        if "path" in entry:
+            source: Any = Path(entry.pop("path")).expanduser()
+            entry["source"] = str(source if source.is_absolute() else base / source)
+        else:
+            hub = entry.pop("hub")
+            if not (isinstance(hub, list) and len(hub) == 2 and all(isinstance(h, str) for h in hub)):
+                raise InvalidArgumentError(f"{path}: model {entry['id']!r}: hub = [\"owner/repo\", \"file.gguf\"]")
+            entry["source"] = ("hub", hub[0], hub[1])
+        if "chat_template" in entry:
+            entry["chat_template"] = template_source(entry["chat_template"], base)
+        aliases = entry.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise InvalidArgumentError(f"{path}: model {entry['id']!r}: aliases must be a list of strings")
+        out.append(entry)
+    return data.get("memory_budget"), out
+
+
+def _with_cli_options(spec: dict[str, Any], cli_opts: Mapping[str, Any]) -> dict[str, Any]:
+    if spec.get("mode") == "direct":
+        return {**{k: v for k, v in cli_opts.items() if k in _DIRECT_OPTIONS}, **spec}
+    return {"max_tokens": DEFAULT_MAX_TOKENS, **cli_opts, **spec}
+
+
+def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
+    """(memory_budget, model specs) from the command line: a config file, a Hub file or a GGUF path."""
+    cli_opts = {load: getattr(args, name) for name, load in _CLI_LOAD_OPTIONS.items()
+                if getattr(args, name, None) is not None}
+    if "n_threads" in cli_opts:
+        cli_opts["n_threads_batch"] = cli_opts["n_threads"]  # (llama-server: -tb defaults to -t)
+    if args.no_kv_unified:
+        cli_opts["kv_unified"] = False
+    if args.no_cache_prompt:
+        cli_opts["cache_prompt"] = False
+    if args.config:
+        if args.model or args.hub:
+            raise ArgumentTypeError("pass either MODEL, --hub or --config")
+        budget, specs = models_from_config(Path(args.config))
+        specs = [_with_cli_options(spec, cli_opts) for spec in specs]
+        if args.chat_template:
+            for spec in specs:
+                spec.setdefault("chat_template", template_source(args.chat_template))
+        return budget, specs
+    if args.hub:
+        source: Any = ("hub", args.hub[0], args.hub[1])
+        name = Path(args.hub[1]).stem
+    elif args.model:
+        source = str(Path(args.model).expanduser())
+        name = Path(args.model).stem
+    else:
+        raise ArgumentTypeError("no model: pass MODEL.gguf, --hub REPO FILE or --config models.toml")
+    spec: dict[str, Any] = {"id": args.alias or name, "source": source}
+    if args.embedding:
+        spec["mode"] = "direct"
+    if args.chat_template:
+        spec["chat_template"] = template_source(args.chat_template)
+    return None, [_with_cli_options(spec, cli_opts)]
+
+
+def _split_http(spec: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    from .routing import ModelSettings
+
+    load = {k: v for k, v in spec.items() if k not in _HTTP_KEYS}
+    settings = ModelSettings(chat_template=spec.get("chat_template"), aliases=tuple(spec.get("aliases", ())))
+    return load, settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the models in the background and serve until interrupted."""
+    try:
+        import uvicorn
+
+        from ...engines.manager import ModelManager
+        from .app import create_app
+    except ImportError as exc:
+        raise SystemExit(f"llama-ctypes serve needs the server extra: pip install 'llama_ctypes[server]' ({exc})")
+
+    budget, specs = model_specs(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    manager = ModelManager(memory_budget=budget)
+    settings = {}
+    try:
+        loads = []
+        for spec in specs:
+            load, settings[spec["id"]] = _split_http(spec)
+            loads.append((spec["id"], manager.load(**load, wait=False)))
+        app = create_app(manager, api_key=api_key, models=settings,
+                         max_body_bytes=int(args.max_body_mb * 2**20), close_manager=True)
+    except BaseException:
+        manager.close()
+        raise
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level in ("debug", "info"),
+                            lifespan="on", timeout_graceful_shutdown=5, log_config=None)
+    server = uvicorn.Server(config)
+    failed: list[str] = []
+
+    def loaded(model_id: str, future: Any) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is not None and not isinstance(exc, ClosedError):  # (closed: the server is stopping anyway)
+            failed.append(f"{model_id}: {exc}")
+            server.should_exit = True  # as llama-server: a model that cannot load stops the server
+
+    for model_id, future in loads:
+        future.add_done_callback(lambda f, m=model_id: loaded(m, f))
+    print(f"llama-ctypes serve: http://{args.host}:{args.port} ({', '.join(s['id'] for s in specs)})",
+          file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        manager.close()  # (also when uvicorn could not start: the lifespan never ran)
+    if failed:
+        for line in failed:
+            print(f"llama-ctypes serve: error: loading {line}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1

@@ -1,0 +1,520 @@
+"""The OpenAI-compatible HTTP server (``llama-ctypes serve``), run as a real process and used through
+the official ``openai`` package (and ``httpx`` for raw requests).
+
+Small models' text is never asserted; the tests compare two paths (streamed == not streamed,
+concurrent == alone, float == base64) and check shapes, status codes and the server's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import signal
+import time
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+import llama_ctypes as lc
+from http_helpers import ServeProcess, metric_samples, wait_for
+from tiny_models import write_tiny_bert
+
+KEY = "test-key"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+PROMPTS = ["Tell me about the sea.", "Count to ten.", "What is a cat?", "Write a short poem."]
+
+
+@pytest.fixture(scope="module")
+def bert_paths(tmp_path_factory, vocab_dir):
+    folder = tmp_path_factory.mktemp("http-bert")
+    vocab = vocab_dir / "ggml-vocab-bert-bge.gguf"
+    return (write_tiny_bert(folder / "embed.gguf", vocab, pooling=1),
+            write_tiny_bert(folder / "rerank.gguf", vocab, pooling=4, seed=1))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_model_path, bert_paths):
+    """One process, four models from a config: 'tiny' (4 slots, a KV buffer per slot so concurrent
+    output equals solo output), 'tiny-small' (1 slot, a queue of 1), 'embed' and 'rerank' (direct)."""
+    folder = tmp_path_factory.mktemp("http-tiny")
+    config = folder / "models.toml"
+    config.write_text(f"""
+[[models]]
+id = "tiny"
+path = "{tiny_model_path}"
+default = true
+aliases = ["gpt-4o-mini"]
+n_parallel = 4
+n_ctx = 2048
+kv_unified = false
+
+[[models]]
+id = "tiny-small"
+path = "{tiny_model_path}"
+n_parallel = 1
+n_ctx = 2048
+max_queue = 1
+
+[[models]]
+id = "embed"
+path = "{bert_paths[0]}"
+mode = "direct"
+
+[[models]]
+id = "rerank"
+path = "{bert_paths[1]}"
+mode = "direct"
+""")
+    # (one thread: the test's own clients share the CI machine's two cores, and ggml's spinning
+    # threads slow down a hundredfold when the scheduler preempts one of them)
+    server = ServeProcess(["--config", str(config), "--chat-template", "chatml", "--threads", "1"],
+                          folder / "serve.log", api_key=KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        code = server.stop()
+    assert "Traceback" not in server.log(), server.log()
+    assert code in (0, -signal.SIGTERM), server.log()  # (uvicorn re-raises the signal once it has shut down)
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    return openai.OpenAI(base_url=f"{tiny.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def gemma_server(tmp_path_factory, gemma_path):
+    folder = tmp_path_factory.mktemp("http-gemma")
+    server = ServeProcess([str(gemma_path), "-np", "2", "-c", "1024", "--no-kv-unified", "--chat-template", "gemma",
+                           "--threads", "1"], folder / "serve.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _metrics(server: ServeProcess) -> str:
+    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return r.text
+
+
+def _busy(server: ServeProcess, model: str) -> tuple[float, float]:
+    text = _metrics(server)
+    label = (("model", model),)
+    return (metric_samples(text, "llama_ctypes_slots_in_use")[label],
+            metric_samples(text, "llama_ctypes_queue_depth")[label])
+
+
+# ---- the basics ------------------------------------------------------------------------------
+
+def test_health_is_open_and_models_are_listed(tiny, client):
+    health = httpx.get(f"{tiny.base_url}/health")  # no key needed
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.json()["models"]["tiny"]["slots_total"] == 4
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["tiny", "tiny-small", "embed", "rerank"]
+
+
+def test_chat_stream_reassembles_to_the_reply(client):
+    opts = dict(model="tiny", messages=CHAT, max_tokens=24, temperature=0)
+    reply = client.chat.completions.create(**opts)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and reply.model == "tiny" and reply.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 24
+
+    chunks = list(client.chat.completions.create(**opts, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_options_and_aliases(tiny, client):
+    base = dict(messages=CHAT, max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model="tiny", **base).choices[0].message.content
+    # an alias routes to its model; a stop string and a seed are accepted
+    assert client.chat.completions.create(model="gpt-4o-mini", **base).choices[0].message.content == plain
+    reply = client.chat.completions.create(model="tiny", n=3, seed=7, top_p=0.9, presence_penalty=0.5,
+                                           frequency_penalty=0.5, stop=["\n\n"], messages=CHAT, max_tokens=8,
+                                           temperature=1.0, logit_bias={"13": -100},
+                                           extra_body={"top_k": 20, "min_p": 0.01, "unknown_field": 1})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert 3 <= reply.usage.completion_tokens <= 24
+    # content as text parts, a path without /v1
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three "},
+                                          {"type": "text", "text": "colours."}]}]
+    r = httpx.post(f"{tiny.base_url}/chat/completions", headers=tiny.headers,
+                   json={"model": "tiny", "messages": parts, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+
+
+def test_completions_stream_and_choices(client):
+    opts = dict(model="tiny", prompt="Once upon a time", max_tokens=16, temperature=0)
+    done = client.completions.create(**opts)
+    assert done.object == "text_completion" and done.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**opts, stream=True) if c.choices)
+    assert streamed == done.choices[0].text
+    eight = client.completions.create(**{**opts, "max_tokens": 8}).choices[0].text
+    several = client.completions.create(model="tiny", prompt=["Once upon a time", "Hello"], n=2, max_tokens=8,
+                                        temperature=0, echo=True)
+    texts = [c.text for c in sorted(several.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and texts[0] == texts[1] == "Once upon a time" + eight
+    assert texts[2].startswith("Hello") and texts[2] == texts[3]
+    tokens = client.completions.create(model="tiny", prompt=[1, 9038, 2501, 263, 931], max_tokens=16, temperature=0)
+    assert tokens.choices[0].text  # a prompt of token ids
+
+
+def test_async_client(tiny):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{tiny.base_url}/v1", api_key=KEY, max_retries=0)
+        reply = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0)
+        stream = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0,
+                                                      stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return reply.choices[0].message.content, text
+
+    reply, streamed = asyncio.run(main())
+    assert reply == streamed
+
+
+def test_embeddings_float_and_base64(tiny, client, bert_paths):
+    texts = ["a cat", "the quick brown fox jumps"]
+    floats = client.embeddings.create(model="embed", input=texts, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1] and floats.usage.prompt_tokens > 0
+    raw = httpx.post(f"{tiny.base_url}/v1/embeddings", headers=tiny.headers,
+                     json={"model": "embed", "input": texts, "encoding_format": "base64"}).json()
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["data"]]
+    for d, vec in zip(floats.data, decoded):
+        assert np.array_equal(np.asarray(d.embedding, dtype=np.float32), vec)
+    by_default = client.embeddings.create(model="embed", input="a cat")  # (the client asks for base64)
+    assert np.array_equal(np.asarray(by_default.data[0].embedding, dtype=np.float32), decoded[0])
+    with lc.load_model(bert_paths[0]) as model:
+        assert np.allclose(lc.embed(model, texts), np.stack(decoded), atol=1e-5)
+
+
+def test_rerank_and_tokens(tiny, bert_paths):
+    with tiny.client() as http:
+        docs = ["a cat sat", "stock prices", "cats purr", "rain"]
+        r = http.post("/v1/rerank", json={"model": "rerank", "query": "what is a cat", "documents": docs, "top_n": 3})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert len(results) == 3
+        scores = [x["relevance_score"] for x in results]
+        assert scores == sorted(scores, reverse=True)
+        with lc.load_model(bert_paths[1]) as model:
+            expected = lc.rerank(model, "what is a cat", docs)
+        for x in results:
+            assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
+        assert http.post("/v1/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]}).status_code == 400
+
+        tokens = http.post("/tokenize", json={"model": "tiny", "content": "Hello world"}).json()["tokens"]
+        assert tokens and all(isinstance(t, int) for t in tokens)
+        pieces = http.post("/tokenize", json={"model": "tiny", "content": "Hello world", "with_pieces": True}).json()
+        assert [p["id"] for p in pieces["tokens"]] == tokens
+        assert http.post("/detokenize", json={"model": "tiny", "tokens": tokens}).json()["content"].strip() == \
+            "Hello world"
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_errors_in_openai_shape(tiny):
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 4}
+    with tiny.client() as http:
+        _error(http.post("/v1/chat/completions", content=b"{not json"), 400)
+        _error(http.post("/v1/chat/completions", json=[1, 2]), 400)
+        _error(http.post("/v1/chat/completions", json={**chat, "max_tokens": -1}), 400, "max_tokens")
+        _error(http.post("/v1/chat/completions", json={**chat, "temperature": "hot"}), 400, "temperature")
+        _error(http.post("/v1/chat/completions", json={**chat, "n": 0}), 400, "n")
+        _error(http.post("/v1/chat/completions", json={"model": "tiny"}), 400, "messages")
+        _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user"}]}), 400, "messages[0]")
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+        e = _error(http.post("/v1/chat/completions", json={**chat, "messages": image}), 400, "messages[0].content")
+        assert "not supported" in e["message"]
+        _error(http.post("/v1/chat/completions", json={**chat, "logit_bias": {"cat": 1}}), 400, "logit_bias")
+        _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+        e = _error(http.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}), 404, "model")
+        assert "no-such-model" in e["message"]
+        _error(http.post("/v1/embeddings", json={"model": "tiny", "input": "x"}), 400, "model")
+        _error(http.post("/v1/embeddings", json={"model": "embed", "input": [1, 2]}), 400, "input")
+        refused = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}
+        _error(http.post("/v1/chat/completions", json={**chat, "response_format": refused}), 400, "response_format")
+        e = _error(http.post("/v1/chat/completions", content=b"x" * (9 * 2**20)), 413)
+        assert e["code"] == "request_too_large"
+        _error(http.get("/v1/no-such-endpoint"), 404)
+    # the key
+    _error(httpx.post(f"{tiny.base_url}/v1/chat/completions", json=chat), 401)
+    _error(httpx.post(f"{tiny.base_url}/v1/chat/completions", json=chat,
+                      headers={"Authorization": "Bearer wrong"}), 401)
+    _error(httpx.get(f"{tiny.base_url}/metrics"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{tiny.base_url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_chunked_body_over_the_limit_is_refused(tiny):
+    def body():
+        for _ in range(9):
+            yield b" " * 2**20
+
+    with tiny.client() as http:
+        _error(http.post("/v1/chat/completions", content=body()), 413)
+
+
+def test_a_model_that_cannot_load_stops_the_server(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file")
+    server = ServeProcess([str(bad)], tmp_path / "serve.log")
+    try:
+        assert server.proc.wait(120) == 1
+    finally:
+        server.stop()
+    assert "error: loading broken" in server.log() and "Traceback" not in server.log()
+
+
+class _FakeManager:
+    """Just enough of a ModelManager for the app's states that need no model (loading, failures)."""
+
+    def __init__(self, *infos):
+        self.infos = list(infos)
+        self.default = infos[0].id
+
+    def list(self):
+        return list(self.infos)
+
+    def _target(self, model_id, capability):
+        raise RuntimeError("secret internals")
+
+    def close(self):
+        pass
+
+
+def _info(model_id, status):
+    return lc.ModelInfo(id=model_id, source="x.gguf", status=status, mode="server", capabilities=("generate", "chat"),
+                        placement=(), estimated={}, actual=None, default=True)
+
+
+def test_loading_closing_and_internal_errors_in_process():
+    from starlette.testclient import TestClient
+
+    from llama_ctypes.interfaces.http import create_app
+
+    chat = {"model": "m", "messages": CHAT}
+    app = create_app(_FakeManager(_info("m", "loading")))
+    with TestClient(app) as http:
+        e = _error(http.get("/health"), 503)
+        assert "loading" in e["message"] and http.get("/health").headers["retry-after"] == "1"
+        _error(http.post("/v1/chat/completions", json=chat), 503)
+    app = create_app(_FakeManager(_info("m", "ready")))
+    with TestClient(app) as http:
+        e = _error(http.post("/v1/chat/completions", json=chat), 500)
+        assert e["message"] == "internal server error" and "secret" not in json.dumps(e)
+        assert 'status="500"' in http.get("/metrics").text
+        app.state.llama.closing = True
+        _error(http.post("/v1/chat/completions", json=chat), 503)
+
+
+# ---- concurrency ---------------------------------------------------------------------------
+
+def test_concurrent_streams_equal_single_answers(tiny, client):
+    opts = dict(model="tiny", max_tokens=24, temperature=0)
+    alone = {p: client.chat.completions.create(messages=[{"role": "user", "content": p}], **opts)
+             .choices[0].message.content for p in PROMPTS}
+
+    async def one(aclient, prompt):
+        stream = await aclient.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=True,
+                                                       **opts)
+        pieces, finish = [], None
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return prompt, "".join(pieces), finish
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{tiny.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, PROMPTS[i % 4]) for i in range(16)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert len(results) == 16
+    for prompt, text, finish in results:
+        assert finish == "length" and text == alone[prompt]
+    assert wait_for(lambda: _busy(tiny, "tiny") == (0, 0), 5)
+
+
+def test_clients_that_leave_free_their_slots(tiny):
+    long = {"model": "tiny", "messages": CHAT, "max_tokens": 1900, "temperature": 0.8}
+
+    async def leave_a_stream(http):
+        async with http.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                    if seen == 3:  # the role chunk and two pieces: it is running
+                        return
+
+    async def leave_a_reply(http):
+        with pytest.raises(httpx.ReadTimeout):  # (the connection is closed)
+            await http.post("/v1/chat/completions", json=long, timeout=0.5)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=tiny.base_url, headers=tiny.headers, timeout=60) as http:
+            await asyncio.gather(*(leave_a_stream(http) for _ in range(8)), leave_a_reply(http), leave_a_reply(http))
+
+    asyncio.run(main())
+    # Each would run for seconds (1900 tokens, 10 requests on 4 slots) if its slot were not freed.
+    assert wait_for(lambda: _busy(tiny, "tiny") == (0, 0), 2.0), _busy(tiny, "tiny")
+    r = httpx.post(f"{tiny.base_url}/v1/chat/completions", headers=tiny.headers,
+                   json={"model": "tiny", "messages": CHAT, "max_tokens": 4})
+    assert r.status_code == 200  # and the server still answers
+    requests = metric_samples(_metrics(tiny), "llama_ctypes_http_requests_total")
+    assert requests[(("endpoint", "chat_completions"), ("status", "499"))] >= 2
+
+
+def test_a_full_queue_answers_429_and_the_server_keeps_serving(tiny, client):
+    long = {"model": "tiny-small", "messages": CHAT, "max_tokens": 1900, "stream": True}
+    with tiny.client() as http, tiny.client() as http2:
+        with http.stream("POST", "/v1/chat/completions", json=long) as running:
+            lines = running.iter_lines()
+            assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) == 3  # running
+            with http2.stream("POST", "/v1/chat/completions", json=long) as waiting:
+                assert waiting.status_code == 200  # queued (the queue holds one)
+                t0 = time.monotonic()
+                refused = httpx.post(f"{tiny.base_url}/v1/chat/completions", headers=tiny.headers,
+                                     json={**long, "stream": False})
+                assert time.monotonic() - t0 < 2.0
+                e = _error(refused, 429)
+                assert e["type"] == "rate_limit_error" and int(refused.headers["retry-after"]) >= 1
+                with pytest.raises(openai.RateLimitError):
+                    client.chat.completions.create(model="tiny-small", messages=CHAT, max_tokens=4)
+                # meanwhile the other models and the health check answer
+                assert client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4).choices
+                assert httpx.get(f"{tiny.base_url}/health").status_code == 200
+                assert _busy(tiny, "tiny-small") == (1, 1)
+    assert wait_for(lambda: _busy(tiny, "tiny-small") == (0, 0), 2.0)
+    assert client.chat.completions.create(model="tiny-small", messages=CHAT, max_tokens=4).choices
+
+
+def test_metrics_count_requests_tokens_and_latency(tiny, client):
+    client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0)
+    text = _metrics(tiny)
+    requests = metric_samples(text, "llama_ctypes_http_requests_total")
+    assert requests[(("endpoint", "chat_completions"), ("status", "200"))] >= 1
+    assert metric_samples(text, "llama_ctypes_generated_tokens_total")[(("model", "tiny"),)] >= 6
+    assert metric_samples(text, "llama_ctypes_prompt_tokens_total")[(("model", "tiny"),)] > 0
+    assert metric_samples(text, "llama_ctypes_time_to_first_token_seconds_count")[(("model", "tiny"),)] >= 1
+    assert metric_samples(text, "llama_ctypes_generation_tokens_per_second_count")[(("model", "tiny"),)] >= 1
+    assert metric_samples(text, "llama_ctypes_slots_total")[(("model", "tiny"),)] == 4
+    hits = metric_samples(text, "llama_ctypes_prefix_cache_hits_total")[(("model", "tiny"),)]
+    misses = metric_samples(text, "llama_ctypes_prefix_cache_misses_total")[(("model", "tiny"),)]
+    assert hits + misses > 0
+
+
+def test_logprobs(client):
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert t.logprob <= 0 and t.logprob == pytest.approx(max(a.logprob for a in t.top_logprobs))
+    chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    legacy = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0,
+                                       logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == legacy.choices[0].text
+
+
+# ---- Gemma: a real template, JSON schema -----------------------------------------------------
+
+@pytest.mark.gemma
+def test_gemma_json_schema_output_validates(gemma_server):
+    client = openai.OpenAI(base_url=f"{gemma_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Invent a person. Answer in JSON with name and age."}]
+    reply = client.chat.completions.create(
+        model="anything", messages=messages, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    # json_object with a schema (llama-server's extension)
+    obj = client.chat.completions.create(model="gemma", messages=messages, max_tokens=64, temperature=0,
+                                         response_format={"type": "json_object", "schema": schema})
+    jsonschema.validate(json.loads(obj.choices[0].message.content), schema)
+
+
+@pytest.mark.gemma
+def test_gemma_stream_equals_reply(gemma_server):
+    client = openai.OpenAI(base_url=f"{gemma_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    opts = dict(model="gemma", messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=32, temperature=0)
+    reply = client.chat.completions.create(**opts)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**opts, stream=True)
+                       if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.gemma
+def test_gemma_tool_calls(gemma_server):
+    client = openai.OpenAI(base_url=f"{gemma_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    opts = dict(model="gemma", messages=messages, tools=tools, tool_choice="required", max_tokens=64, temperature=0)
+    reply = client.chat.completions.create(**opts)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert "city" in json.loads(call.function.arguments)
+
+    chunks = list(client.chat.completions.create(**opts, stream=True))
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += d.function.name or ""
+            entry["arguments"] += d.function.arguments or ""
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+    # the call and its result go back in the conversation
+    follow_up = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    answer = client.chat.completions.create(model="gemma", messages=follow_up, tools=tools, max_tokens=16,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
