@@ -14,6 +14,7 @@ from .core.backend import Device, LoadedBackend, VersionInfo, devices, init, loa
 from .core.batch import Batch
 from .core.context import Context, ContextLease
 from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
+from .core.logprobs import TokenLogprob
 from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
@@ -31,6 +32,7 @@ from .features.chat import (
 )
 from . import telemetry
 from .engines.server import (
+    AsyncServerStream,
     Balanced,
     DecodeMaximal,
     PrefillPriority,
@@ -40,6 +42,16 @@ from .engines.server import (
     ServerStream,
 )
 from .engines.manager import ModelInfo, ModelManager, ModelNotReadyError
+from .engines.speculative import (
+    Drafter,
+    DraftModel,
+    NgramDraft,
+    SpeculativeEvent,
+    SpeculativeEventStream,
+    SpeculativeSession,
+    SpeculativeStats,
+    SpeculativeStream,
+)
 from .features import grammar, hub, schema
 from .features.hub import (
     HubError,
@@ -83,14 +95,17 @@ __all__ = [
     "Model", "load_model", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
-    "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings",
+    "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings", "TokenLogprob",
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
     # server
     "ModelManager", "ModelInfo", "ModelNotReadyError",
-    "Server", "ServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
+    "Server", "ServerStream", "AsyncServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
     "ServerClosedError", "telemetry",
+    # speculative decoding
+    "SpeculativeSession", "SpeculativeStream", "SpeculativeEventStream", "SpeculativeEvent", "SpeculativeStats",
+    "Drafter", "DraftModel", "NgramDraft",
     # hub
     "hub", "load_model_from_hub", "HubError", "HubNotFoundError", "HubUnauthorizedError", "HubOfflineError",
     "HubIntegrityError",

@@ -305,3 +305,36 @@ def write_tiny_gemma_embedding(path: Path, vocab_path: Path, *, n_layer: int = 2
         writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", _ones(n_embd))
     _finish(writer)
     return path
+
+
+def write_perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int = 1,
+                         token_edits: dict[int, str] | None = None) -> Path:
+    """A copy of an f32 GGUF with every weight matrix nudged by relative noise ``scale``.
+
+    The copy shares the vocabulary and the architecture, and predicts much like the
+    original: a draft model whose proposals are mostly, not always, what the original
+    would pick (speculative decoding's partly-rejected case). ``token_edits`` renames
+    tokens (id -> new text): a vocabulary of the same size that is not the same.
+    """
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by the writer itself
+        vtype = fld.types[0]
+        sub_type = fld.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = fld.contents()
+        if name == "tokenizer.ggml.tokens" and token_edits:
+            value = [token_edits.get(i, tok) for i, tok in enumerate(value)]
+        writer.add_key_value(name, value, vtype, sub_type)
+    for t in reader.tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.F32:
+            raise ValueError(f"{src}: tensor {t.name} is {t.tensor_type.name}; only f32 copies are supported")
+        data = np.array(t.data, dtype=np.float32)
+        if data.ndim >= 2:  # matrices only: norms stay ones
+            data = data + rng.standard_normal(data.shape).astype(np.float32) * (scale * float(data.std()))
+        writer.add_tensor(t.name, data)
+    _finish(writer)
+    return dst

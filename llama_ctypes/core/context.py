@@ -427,6 +427,49 @@ class ContextLease:
 
         return append
 
+    def decode_run(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` at the end of sequence 0 with logits for every row (row i: after ``tokens[i]``).
+
+        For speculative verification: one decode scores a whole draft. At most
+        ``n_batch`` tokens and ``n_outputs_max`` rows. On failure the sequence is cleared.
+        """
+        self._check()
+        run = [int(t) for t in tokens]
+        n, ctx = len(run), self.ctx
+        if not 0 < n <= min(ctx.n_batch, self._max_outputs):
+            raise InvalidArgumentError(f"a run of {n} tokens: expected 1..{min(ctx.n_batch, self._max_outputs)} "
+                                       "(n_batch, and ContextParams.n_outputs_max rows)")
+        held = ctx._tokens
+        batch = ctx._batch
+        batch.clear()
+        batch.add_sequence(run, len(held), 0, output_last=False)
+        batch.logits[:n] = 1
+        try:
+            self.decode(batch)
+        except BaseException:  # a failed or interrupted decode leaves the cache state uncertain
+            self.clear()
+            raise
+        held.extend(run)
+
+    def truncate(self, n: int) -> bool:
+        """Cut sequence 0 back to its first ``n`` tokens, KV and ``tokens`` together (a rollback).
+
+        Returns False, with nothing changed, when the memory cannot drop that tail: a
+        recurrent state with fewer rollback snapshots than tokens to drop
+        (``ContextParams.n_rs_seq``). A sliding-window cache may have dropped cells the
+        kept prefix needs: check :meth:`prefix_complete` after cutting.
+        """
+        self._check()
+        held = self.ctx._tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(held):
+            raise InvalidArgumentError(f"truncate({n!r}): expected 0..{len(held)} (the tokens sequence 0 holds)")
+        if n == len(held):
+            return True
+        if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+            return False
+        del held[n:]
+        return True
+
     # ---- outputs -------------------------------------------------------------------------------
     def has_logits(self, i: int) -> bool:
         """Whether batch row ``i`` of the last decode has logits."""

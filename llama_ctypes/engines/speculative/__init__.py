@@ -1,0 +1,13 @@
+"""Speculative decoding of one sequence: a drafter proposes tokens, the target verifies them in one decode.
+
+``drafters`` (DraftModel, NgramDraft: the per-sequence ``draft``/``accept``/``reset``
+interface), ``verify`` (the exact acceptance rules), ``loop`` (draft, verify, roll back,
+emit), ``stats`` (counters and events), ``session`` (SpeculativeSession and its streams).
+"""
+
+from .drafters import DraftModel, Drafter, NgramDraft
+from .session import MAX_DRAFT, SpeculativeEventStream, SpeculativeSession, SpeculativeStream
+from .stats import SpeculativeEvent, SpeculativeStats
+
+__all__ = ["SpeculativeSession", "SpeculativeStream", "SpeculativeEventStream", "SpeculativeEvent",
+           "SpeculativeStats", "Drafter", "DraftModel", "NgramDraft", "MAX_DRAFT"]

@@ -1,0 +1,321 @@
+"""Drafters: cheap guesses of the target's next tokens, verified by the target in one decode.
+
+A drafter knows nothing of who decodes the target. Per sequence it is asked
+``draft(context_tokens, k)`` (``context_tokens``: the prompt and every token emitted
+so far) and told ``accept(n_accepted)`` after verification; ``reset()`` forgets a
+finished sequence. A session (or, later, a server slot) drives that cycle between
+``start()`` and ``finish()``, which claim and release the drafter's native resources.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ...core.backend import init as native_lib
+from ...core.context import Context
+from ...core.handle import Closeable, Hold
+from ...core.model import Model, load_model
+from ...core.params import ContextParams, ModelParams, split_options
+from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from ...core.context import ContextLease
+    from ...core.sampler import SamplingParams
+
+__all__ = ["Drafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup"]
+
+_PIECE_BUF = 256
+
+
+class _NoHold:
+    def release(self) -> None:
+        pass
+
+
+class Drafter(Closeable):
+    """Base of every drafter: proposes up to ``k`` tokens that may follow ``context_tokens``.
+
+    Subclasses implement :meth:`draft`; the other hooks default to doing nothing.
+    One drafter serves one session (one sequence) at a time.
+    """
+
+    #: Whether :meth:`draft_sampled` gives the distributions its drafts were drawn from.
+    has_distribution = False
+
+    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any]) -> None:
+        """Bind to a session's target ``model`` (called once by the session; checks compatibility).
+
+        ``ctx_opts``: the session's context options, for a drafter that makes a context.
+        """
+
+    def hold(self) -> Hold | _NoHold:
+        """Keep the drafter's native resources alive until the result is released (a running stream)."""
+        return _NoHold()
+
+    def start(self) -> None:
+        """Begin drafting for a new sequence (claims what :meth:`draft` needs; resets state)."""
+        self.reset()
+
+    def finish(self) -> None:
+        """End the sequence begun by :meth:`start` (idempotent)."""
+
+    def draft(self, context_tokens: Sequence[int], k: int) -> list[int]:  # pragma: no cover - abstract
+        """Up to ``k`` tokens likely to follow ``context_tokens`` (fewer, or none, when unsure)."""
+        raise NotImplementedError
+
+    def draft_sampled(self, context_tokens: Sequence[int], k: int, params: "SamplingParams",
+                      rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+        """Drafts drawn from the drafter's distribution under ``params``, with those distributions.
+
+        Only where ``has_distribution``; the session then verifies by speculative sampling.
+        """
+        raise NotImplementedError(f"{type(self).__name__} drafts deterministically")  # pragma: no cover
+
+    def accept(self, n_accepted: int) -> None:
+        """Feedback after verification: how many of the last draft's tokens the target kept."""
+
+    def reset(self) -> None:
+        """Forget the current sequence."""
+
+    def abort(self) -> None:
+        """Stop a draft computation in flight, from any thread."""
+
+    def close(self) -> None:
+        """Release native resources (idempotent)."""
+
+
+class NgramDraft(Drafter):
+    """Prompt-lookup drafting: no second model.
+
+    The longest suffix of the context (``n_max`` down to ``n_min`` tokens, defaults 4
+    and 1) that also occurred earlier is looked up, and what followed its latest
+    earlier occurrence is proposed. It wins when the output copies its input
+    (quoting, editing code, extraction); elsewhere it proposes little and costs
+    almost nothing.
+    """
+
+    def __init__(self, n_min: int = 1, n_max: int = 4) -> None:
+        for name, value in (("n_min", n_min), ("n_max", n_max)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 1")
+        if n_min > n_max:
+            raise InvalidArgumentError(f"n_min={n_min} must not exceed n_max={n_max}")
+        self.n_min = n_min
+        self.n_max = n_max
+
+    def __repr__(self) -> str:
+        return f"NgramDraft(n_min={self.n_min}, n_max={self.n_max})"
+
+    def draft(self, context_tokens: Sequence[int], k: int) -> list[int]:
+        return ngram_lookup(np.asarray(context_tokens, dtype=np.int64), k, self.n_min, self.n_max)
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix."""
+    size = tokens.size
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        # Starts i < size - n where tokens[i:i+n] equals the last n tokens.
+        suffix = tokens[size - n:]
+        hits = tokens[:size - n] == suffix[0]
+        for j in range(1, n):
+            hits &= tokens[j:size - n + j] == suffix[j]
+        found = np.flatnonzero(hits)
+        if found.size:
+            start = int(found[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+def check_same_vocab(target: Model, draft: Model) -> None:
+    """Raise InvalidArgumentError unless ``draft`` tokenizes exactly as ``target`` does.
+
+    Compared: the vocabulary size, BOS/EOS/EOT, which ids end generation, and every
+    token's bytes (as llama.cpp's common_speculative_are_compatible does).
+    """
+    if draft is target:
+        return
+    tv, dv = target.vocab, draft.vocab
+    where = f"the draft model {draft.path.name} and the target {target.path.name}"
+    if tv.n_tokens != dv.n_tokens:
+        raise InvalidArgumentError(f"{where} have different vocabularies: {dv.n_tokens} vs {tv.n_tokens} tokens")
+    for name in ("bos", "eos", "eot"):
+        a, b = getattr(tv, name), getattr(dv, name)
+        if a != b:
+            raise InvalidArgumentError(f"{where} have different {name.upper()} ids: {b} vs {a}")
+    lib = native_lib()
+    # Straight from llama.cpp, not through the Vocab caches: one pass over the vocabulary
+    # would otherwise keep every piece of both models in memory.
+    holds = [target.hold(), draft.hold()]
+    try:
+        tp, dp = tv.native(), dv.native()
+        buf = ctypes.create_string_buffer(_PIECE_BUF)
+
+        def piece(vocab, tok: int) -> bytes:
+            n = lib.llama_token_to_piece(vocab, tok, buf, _PIECE_BUF, 0, True)
+            if n < 0:  # longer than the buffer: rare enough to allocate
+                big = ctypes.create_string_buffer(-n)
+                n = lib.llama_token_to_piece(vocab, tok, big, -n, 0, True)
+                return big.raw[:max(n, 0)]
+            return buf.raw[:n]
+
+        for tok in range(tv.n_tokens):
+            if bool(lib.llama_vocab_is_eog(tp, tok)) != bool(lib.llama_vocab_is_eog(dp, tok)):
+                raise InvalidArgumentError(f"{where} disagree on whether token {tok} ends generation")
+            a, b = piece(tp, tok), piece(dp, tok)
+            if a != b:
+                raise InvalidArgumentError(f"{where} have different vocabularies: token {tok} is {b!r} vs {a!r}")
+    finally:
+        for hold in holds:
+            hold.release()
+
+
+class DraftModel(Drafter):
+    """Drafting with a second, smaller model that shares the target's vocabulary.
+
+    ``model``: a :class:`Model` (not owned: close it yourself) or a GGUF path (loaded
+    here, with ``model_params``, and closed with the drafter). ``p_min`` (0..1, default 0):
+    end a greedy draft before a token the draft model gives less than this probability.
+    Context options (n_ctx, n_threads, ...) apply to the draft context; unset ones
+    follow the session's. The draft context is created when a session attaches the drafter.
+    """
+
+    has_distribution = True
+
+    def __init__(self, model: Model | str | os.PathLike, *, p_min: float = 0.0,
+                 model_params: dict[str, Any] | None = None, **ctx_opts: Any) -> None:
+        self._closed = True  # until built
+        if isinstance(p_min, bool) or not isinstance(p_min, (int, float)) or not 0.0 <= p_min <= 1.0:
+            raise InvalidArgumentError(f"p_min={p_min!r}: expected a number in [0, 1]")
+        (copts,) = split_options(ctx_opts, ContextParams, where="DraftModel: unknown")
+        ContextParams(**copts)  # validated now, not at attach
+        if isinstance(model, Model):
+            if model_params:
+                raise InvalidArgumentError("model_params only apply when the draft model is given as a path")
+            self._model, self._owns_model = model, False
+        elif isinstance(model, (str, os.PathLike)):
+            (mp,) = split_options(model_params or {}, ModelParams, where="DraftModel model_params: unknown")
+            self._model, self._owns_model = load_model(model, **mp), True
+        else:
+            raise ArgumentTypeError(f"DraftModel takes a Model or a GGUF path, not {type(model).__name__}")
+        self.p_min = float(p_min)
+        self._ctx_opts = copts
+        self._ctx: Context | None = None
+        self._lease: "ContextLease | None" = None
+        self._closed = False
+
+    @property
+    def model(self) -> Model:
+        return self._model
+
+    @property
+    def context(self) -> Context | None:
+        """The draft context (None until a session attaches the drafter)."""
+        return self._ctx
+
+    def __repr__(self) -> str:
+        return f"DraftModel({self._model.path.name!r}{', closed' if self._closed else ''})"
+
+    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any]) -> None:
+        if self._closed:
+            raise ClosedError("DraftModel is closed")
+        if self._ctx is not None:
+            raise InvalidArgumentError("this DraftModel already serves a session; create one per session")
+        check_same_vocab(model, self._model)
+        opts = {**ctx_opts, **self._ctx_opts}
+        # Drafting decodes one token at a time and reads one logits row.
+        opts["n_outputs_max"] = max(1, opts.get("n_outputs_max") or 1)
+        if self._model.is_recurrent or self._model.is_hybrid:
+            # A recurrent state cannot drop the rejected drafts unless it kept a snapshot per token.
+            opts.setdefault("n_rs_seq", n_draft)
+        if self._model.n_swa > 0:
+            opts.setdefault("swa_full", True)  # cutting rejected drafts back must not lose window cells
+        self._ctx = Context.create(self._model, **opts)
+
+    def hold(self) -> Hold | _NoHold:
+        if self._ctx is None:
+            raise InvalidArgumentError("DraftModel is not attached to a session")
+        return self._ctx.hold()
+
+    def start(self) -> None:
+        # held=True: the running stream holds the context, so a session closed meanwhile
+        # lets this sequence finish (the context is freed when it ends).
+        if self._ctx is None:
+            raise InvalidArgumentError("DraftModel is not attached to a session")
+        self._lease = self._ctx.lease(held=True)
+
+    def finish(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    def _sync(self, context_tokens: Sequence[int], k: int) -> tuple["ContextLease | None", int]:
+        """The draft context brought to ``context_tokens`` (reusing the prefix it holds, and
+        computing the logits of the last token), with how many tokens fit after them."""
+        lease = self._lease
+        if lease is None:
+            raise InvalidArgumentError("DraftModel.draft outside start()/finish()")
+        k = min(k, lease.ctx.n_ctx_seq - len(context_tokens))
+        if k <= 0:  # a draft context smaller than the target's: stop drafting, keep generating
+            return None, 0
+        lease.prefill(list(context_tokens), reuse=True)
+        return lease, k
+
+    def draft(self, context_tokens: Sequence[int], k: int) -> list[int]:
+        lease, k = self._sync(context_tokens, k)
+        if lease is None:
+            return []
+        logits_of, append = lease.logits_view_fn(), lease.append_fn()
+        is_eog, p_min, out = lease.ctx.vocab.is_eog, self.p_min, []
+        for i in range(k):
+            row = logits_of(-1)
+            tok = int(row.argmax())
+            if p_min > 0.0 and _top_prob(row) < p_min:
+                break
+            out.append(tok)
+            if i == k - 1 or is_eog(tok):  # nothing worth drafting after an end of generation
+                break
+            append(tok)
+        return out
+
+    def draft_sampled(self, context_tokens: Sequence[int], k: int, params: "SamplingParams",
+                      rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
+        from .verify import sample_from, target_distribution
+
+        lease, k = self._sync(context_tokens, k)
+        if lease is None:
+            return [], []
+        logits_of, append = lease.logits_view_fn(), lease.append_fn()
+        is_eog, out, q_rows = lease.ctx.vocab.is_eog, [], []
+        for i in range(k):
+            q = target_distribution(logits_of(-1), params)
+            tok = sample_from(q, rng)
+            out.append(tok)
+            q_rows.append(q)
+            if i == k - 1 or is_eog(tok):
+                break
+            append(tok)
+        return out, q_rows
+
+    def abort(self) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            ctx.abort()
+
+    def close(self) -> None:
+        """Close the draft context (after a running stream ends) and a model loaded from a path."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctx is not None:
+            self._ctx.close()
+        if self._owns_model:
+            self._model.close()
+
+
+def _top_prob(row: np.ndarray) -> float:
+    m = float(row.max())
+    return 1.0 / float(np.exp(row.astype(np.float64) - m).sum())
