@@ -518,3 +518,12 @@ def test_gemma_tool_calls(gemma_server):
     answer = client.chat.completions.create(model="gemma", messages=follow_up, tools=tools, max_tokens=16,
                                             temperature=0)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_ignore_eos_extension(client):
+    # EOS (id 2 in the llama vocabulary) pushed to the top: without ignore_eos the answer ends at once
+    opts = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, logit_bias={"2": 100})
+    ended = client.completions.create(**opts)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 12
+    full = client.completions.create(**opts, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12

@@ -37,6 +37,8 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["penalty_freq"] = req.frequency_penalty
     if req.repeat_penalty is not None:
         opts["penalty_repeat"] = req.repeat_penalty
+    if req.ignore_eos is not None:
+        opts["ignore_eos"] = req.ignore_eos
     if req.logit_bias:
         # OpenAI: -100 bans the token (llama.cpp: a bias of -inf)
         opts["logit_bias"] = {int(k): (float("-inf") if v <= -100 else v) for k, v in req.logit_bias.items()}

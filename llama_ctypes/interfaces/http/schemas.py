@@ -116,6 +116,7 @@ class SamplingFields(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repeat_penalty: float | None = Field(None, gt=0)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool | None = None  # llama-server's extension: generate past end-of-generation
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
