@@ -489,3 +489,12 @@ def test_async_stream_raises_the_request_error(server, monkeypatch):
 
     assert asyncio.run(main()).tokens
     wait_idle(server)
+
+
+def test_chat_reply_carries_logprobs(tiny_model):
+    messages = [{"role": "user", "content": "Hello"}]
+    reply = lc.chat(tiny_model, messages, chat_template="chatml", max_tokens=6, temp=0, logprobs=2)
+    assert reply.logprobs is not None and len(reply.logprobs) == len(reply.tokens)
+    assert [e.token for e in reply.logprobs] == reply.tokens
+    assert all(e.top[0].token == e.token and len(e.top) == 2 for e in reply.logprobs)
+    assert lc.chat(tiny_model, messages, chat_template="chatml", max_tokens=2, temp=0).logprobs is None

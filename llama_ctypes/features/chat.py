@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypedDict
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings, stream
+from ..core.logprobs import TokenLogprob
 from ..core.model import Model
 from ..core.params import ContextParams, split_options
 from ..core.sampler import SamplingParams
@@ -187,22 +188,26 @@ def prompt_tokens(model: Model, text: str) -> list[int]:
 
 
 class ChatReply(str):
-    """The assistant's answer (a ``str``), with ``reasoning``, ``finish_reason``, ``usage`` and ``timings``."""
+    """The assistant's answer (a ``str``), with ``reasoning``, ``finish_reason``, ``usage`` and ``timings``;
+    ``logprobs`` (one :class:`~llama_ctypes.TokenLogprob` per token, reasoning included) when asked
+    for with ``logprobs=k``, else None."""
 
     reasoning: str
     finish_reason: FinishReason
     tokens: list[int]
     prompt_tokens: int
     timings: Timings
+    logprobs: list[TokenLogprob] | None
 
     def __new__(cls, content: str, reasoning: str, finish_reason: FinishReason, tokens: list[int],
-                prompt_tokens: int, timings: Timings) -> "ChatReply":
+                prompt_tokens: int, timings: Timings, logprobs: list[TokenLogprob] | None = None) -> "ChatReply":
         self = super().__new__(cls, content)
         self.reasoning = reasoning
         self.finish_reason = finish_reason
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.timings = timings
+        self.logprobs = logprobs
         return self
 
     @property
@@ -287,8 +292,14 @@ class ChatStream(LazyStream):
         for _ in self._deltas:
             pass
         s = self._stream
+        logprobs = s.logprobs
         return ChatReply(self.content, self.reasoning, s.finish_reason or "length", list(s.tokens),
-                         s.prompt_tokens, s.timings)
+                         s.prompt_tokens, s.timings, list(logprobs) if logprobs is not None else None)
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Log-probabilities of the tokens so far (``logprobs=k``), else None."""
+        return self._stream.logprobs
 
     @property
     def prompt_tokens(self) -> int:
