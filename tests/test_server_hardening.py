@@ -251,6 +251,49 @@ def test_a_closed_event_loop_cancels_its_pending_stream(server, monkeypatch):
     del agen
 
 
+def test_an_async_stream_iterated_from_another_loop_raises_instead_of_stalling(tiny_model, monkeypatch):
+    """Items reach an AsyncServerStream through the loop that submitted it; a task of another loop
+    waiting for them was never woken (it stalled until something else woke its loop)."""
+    server = lc.Server(model=tiny_model, n_parallel=2, n_ctx=256, n_threads=1)
+    _slow_decode(monkeypatch, server, 0.02)
+    loop_a = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop_a.run_forever, daemon=True)
+    runner.start()
+    try:
+        async def submit():
+            return server.asubmit("another loop", max_tokens=20, temp=0, ignore_eos=True)
+
+        stream = asyncio.run_coroutine_threadsafe(submit(), loop_a).result(5)
+
+        async def elsewhere():
+            return [p async for p in stream]
+
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="event loop"):
+            asyncio.run(asyncio.wait_for(elsewhere(), 3))
+        assert time.monotonic() - t0 < 1.0
+        # the request is untouched: its own loop still reads it to the end
+        done = asyncio.run_coroutine_threadsafe(stream.completion(), loop_a).result(10)
+        assert len(done.tokens) == 20
+        # aclose() from another thread and loop: the request ends, its reader gets CancelledError
+        other = asyncio.run_coroutine_threadsafe(submit(), loop_a).result(5)
+        reader = asyncio.run_coroutine_threadsafe(other.completion(), loop_a)
+        deadline = time.monotonic() + 10
+        while not other.tokens and time.monotonic() < deadline:
+            time.sleep(0.005)
+        asyncio.run(other.aclose())
+        with pytest.raises(lc.CancelledError):
+            reader.result(10)
+    finally:
+        loop_a.call_soon_threadsafe(loop_a.stop)
+        runner.join(5)
+        loop_a.close()
+        try:
+            wait_idle(server)
+        finally:
+            server.close()
+
+
 def test_close_with_a_tiny_timeout_frees_the_context_when_the_thread_ends(tiny_model_path, monkeypatch):
     srv = lc.Server(model_path=tiny_model_path, n_parallel=2, n_ctx=512)
     _slow_decode(monkeypatch, srv, 0.2)

@@ -126,6 +126,13 @@ class Context(NativeHandle):
         self.encoder_only = model.has_encoder and not model.has_decoder
         # Tokens whose KV sits in sequence 0, for prefix reuse across generate() calls.
         self._tokens: list[int] = []
+        # Recurrent-state rollback snapshots per sequence (ContextParams.n_rs_seq; llama.cpp sets 0
+        # for models that cannot roll back). A snapshot is written only for the tokens of the last
+        # decode, and llama.cpp accepts any cut of up to n_rs_seq tokens without checking that: a cut
+        # reaching past the last decode would silently restore a stale state. ``_exact_cut``: how
+        # many trailing tokens of sequence 0 a cut may drop exactly (see ContextLease._can_cut).
+        self.n_rs_seq = int(self._lib.llama_n_rs_seq(ptr))
+        self._exact_cut = 0
         self._batch = Batch(self.n_batch, 1)
         # Cancellation: ggml asks the C callback before each graph node whether to stop; the
         # callback reads this flag, which abort() sets from any thread.
@@ -229,6 +236,7 @@ class Context(NativeHandle):
         tokens = self.vocab.check_tokens(tokens).tolist()
         with self.lease():
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            self._exact_cut = 0
             if self._lib.llama_state_set_data(self._ptr, buf, len(data)) == 0:
                 self._tokens = []
                 raise DecodeError("llama_state_set_data rejected the state")
@@ -336,6 +344,7 @@ class ContextLease:
     def decode_rc(self, batch: Batch) -> int:
         """``llama_decode`` of ``batch``, returning llama.cpp's code (for callers that can retry)."""
         self._check_batch(batch)
+        self.ctx._exact_cut = 0  # the snapshots now describe this batch (the caller sets the bound)
         return int(self._lib.llama_decode(self._ptr, batch.as_native()))
 
     def encode(self, batch: Batch) -> None:
@@ -360,10 +369,12 @@ class ContextLease:
             common = 0  # a sliding-window cache already dropped cells this prefix needs
         # Always cut from `common` on, even when `held` is shorter: cells a caller put there
         # behind the token list's back (seq_cp, a state restore) must not linger.
-        if not lib.llama_memory_seq_rm(mem, 0, common, -1):
-            # Recurrent and hybrid memories cannot drop a tail: start over.
+        if not self._can_cut(common) or not lib.llama_memory_seq_rm(mem, 0, common, -1):
+            # Recurrent and hybrid memories cannot drop a tail (or not that much): start over.
             self.clear()
             common = 0
+        elif common < len(held):
+            ctx._exact_cut = 0  # a recurrent rollback is single-use
         del held[common:]
         batch = ctx._batch
         pos = common
@@ -375,6 +386,7 @@ class ContextLease:
                 self.decode(batch)
                 held.extend(chunk)
                 pos += len(chunk)
+                ctx._exact_cut = min(len(chunk) - 1, ctx.n_rs_seq)
         except BaseException:
             # A failed or interrupted decode leaves the cache state uncertain.
             self.clear()
@@ -418,6 +430,7 @@ class ContextLease:
                 rc = decode(ptr, native_batch)
                 if rc == 0:
                     held.append(tok)
+                    ctx._exact_cut = 0  # (a one-token decode leaves no snapshot to roll back to)
                     return
             except BaseException:  # interrupted between the decode and the bookkeeping
                 self.clear()
@@ -431,15 +444,21 @@ class ContextLease:
         """Decode ``tokens`` at the end of sequence 0 with logits for every row (row i: after ``tokens[i]``).
 
         For speculative verification: one decode scores a whole draft. At most
-        ``n_batch`` tokens and ``n_outputs_max`` rows. On failure the sequence is cleared.
+        ``n_batch`` tokens and ``n_outputs_max`` rows, within the context window; unknown ids or
+        too many tokens raise with nothing changed. If the decode fails, the sequence is cleared.
         """
         self._check()
-        run = [int(t) for t in tokens]
-        n, ctx = len(run), self.ctx
+        ctx = self.ctx
+        # (checked here: llama.cpp refuses a bad id only inside the decode, and the sequence is lost then)
+        run = ctx.vocab.check_tokens(tokens).tolist()
+        n = len(run)
         if not 0 < n <= min(ctx.n_batch, self._max_outputs):
             raise InvalidArgumentError(f"a run of {n} tokens: expected 1..{min(ctx.n_batch, self._max_outputs)} "
                                        "(n_batch, and ContextParams.n_outputs_max rows)")
         held = ctx._tokens
+        if len(held) + n > ctx.n_ctx_seq:
+            raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
+                                       f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
         batch = ctx._batch
         batch.clear()
         batch.add_sequence(run, len(held), 0, output_last=False)
@@ -450,6 +469,7 @@ class ContextLease:
             self.clear()
             raise
         held.extend(run)
+        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
 
     def truncate(self, n: int) -> bool:
         """Cut sequence 0 back to its first ``n`` tokens, KV and ``tokens`` together (a rollback).
@@ -465,10 +485,23 @@ class ContextLease:
             raise InvalidArgumentError(f"truncate({n!r}): expected 0..{len(held)} (the tokens sequence 0 holds)")
         if n == len(held):
             return True
-        if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+        if not self._can_cut(n) or not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
             return False
         del held[n:]
+        self.ctx._exact_cut = 0  # a recurrent rollback is single-use: the next cut needs a new decode
         return True
+
+    def _can_cut(self, n: int) -> bool:
+        """Whether cutting sequence 0 back to ``n`` tokens leaves exactly the state of those tokens.
+
+        Attention caches: always. Recurrent states with rollback snapshots (``n_rs_seq > 0``): only
+        for cuts within the last decode (all but its first token), once; llama.cpp itself accepts
+        any cut of up to ``n_rs_seq`` tokens and would restore a snapshot of an older batch. (Without
+        snapshots llama.cpp refuses every partial cut of a recurrent state itself.)
+        """
+        ctx = self.ctx
+        drop = len(ctx._tokens) - n
+        return ctx.n_rs_seq == 0 or drop <= 0 or n == 0 or drop <= ctx._exact_cut
 
     # ---- outputs -------------------------------------------------------------------------------
     def has_logits(self, i: int) -> bool:
@@ -548,13 +581,17 @@ class ContextLease:
         self._check()
         self._lib.llama_memory_clear(self._mem, True)
         del self.ctx._tokens[:]
+        self.ctx._exact_cut = 0
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence (-1: every sequence; -1 bounds: open end)."""
         self._check()
         seq_id = self._check_seq(seq_id, allow_all=True)
+        if seq_id == 0 and p0 > 0 and p1 < 0 and not self._can_cut(int(p0)):
+            return False  # a recurrent state would be restored from a stale snapshot (see truncate)
         ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, int(p0), int(p1)))
         if ok and seq_id in (0, -1):
+            self.ctx._exact_cut = 0
             held = self.ctx._tokens
             if p0 <= 0 and p1 < 0:
                 del held[:]
@@ -571,6 +608,7 @@ class ContextLease:
         self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
         if dst == 0:
             del self.ctx._tokens[:]  # sequence 0 now holds something this lease did not decode
+            self.ctx._exact_cut = 0
 
     def seq_pos_max(self, seq_id: int) -> int:
         self._check()
@@ -601,4 +639,5 @@ class ContextLease:
         ok = self._lib.llama_state_seq_set_data(self._ptr, arr.ctypes.data_as(_P_U8), arr.size, seq_id) > 0
         if seq_id == 0:
             del self.ctx._tokens[:]
+            self.ctx._exact_cut = 0
         return ok

@@ -1,8 +1,10 @@
-"""The continuous-batching server: requests, slot pool, strategies, the scheduler, the tick loop, the API."""
+"""The continuous-batching server: requests, slot pool, strategies, the scheduler, the tick loop, the API,
+the consumer streams."""
 
 from .scheduler import QueueFullError, ServerClosedError
-from .server import AsyncServerStream, Server, ServerStream
+from .server import Server
 from .strategies import Balanced, BatchStrategy, DecodeMaximal, Plan, PrefillPriority
+from .streams import AsyncServerStream, ServerStream
 
 __all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "BatchStrategy",
            "Plan", "DecodeMaximal", "PrefillPriority", "Balanced"]

@@ -247,6 +247,13 @@ class DraftModel(Drafter):
             raise InvalidArgumentError("DraftModel is not attached to a session")
         self._lease = self._ctx.lease(held=True)
 
+    def reset(self) -> None:
+        """Forget what the draft context holds: the next draft starts cold (the session calls this
+        at the start of every call without ``cache_prompt``, so that a seeded call reproduces)."""
+        lease = self._lease
+        if lease is not None:
+            lease.clear()
+
     def finish(self) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:

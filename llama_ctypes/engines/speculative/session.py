@@ -216,6 +216,10 @@ class _Generation:
                 binding = sampler.bind(lease, held=True)
                 self.drafter.start()
                 started = True
+                if not self.gparams.cache_prompt:
+                    # A cold draft context, as the target's: the draft distributions of a seeded call
+                    # then do not depend on what earlier calls left there (batch shapes round apart).
+                    self.drafter.reset()
                 with self._lock:
                     self.running = not self.cancelled
                 if not self.running:
