@@ -10,8 +10,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
 import signal
+import socket
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import jsonschema
@@ -20,10 +24,12 @@ import openai
 import pytest
 
 import llama_ctypes as lc
+from conftest import llama_cpp_dir
 from http_helpers import ServeProcess, metric_samples, wait_for
 from tiny_models import write_tiny_bert
 
 KEY = "test-key"
+HERMES_TEMPLATE = llama_cpp_dir() / "models" / "templates" / "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
 PROMPTS = ["Tell me about the sea.", "Count to ten.", "What is a cat?", "Write a short poem."]
 
@@ -38,8 +44,9 @@ def bert_paths(tmp_path_factory, vocab_dir):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_model_path, bert_paths):
-    """One process, four models from a config: 'tiny' (4 slots, a KV buffer per slot so concurrent
-    output equals solo output), 'tiny-small' (1 slot, a queue of 1), 'embed' and 'rerank' (direct)."""
+    """One process, five models from a config: 'tiny' (4 slots, a KV buffer per slot so concurrent
+    output equals solo output), 'tiny-small' (1 slot, a queue of 1), 'tiny-tools' (a template with
+    a tool-call syntax: llama.cpp's chat code), 'embed' and 'rerank' (direct)."""
     folder = tmp_path_factory.mktemp("http-tiny")
     config = folder / "models.toml"
     config.write_text(f"""
@@ -58,6 +65,13 @@ path = "{tiny_model_path}"
 n_parallel = 1
 n_ctx = 2048
 max_queue = 1
+
+[[models]]
+id = "tiny-tools"
+path = "{tiny_model_path}"
+chat_template = "{HERMES_TEMPLATE}"
+n_parallel = 1
+n_ctx = 1024
 
 [[models]]
 id = "embed"
@@ -119,7 +133,7 @@ def test_health_is_open_and_models_are_listed(tiny, client):
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert health.json()["models"]["tiny"]["slots_total"] == 4
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["tiny", "tiny-small", "embed", "rerank"]
+    assert ids == ["tiny", "tiny-small", "tiny-tools", "embed", "rerank"]
 
 
 def test_chat_stream_reassembles_to_the_reply(client):
@@ -527,3 +541,185 @@ def test_ignore_eos_extension(client):
     assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 12
     full = client.completions.create(**opts, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+
+
+# ---- hostile requests ------------------------------------------------------------------------
+
+def _status_count(server: ServeProcess, status: str) -> float:
+    return sum(v for k, v in metric_samples(_metrics(server), "llama_ctypes_http_requests_total").items()
+               if ("status", status) in k)
+
+
+def test_hostile_fields_are_refused_with_400s(tiny):
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    errors = _status_count(tiny, "500")
+    with tiny.client() as http:
+        for key in ("²", "١٢"):  # str.isdigit() says yes: int() fails on the first, reads 12 in the second
+            _error(http.post("/v1/chat/completions", json={**chat, "logit_bias": {key: 5}}), 400, "logit_bias")
+        _error(http.post("/v1/chat/completions", json={**chat, "top_k": 2**40}), 400, "top_k")
+        _error(http.post("/v1/chat/completions", json={**chat, "stop": [f"s{i}" for i in range(17)]}), 400, "stop")
+        # NaN and Infinity are no JSON values, wherever they stand
+        e = _error(http.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [{"role": "user", '
+                             b'"content": "x"}], "temperature": Infinity}'), 400)
+        assert e["code"] == "invalid_json"
+        bad_schema = json.dumps({**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "integer", "minimum": math.inf}}}}).encode()
+        e = _error(http.post("/v1/chat/completions", content=bad_schema), 400)
+        assert e["code"] == "invalid_json"
+        text = {**chat, "messages": [{"role": "user", "content": "a, NaN or -Infinity"}]}  # (in a string: fine)
+        assert http.post("/v1/chat/completions", json=text).status_code == 200
+        # malformed tool calls in the history (the generic JSON scheme of a template without tool syntax)
+        history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}]
+        _error(http.post("/v1/chat/completions", json={**chat, "messages": history, "tools": [tool]}), 400)
+        refused = {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}
+        _error(http.post("/v1/chat/completions", json={**chat, "tools": [refused], "tool_choice": "required"}), 400,
+               "tools")
+    assert _status_count(tiny, "500") == errors
+
+
+def test_finish_reason_length_wins_over_a_cut_tool_call():
+    from llama_ctypes.interfaces.http.routes.chat import _finish_reason
+
+    call = {"tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}]}
+    assert _finish_reason(SimpleNamespace(finish_reason="length"), call) == "length"
+    assert _finish_reason(SimpleNamespace(finish_reason="eog"), call) == "tool_calls"
+    assert _finish_reason(SimpleNamespace(finish_reason="stop"), {"content": "x"}) == "stop"
+
+
+def test_non_finite_logprobs_stay_json():
+    from llama_ctypes.core.logprobs import TokenLogprob
+    from llama_ctypes.interfaces.http.generation import chat_logprobs, completion_logprobs
+
+    lps = [TokenLogprob(5, b"a", -math.inf, (TokenLogprob(6, b"b", math.nan),))]
+    for shape in (chat_logprobs(lps), completion_logprobs(lps)):
+        json.dumps(shape, allow_nan=False)  # (Starlette's JSONResponse refuses NaN and infinities)
+    assert chat_logprobs(lps)["content"][0]["logprob"] == -9999.0
+
+
+def test_native_tool_templates_work_and_survive_deep_histories(tiny):
+    tool = {"type": "function", "function": {"name": "special_function", "parameters": {
+        "type": "object", "properties": {"arg1": {"type": "integer"}}, "required": ["arg1"]}}}
+    with tiny.client() as http:
+        # The tool-call grammar starts with the generation prompt '<|im_start|>assistant\n', which the
+        # llama SentencePiece vocabulary spells ' <', '|', 'im', ...: it is still fed to the grammar.
+        r = http.post("/v1/chat/completions", json={"model": "tiny-tools", "messages": CHAT, "tools": [tool],
+                                                    "tool_choice": "required", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        chunks = [json.loads(line[6:]) for line in http.post(
+            "/v1/chat/completions", json={"model": "tiny-tools", "messages": CHAT, "tools": [tool], "max_tokens": 4,
+                                          "temperature": 0, "stream": True}).text.splitlines()
+            if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # Earlier calls' arguments nested 50000 deep: llama.cpp's template code overflowed its stack
+        # (the server died); refused now
+        deep = '{"arg1": ' + "[" * 50000 + "]" * 50000 + "}"
+        history = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "special_function", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+        e = _error(http.post("/v1/chat/completions", json={"model": "tiny-tools", "messages": history,
+                                                           "tools": [tool], "max_tokens": 2}), 400)
+        assert "nested deeper" in e["message"]
+    assert httpx.get(f"{tiny.base_url}/health").status_code == 200
+
+
+def test_a_client_that_leaves_while_sending_its_body(tiny):
+    errors, gone = _status_count(tiny, "500"), _status_count(tiny, "499")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n")
+    for framing, part in (("Content-Length: 1000\r\n\r\n", b'{"model":'), ("Transfer-Encoding: chunked\r\n\r\n",
+                                                                          b'5\r\n{"mod\r\n')):
+        with socket.create_connection(("127.0.0.1", tiny.port)) as s:
+            s.sendall(head.encode() + framing.encode() + part)
+            time.sleep(0.3)
+    assert wait_for(lambda: _status_count(tiny, "499") >= gone + 2, 5)
+    assert _status_count(tiny, "500") == errors
+    assert "ClientDisconnect" not in tiny.log()
+
+
+def test_submitting_a_large_grammar_does_not_stall_the_server(tiny):
+    # Each choice's sampler checks and compiles the grammar (~0.1 s here for this schema): 16 choices
+    # used to hold the event loop for seconds, and every other request with it.
+    fields = {f"field_{i}": {"type": "object", "properties": {f"sub_{j}": {"type": "string", "maxLength": 50}
+                                                              for j in range(10)}} for i in range(60)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)}
+    body = {"model": "tiny", "messages": CHAT, "n": 16, "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+    gaps, done = [], threading.Event()
+
+    def probe():
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                t0 = time.monotonic()
+                http.get(f"{tiny.base_url}/health")
+                gaps.append(time.monotonic() - t0)
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(0.2)
+        r = httpx.post(f"{tiny.base_url}/v1/chat/completions", headers=tiny.headers, json=body, timeout=120)
+    finally:
+        done.set()
+        prober.join()
+    assert r.status_code == 200 and len(r.json()["choices"]) == 16
+    assert max(gaps) < 0.6, sorted(gaps)[-5:]
+
+
+def test_shutdown_with_requests_in_flight(tmp_path, tiny_model_path):
+    """SIGTERM: uvicorn waits 5 s for running requests, then cancels them. A stream still running ends
+    with an error event and [DONE], a reply with a 503, and nothing is logged as a crash."""
+    server = ServeProcess([str(tiny_model_path), "--chat-template", "chatml", "--threads", "1", "-np", "2",
+                           "-c", "8192"], tmp_path / "serve.log")
+    results: dict = {}
+    try:
+        server.wait_ready()
+        long = {"messages": CHAT, "max_tokens": 8000, "temperature": 0, "ignore_eos": True}
+
+        def stream():
+            with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={**long, "stream": True},
+                              timeout=60) as r:
+                results["stream"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        def reply():
+            results["reply"] = httpx.post(f"{server.base_url}/v1/chat/completions", json=long, timeout=60)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=reply)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: "slots_processing\":2" in httpx.get(f"{server.base_url}/health").text, 20)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+    finally:
+        code = server.stop()
+    log = server.log()
+    assert code in (0, -signal.SIGTERM), log
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+    lines = results["stream"]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["type"] == "unavailable_error"
+    assert results["reply"].status_code == 503
+
+
+class _UnloadingManager(_FakeManager):
+    """Lists a ready model that is unloaded by the time the request looks it up."""
+
+    def server(self, model_id):
+        raise KeyError(model_id)
+
+    def model(self, model_id):
+        raise KeyError(model_id)
+
+
+def test_a_model_unloaded_during_routing_is_a_404_not_a_500():
+    from starlette.testclient import TestClient
+
+    from llama_ctypes.interfaces.http import create_app
+
+    with TestClient(create_app(_UnloadingManager(_info("m", "ready")))) as http:
+        e = _error(http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT}), 404, "model")
+        assert "unloaded" in e["message"]
+        _error(http.post("/tokenize", json={"model": "m", "content": "x"}), 404, "model")

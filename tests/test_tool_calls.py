@@ -8,7 +8,12 @@ case is given), run against the same templates from ``models/templates``.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -261,3 +266,144 @@ def test_grammar_prefill_skips_text_already_in_the_prompt(gemma):
                      chat_template=(TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
     assert plan.options["grammar_prefill"] == plan.format.generation_prompt != ""
     lc.Sampler.create(gemma, grammar=plan.options["grammar"], grammar_prefill=plan.options["grammar_prefill"])
+
+
+# ---- hostile outputs and requests ---------------------------------------------------------------
+
+HERMES = "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja"
+
+
+def _output(name: str = HERMES):
+    from llama_ctypes.features.tool_calls import ChatOutput
+    parser = OutputParser(_formatter(name).apply(USER, tools=[SPECIAL_FUNCTION]))
+    return ChatOutput(parser.parse, parser, parser.aparse)
+
+
+def test_a_reply_cut_by_the_length_limit_is_length_even_in_a_tool_call():
+    from llama_ctypes.features.tool_calls import finish_reason
+    out = _output()
+    text = 'Let me see.<tool_call>\n{"name": "special_function", "arguments": {"arg1": 12'
+    deltas = [d for i in range(0, len(text), 4) for d in out.feed(text[i:i + 4])]
+    deltas += out.end(truncated=True)
+    assert out.message["content"] == "Let me see." and out.message["tool_calls"][0]["function"]["name"] == \
+        "special_function"
+    assert "".join(d.get("content", "") for d in deltas) == "Let me see."
+    # OpenAI and llama-server: "length" whatever the cut text holds; "tool_calls" only after a natural end
+    assert finish_reason("length", out.has_tool_calls) == "length"
+    assert finish_reason("eog", True) == "tool_calls" and finish_reason("stop", False) == "stop"
+
+
+def test_an_unparsable_end_after_streamed_calls_does_not_repeat_them_as_content():
+    out = _output()
+    text = ('<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>'
+            'garbage<tool_call>{bad')
+    deltas = [d for i in range(0, len(text), 5) for d in out.feed(text[i:i + 5])]
+    deltas += out.end()  # llama.cpp refuses the complete text
+    assert [c["function"]["arguments"] for c in out.message["tool_calls"]] == ['{"arg1": 1}']
+    assert "<tool_call>" not in (out.message["content"] or "")
+    assert "<tool_call>" not in "".join(d.get("content", "") for d in deltas)
+
+
+def test_text_after_a_nul_character_is_not_lost():
+    msg = OutputParser(_formatter(HERMES).apply(USER, tools=[SPECIAL_FUNCTION])).parse("Hello\0world", False)
+    assert msg["content"] == "Hello\ufffdworld"
+
+
+def test_async_feed_gives_the_same_deltas():
+    import asyncio
+
+    text = 'Hi.<tool_call>\n{"name": "special_function", "arguments": {"arg1": 7}}</tool_call>'
+    pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+    sync = _output()
+    expected = [d for p in pieces for d in sync.feed(p)] + sync.end()
+
+    async def run():
+        out = _output()
+        got = [d for p in pieces for d in await out.afeed(p)]
+        return got + await out.aend(), out.message
+
+    got, message = asyncio.run(run())
+    strip = [{k: v for k, v in d.items() if k != "tool_calls"} for d in got]
+    assert strip == [{k: v for k, v in d.items() if k != "tool_calls"} for d in expected]
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"arg1": 7}'
+
+
+def _isolated(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (a native crash must not take the test run with it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=240)
+
+
+def test_deeply_nested_output_does_not_crash_the_parser():
+    # llama.cpp's PEG parser recurses per level of JSON: 5000 levels overflowed the 8 MiB main stack
+    result = _isolated("""
+        from llama_ctypes.features.tool_calls import OutputParser, ToolCallError
+        from test_tool_calls import _formatter, HERMES, SPECIAL_FUNCTION, USER
+        parser = OutputParser(_formatter(HERMES).apply(USER, tools=[SPECIAL_FUNCTION]))
+        start = '<tool_call>\\n{"name": "special_function", "arguments": {"arg1": '
+        for depth in (5000, 40000):
+            for partial in (True, False):
+                msg = parser.parse(start + '[' * depth + ']' * depth + '}}</tool_call>', partial)
+                assert msg["tool_calls"][0]["function"]["arguments"].count("[") == depth
+        try:
+            parser.parse(start + '[' * 100000, True)  # more than the parse thread's stack takes
+        except ToolCallError as e:
+            assert "opening brackets" in str(e)
+        else:
+            raise AssertionError("parsed")
+        print("survived")
+    """)
+    assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+def test_deeply_nested_tool_call_arguments_in_the_history_are_refused():
+    # jinja::from_json converts earlier calls' arguments one level per call: 50000 levels overflowed
+    # the stack; some templates also render them in quadratic time and size
+    result = _isolated("""
+        import llama_ctypes as lc
+        from test_tool_calls import _formatter, HERMES, SPECIAL_FUNCTION, USER
+        def history(depth):
+            args = '{"arg1": ' + '[' * depth + ']' * depth + '}'
+            return [*USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                     "function": {"name": "special_function", "arguments": args}}]},
+                    {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+        formatter = _formatter(HERMES)
+        assert formatter.apply(history(100), tools=[SPECIAL_FUNCTION]).prompt
+        for depth in (50000, 300):
+            try:
+                formatter.apply(history(depth), tools=[SPECIAL_FUNCTION])
+            except lc.InvalidArgumentError as e:
+                assert "nested deeper" in str(e)
+            else:
+                raise AssertionError(depth)
+        print("survived")
+    """)
+    assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+def test_generic_scheme_refuses_malformed_history_and_survives_deep_replies(tiny_model):
+    bad = [*USER, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}]
+    with pytest.raises(lc.InvalidArgumentError, match=r"messages\[1\]\.tool_calls\[0\]"):
+        plan_chat(tiny_model, bad, tools=[SPECIAL_FUNCTION], chat_template="chatml")
+    with pytest.raises(lc.InvalidArgumentError, match=r"messages\[1\]\.tool_calls"):
+        plan_chat(tiny_model, [*USER, {"role": "assistant", "tool_calls": "x"}], tools=[SPECIAL_FUNCTION],
+                  chat_template="chatml")
+    deep = '{"arg1": ' + "[" * 100000 + "]" * 100000 + "}"
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "special_function", "arguments": deep}}]}]
+    assert plan_chat(tiny_model, history, tools=[SPECIAL_FUNCTION], chat_template="chatml").prompt
+    out = _GenericOutput()
+    out.feed('{"tool_calls": [{"name": "f", "arguments": {"a": ' + "[" * 100000 + "]" * 100000 + "}}]}")
+    assert out.finish()["content"].startswith('{"tool_calls"')  # Python's parser gave up: the text is kept
+
+
+def test_grammar_prefill_after_a_special_token_on_a_space_prefix_vocab(tiny_model):
+    # SentencePiece with add_space_prefix puts a space before text that follows a special token
+    # ("<s>assistant" -> "<s>", " assistant"): the grammar must still be fed the text itself
+    for prefill in ("<s>assistant\n", "<|im_start|>assistant\n", "assistant\n"):
+        grammar = 'root ::= "' + prefill.replace("\n", "\\n") + '" "yes"'
+        out = lc.generate(tiny_model, "Hi", grammar=grammar, grammar_prefill=prefill, max_tokens=6, temp=0)
+        assert out == "yes", prefill
+    with pytest.raises(lc.GrammarError, match="grammar_prefill"):
+        lc.Sampler.create(tiny_model, grammar='root ::= "<s>assistant" "x"', grammar_prefill="<s>assistent")

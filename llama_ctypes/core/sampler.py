@@ -195,6 +195,55 @@ def _argmax_fn(logits_of: Callable[[int], np.ndarray]) -> Callable[[int], int]:
     return lambda idx: int(logits_of(idx).argmax())
 
 
+def _prefill_tokens(vocab, text: str) -> list[int] | None:
+    """Tokens whose pieces spell exactly ``text`` (``grammar_prefill``), or None.
+
+    The grammar must be fed the text itself. Tokenizing it is not always enough: SentencePiece
+    vocabularies with ``add_space_prefix`` put a space before raw text at the start and after
+    every special token (``<|im_start|>assistant`` → ``<|im_start|>``, `` assistant``), a space
+    the grammar does not expect. Such a token is replaced by tokens spelling it without the
+    space (common/sampling.cpp only skips a lone space token at the start, and refuses the rest).
+    """
+    data = text.encode("utf-8")
+
+    def pieces(tokens: list[int]) -> list[bytes]:
+        return [vocab.token_bytes(t, special=True) for t in tokens]
+
+    def spell(rest: bytes) -> list[int] | None:
+        # "\n" + rest: the tokenizer's inserted space goes before the newline, which stays apart
+        try:
+            tail = rest.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        tokens = vocab.tokenize("\n" + tail, add_special=False, parse_special=True)
+        got = pieces(tokens)
+        for k in range(1, len(tokens) + 1):
+            head = b"".join(got[:k])
+            if head in (b"\n", b" \n"):
+                return tokens[k:] if b"".join(got[k:]) == rest else None
+            if len(head) >= 2:
+                return None
+        return None
+
+    tokens = vocab.tokenize(text, add_special=False, parse_special=True)
+    out: list[int] = []
+    pos = 0
+    for token, piece in zip(tokens, pieces(tokens)):
+        if piece and data.startswith(piece, pos):
+            out.append(token)
+            pos += len(piece)
+        elif piece[:1] == b" " and data.startswith(piece[1:], pos):  # a space the tokenizer inserted
+            if len(piece) > 1:
+                fixed = spell(piece[1:])
+                if fixed is None:
+                    return None
+                out += fixed
+                pos += len(piece) - 1
+        else:
+            return None
+    return out if pos == len(data) else None
+
+
 class SamplerBinding:
     """A Sampler claimed for one generation on one leased context: ``sample(idx) -> token``.
 
@@ -371,12 +420,10 @@ class Sampler(NativeHandle):
         text = self.params.grammar_prefill
         if not text:
             return
-        vocab = self.model.vocab
-        tokens = vocab.tokenize(text, add_special=False, parse_special=True)
-        for i, token in enumerate(tokens):
-            piece = vocab.token_bytes(token, special=True)
-            if i == 0 and piece[:1].isspace() and not text[:1].isspace():
-                continue  # some tokenizers put a space before a leading special token
+        tokens = _prefill_tokens(self.model.vocab, text)
+        if tokens is None:
+            raise GrammarError(f"grammar_prefill {text!r}: no tokenization of it spells it exactly")
+        for token in tokens:
             # llama.cpp throws (and the process aborts) on accepting a token the grammar refuses.
             if not self._grammar_allows(token, grammar):
                 raise GrammarError(f"grammar_prefill {text!r} does not match the grammar's start")

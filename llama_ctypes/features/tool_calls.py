@@ -22,13 +22,17 @@ Thread safety: a plan and the formatter cached on a model may be shared; a
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import os
+import queue
 import secrets
 import threading
 from ctypes import byref, c_void_p, string_at
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ..core.backend import init
 from ..core.handle import NativeHandle
@@ -161,9 +165,12 @@ class ChatFormatter(NativeHandle):
             payload = json.dumps(inputs, ensure_ascii=False, allow_nan=False).encode()
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"the request is not JSON-serialisable: {e}") from None
+        _check_nesting(inputs)
         error = c_void_p()
         with self._call_lock, self._shared():
-            out = self._lib.lcx_chat_templates_apply(self._ptr, payload, byref(error))
+            # (on a thread with a large stack: llama.cpp recurses through the JSON it reads)
+            out = _PARSE_THREADS.submit(self._lib.lcx_chat_templates_apply, self._ptr, payload,
+                                        byref(error)).result()
         data = json.loads(_take_string(self._lib, out, error, "llama.cpp refused the chat request"))
         return ChatFormat(
             format=data["format"], format_id=int(data["format_id"]), prompt=data["prompt"],
@@ -179,8 +186,157 @@ class ChatFormatter(NativeHandle):
             self._ptr = None
 
 
+# ---- llama.cpp's output parsers recurse once per nesting level of the JSON they read ----------
+#
+# A model's output with arguments nested a few thousand levels deep ('[[[[...') overflows an
+# 8 MiB stack (300 levels overflow a 512 KiB one, macOS's thread default) and the process dies.
+# So the parses run on threads of their own with a large stack, and an output with more opening
+# brackets than that stack can take (the nesting can be no deeper) is not given to llama.cpp at
+# all: it does not parse (ToolCallError), so its text becomes the answer.
+
+_PARSE_STACK = 256 * 2**20
+#: Stack bytes per nesting level allowed for (llama.cpp's PEG parser takes about 2 KiB).
+_STACK_PER_LEVEL = 4096
+#: Where no thread with a large stack can be started: the limit for the caller's own thread.
+_FALLBACK_MAX_OPENERS = 64
+
+
+class _ParseThreads:
+    """A few daemon threads with a large stack that run the native output parses."""
+
+    def __init__(self, size: int = 2):
+        self._size = size
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._pid: int | None = None
+        self._max_openers = _FALLBACK_MAX_OPENERS
+
+    def _started(self) -> queue.SimpleQueue | None:
+        if self._pid == os.getpid():
+            return self._queue
+        with self._lock:
+            if self._pid != os.getpid():  # (first use, or a forked child: the threads are not here)
+                self._queue, self._max_openers = self._start()
+                self._pid = os.getpid()
+            return self._queue
+
+    def _start(self) -> tuple[queue.SimpleQueue | None, int]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            old = threading.stack_size(_PARSE_STACK)
+        except (ValueError, RuntimeError):  # a platform without settable thread stacks
+            return None, _FALLBACK_MAX_OPENERS
+        started = 0
+        try:
+            for i in range(self._size):
+                threading.Thread(target=_serve_parses, args=(q,), name=f"llama_ctypes-chat-parse-{i}",
+                                 daemon=True).start()
+                started += 1
+        except RuntimeError:  # (the large stack could not be mapped)
+            pass
+        finally:
+            threading.stack_size(old)
+        if not started:
+            return None, _FALLBACK_MAX_OPENERS
+        return q, _PARSE_STACK // _STACK_PER_LEVEL
+
+    @property
+    def max_openers(self) -> int:
+        """Most opening brackets an output may hold to be parsed."""
+        self._started()
+        return self._max_openers
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        q = self._started()
+        if q is None:
+            _run(future, fn, args)
+        else:
+            q.put((future, fn, args))
+        return future
+
+
+def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+        future.set_exception(e)
+
+
+def _serve_parses(q: queue.SimpleQueue) -> None:
+    while True:
+        future, fn, args = q.get()
+        _run(future, fn, args)
+        del future, fn, args
+
+
+_PARSE_THREADS = _ParseThreads()
+
+
+#: Deepest JSON nesting a chat request may hand to llama.cpp's chat code. It recurses through what it
+#: reads (and some templates render each level with the indentation of all the levels above it:
+#: quadratic in time and size), so a request must not choose the depth freely. Real tool schemas
+#: and arguments are a few levels deep.
+MAX_JSON_DEPTH = 256
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON-like value (0 for a scalar), counted up to ``limit + 1`` (no recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _check_nesting(inputs: Mapping[str, Any]) -> None:
+    """Refuse a chat request with JSON nested deeper than :data:`MAX_JSON_DEPTH` where llama.cpp reads it.
+
+    What it reads as JSON counts: tool schemas, template variables, message fields, and the arguments
+    of earlier tool calls (a string of JSON, parsed and converted for the template one level at a
+    time); the messages' text does not.
+    """
+    limit = MAX_JSON_DEPTH
+    values: list[Any] = [{k: v for k, v in inputs.items() if k != "messages"}]
+    too_deep = False
+    for m in inputs.get("messages") or ():
+        if not isinstance(m, Mapping):
+            continue
+        values.append({k: v for k, v in m.items() if not (k in ("content", "reasoning_content") and isinstance(v, str))})
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, (list, tuple)) else ():
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            args = fn.get("arguments") if isinstance(fn, Mapping) else None
+            if isinstance(args, str) and args.count("[") + args.count("{") > limit:  # (else it cannot be deeper)
+                try:
+                    values.append(json.loads(args))
+                except RecursionError:  # (deeper than Python's own parser goes)
+                    too_deep = True
+                except ValueError:
+                    pass  # not JSON: llama.cpp refuses it
+    if too_deep or any(_json_depth(value, limit) > limit for value in values):
+        raise InvalidArgumentError(f"the request holds JSON nested deeper than {limit} levels (in its tools, "
+                                   "tool call arguments or template variables)")
+
+
 class OutputParser(NativeHandle):
-    """Parses one request's output with its format's parser (llama.cpp ``common_chat_parse``)."""
+    """Parses one request's output with its format's parser (llama.cpp ``common_chat_parse``).
+
+    The parse runs on a thread with a large stack (llama.cpp's parser recurses once per level of
+    JSON nesting); :meth:`aparse` awaits it from an event loop without blocking the loop.
+    """
 
     _kind = "chat output parser"
 
@@ -199,10 +355,26 @@ class OutputParser(NativeHandle):
 
     def parse(self, text: str, partial: bool) -> dict[str, Any]:
         """The OpenAI message in ``text`` (``partial``: more text will follow). Raises ToolCallError when
-        complete output does not match the format."""
+        complete output does not match the format (or is nested too deeply to parse safely)."""
+        return _PARSE_THREADS.submit(self._parse, self._input(text), partial).result()
+
+    async def aparse(self, text: str, partial: bool) -> dict[str, Any]:
+        """:meth:`parse` from an event loop (the loop keeps running meanwhile)."""
+        return await asyncio.wrap_future(_PARSE_THREADS.submit(self._parse, self._input(text), partial))
+
+    @staticmethod
+    def _input(text: str) -> bytes:
+        limit = _PARSE_THREADS.max_openers
+        if text.count("[") + text.count("{") > limit:
+            raise ToolCallError(f"the model's output holds more than {limit} opening brackets: it is not parsed "
+                                "(llama.cpp's parser would overflow its stack)")
+        # (a NUL would end the C string early, and the text after it would be lost)
+        return text.replace("\0", "\ufffd").encode("utf-8", "surrogatepass")
+
+    def _parse(self, data: bytes, partial: bool) -> dict[str, Any]:
         error = c_void_p()
         with self._exclusively():
-            out = self._lib.lcx_chat_parse(self._ptr, text.encode("utf-8", "surrogatepass"), partial, byref(error))
+            out = self._lib.lcx_chat_parse(self._ptr, data, partial, byref(error))
         return json.loads(_take_string(self._lib, out, error, "the model's output does not match its chat format"))
 
     def _free(self) -> None:
@@ -224,12 +396,17 @@ class ChatOutput:
     ``{"content": ...}``, ``{"reasoning_content": ...}`` or ``{"tool_calls": [...]}``);
     ``end()`` returns the last deltas, after which ``message`` holds the final
     assistant message (``content`` None when it only calls tools) and
-    ``has_tool_calls`` tells whether the finish reason is ``"tool_calls"``.
-    The concatenated deltas always equal the final message.
+    ``has_tool_calls`` tells whether it calls tools. The concatenated deltas always
+    equal the final message. ``end(truncated=True)``: the output was cut short (the
+    length limit), so it is read as the partial text it is. ``push(piece)`` adds text
+    without computing deltas (a reply that is not streamed needs only the message);
+    ``afeed`` / ``aend`` are the forms for an event loop (the parse runs in a thread).
     """
 
-    def __init__(self, parse: Callable[[str, bool], dict[str, Any]], owner: Any = None):
+    def __init__(self, parse: Callable[[str, bool], dict[str, Any]], owner: Any = None,
+                 aparse: Callable[[str, bool], Awaitable[dict[str, Any]]] | None = None):
         self._parse = parse
+        self._aparse = aparse
         self._owner = owner  # keeps the native parser alive as long as this output
         self._text: list[str] = []
         self._sent_content = ""
@@ -246,26 +423,73 @@ class ChatOutput:
     def has_tool_calls(self) -> bool:
         return bool(self._sent_calls)
 
-    def feed(self, piece: str) -> list[dict[str, Any]]:
+    def _append(self, piece: str) -> None:
         if self.message is not None:
             raise InvalidArgumentError("this ChatOutput has ended")
         self._text.append(piece)
+
+    def push(self, piece: str) -> None:
+        """Add ``piece`` without computing deltas (``end()`` still returns the message's)."""
+        self._append(piece)
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        self._append(piece)
         try:
             msg = self._parse(self.text, True)
         except LlamaError:
             return []  # a partial parse can fail mid-marker; the next piece usually completes it
         return self._diff(msg, final=False)
 
-    def end(self) -> list[dict[str, Any]]:
+    async def afeed(self, piece: str) -> list[dict[str, Any]]:
+        """:meth:`feed` for an event loop."""
+        if self._aparse is None:
+            return self.feed(piece)
+        self._append(piece)
+        try:
+            msg = await self._aparse(self.text, True)
+        except LlamaError:
+            return []
+        return self._diff(msg, final=False)
+
+    def end(self, truncated: bool = False) -> list[dict[str, Any]]:
         if self.message is not None:
             return []
         text = self.text
         try:
-            msg = self._parse(text, False)
+            msg = self._parse(text, truncated)
         except LlamaError as e:
-            # The model left the format (possible with tool_choice="auto"): its text is the answer.
-            logger.warning("%s; returning the raw output as content", e)
-            msg = {"role": "assistant", "content": text}
+            msg = self._unparsed(text, e)
+        return self._close(msg)
+
+    async def aend(self, truncated: bool = False) -> list[dict[str, Any]]:
+        """:meth:`end` for an event loop."""
+        if self._aparse is None:
+            return self.end(truncated)
+        if self.message is not None:
+            return []
+        text = self.text
+        try:
+            msg = await self._aparse(text, truncated)
+        except LlamaError as e:
+            msg = self._unparsed(text, e)
+        return self._close(msg)
+
+    def finish(self, truncated: bool = False) -> dict[str, Any]:
+        """``end()`` and return the final message (for non-streamed replies)."""
+        self.end(truncated)
+        assert self.message is not None
+        return self.message
+
+    def _unparsed(self, text: str, error: Exception) -> dict[str, Any]:
+        # The model left the format (possible with tool_choice="auto"): its text is the answer,
+        # unless calls were already sent (their text would be sent a second time, as content).
+        if self._sent_calls:
+            logger.warning("%s; keeping the tool calls already read", error)
+            return {"role": "assistant", "content": self._sent_content, "reasoning_content": self._sent_reasoning}
+        logger.warning("%s; returning the raw output as content", error)
+        return {"role": "assistant", "content": text}
+
+    def _close(self, msg: Mapping[str, Any]) -> list[dict[str, Any]]:
         deltas = self._diff(msg, final=True)
         calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                  for c in self._sent_calls]
@@ -276,12 +500,6 @@ class ChatOutput:
             message["tool_calls"] = calls
         self.message = message
         return deltas
-
-    def finish(self) -> dict[str, Any]:
-        """``end()`` and return the final message (for non-streamed replies)."""
-        self.end()
-        assert self.message is not None
-        return self.message
 
     def _diff(self, msg: Mapping[str, Any], final: bool) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
@@ -454,7 +672,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
 
     def output() -> ChatOutput:
         parser = OutputParser(fmt)
-        return ChatOutput(parser.parse, parser)
+        return ChatOutput(parser.parse, parser, parser.aparse)
 
     return ChatPlan(prompt_tokens(model, fmt.prompt), options, output, fmt, fmt.prompt)
 
@@ -467,11 +685,12 @@ class _SplitterOutput(ChatOutput):
         self._splitter = splitter
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
-        if self.message is not None:
-            raise InvalidArgumentError("this ChatOutput has ended")
-        self._text.append(piece)
+        self._append(piece)
         parts = self._splitter.feed(piece) if self._splitter is not None else [("content", piece)]
         return self._deltas(parts)
+
+    def push(self, piece: str) -> None:
+        self.feed(piece)
 
     def _deltas(self, parts) -> list[dict[str, Any]]:
         deltas = []
@@ -486,7 +705,7 @@ class _SplitterOutput(ChatOutput):
                 deltas.append({"content": text})
         return deltas
 
-    def end(self) -> list[dict[str, Any]]:
+    def end(self, truncated: bool = False) -> list[dict[str, Any]]:
         if self.message is not None:
             return []
         deltas = self._deltas(self._splitter.flush()) if self._splitter is not None else []
@@ -543,13 +762,19 @@ def _generic_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[st
             out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
         elif role == "assistant" and m.get("tool_calls"):
             calls = []
-            for c in m["tool_calls"]:
-                fn = c.get("function") or {}
+            given = m["tool_calls"]
+            if not isinstance(given, Sequence) or isinstance(given, (str, bytes)):
+                raise InvalidArgumentError(f"messages[{i}].tool_calls must be a list of tool calls")
+            for j, c in enumerate(given):
+                fn = c.get("function") if isinstance(c, Mapping) else None
+                if not isinstance(fn, Mapping):
+                    raise InvalidArgumentError(f"messages[{i}].tool_calls[{j}] must be "
+                                               "{'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
                         args = json.loads(args)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         pass
                 calls.append({"name": fn.get("name"), "arguments": args})
             out.append({"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)})
@@ -575,7 +800,7 @@ class _GenericOutput(ChatOutput):
             return {}
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested deeper than Python's parser goes)
             raise ToolCallError("the model's reply is not the JSON the tool grammar asks for") from None
         if isinstance(data, dict) and isinstance(data.get("tool_calls"), list):
             calls = [{"type": "function", "function": {"name": c.get("name"),
@@ -588,10 +813,11 @@ class _GenericOutput(ChatOutput):
         raise ToolCallError("the model's reply is not the JSON the tool grammar asks for")
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
-        if self.message is not None:
-            raise InvalidArgumentError("this ChatOutput has ended")
-        self._text.append(piece)
+        self._append(piece)
         return []
+
+    def end(self, truncated: bool = False) -> list[dict[str, Any]]:
+        return super().end(False)  # (cut short, the JSON does not parse: its text is the answer)
 
 
 def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]], mode: str,
@@ -635,6 +861,17 @@ def _start(target: Any, messages: Sequence[Mapping[str, Any]], opts: dict[str, A
     return model, plan, text_stream
 
 
+def finish_reason(reason: str | None, has_tool_calls: bool) -> str:
+    """OpenAI's finish reason of a chat reply: ``"length"`` when the length limit cut it (even in the
+    middle of a tool call, as llama-server), else ``"tool_calls"`` when it calls tools, else ``"stop"``.
+
+    ``reason``: the generation's (``"eog"``, ``"stop"``, ``"length"``; None counts as ``"length"``).
+    """
+    if reason is None or reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
 def chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]], **opts: Any) -> dict[str, Any]:
     """``lc.chat_completion`` for a request with tools: the reply's ``tool_calls`` parsed by the
     model's format; ``finish_reason`` is ``"tool_calls"`` when it calls tools."""
@@ -645,10 +882,10 @@ def chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]
     out = plan.output()
     with text_stream:
         for piece in text_stream:
-            out.feed(piece)
+            out.push(piece)
         completion = text_stream.completion()
-    message = out.finish()
-    finish = "tool_calls" if out.has_tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+    message = out.finish(truncated=completion.finish_reason == "length")
+    finish = finish_reason(completion.finish_reason, out.has_tool_calls)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model.path.stem, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
@@ -674,10 +911,10 @@ def stream_chat_completion_with_tools(target: Any, messages: Sequence[Mapping[st
             for piece in text_stream:
                 for delta in out.feed(piece):
                     yield chunk(delta)
-            for delta in out.end():
-                yield chunk(delta)
             completion = text_stream.completion()
-        finish = "tool_calls" if out.has_tool_calls else ("length" if completion.finish_reason == "length" else "stop")
+            for delta in out.end(truncated=completion.finish_reason == "length"):
+                yield chunk(delta)
+        finish = finish_reason(completion.finish_reason, out.has_tool_calls)
         last = chunk({}, finish)
         last["usage"] = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
                          "total_tokens": completion.prompt_tokens + len(completion.tokens)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import secrets
@@ -9,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ... import __version__
-from .errors import BodyTooLarge, from_exception
+from .errors import BodyTooLarge, Unavailable, from_exception
 from .metrics import Metrics
 from .routing import Router
 from .streaming import ClientGone
@@ -87,8 +88,13 @@ def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
     async def wrapper(request: Request) -> Response:
         try:
             return await fn(request, request.app.state.llama)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):  # (ClientDisconnect: it left while sending its body)
             return Response(status_code=499)  # nobody reads it; the metrics count it
+        except asyncio.CancelledError:
+            # The server cancels what is still running when its graceful shutdown times out; the
+            # requests behind this one were cancelled on the way out. Answer instead of dying with
+            # a traceback: the client can retry elsewhere.
+            return Unavailable("the server is shutting down").response()
         except Exception as exc:  # noqa: BLE001 - every error becomes a response
             return from_exception(exc).response()
 

@@ -8,7 +8,10 @@ finished request is counted, and the two logprobs shapes.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any, Awaitable, Sequence
+
+import anyio
 
 from ...engines.server import Server
 from .schemas import SamplingFields
@@ -53,18 +56,29 @@ def merge_options(user: dict[str, Any], required: dict[str, Any]) -> dict[str, A
     return out
 
 
-def submit(server: Server, prompt: Sequence[int], opts: dict[str, Any], n: int) -> list[Any]:
-    """Submit ``n`` requests (one per choice); with a seed, choice ``i`` uses ``seed + i``.
+async def submit(server: Server, prompts: Sequence[Sequence[int]], opts: dict[str, Any], n: int) -> list[Any]:
+    """Submit ``n`` requests (one per choice) per prompt, in a worker thread; with a seed, choice ``i``
+    of a prompt uses ``seed + i``. Returns their async streams, prompt by prompt.
 
-    All or none: if one is refused (QueueFullError, a bad option), those already queued are cancelled.
+    A submission validates the options, builds the request's sampler and compiles its grammar
+    (tens of milliseconds for a large JSON schema, per choice): on the event loop that would stall
+    every other request. All or none: if one is refused (QueueFullError, a bad option), or the
+    caller is cancelled meanwhile, those already queued are cancelled.
     """
+    loop = asyncio.get_running_loop()
     streams: list[Any] = []
+
+    def work() -> None:
+        for prompt in prompts:
+            for i in range(n):
+                choice_opts = dict(opts)
+                if n > 1 and "seed" in opts:
+                    choice_opts["seed"] = (opts["seed"] + i) % _SEED_MOD
+                # from a worker thread: the request's channel delivers to ``loop``
+                streams.append(server.asubmit(list(prompt), loop=loop, **choice_opts))
+
     try:
-        for i in range(n):
-            choice_opts = dict(opts)
-            if n > 1 and "seed" in opts:
-                choice_opts["seed"] = (opts["seed"] + i) % _SEED_MOD
-            streams.append(server.asubmit(prompt, **choice_opts))
+        await anyio.to_thread.run_sync(work)
     except BaseException:
         cancel_all(streams)
         raise
@@ -97,8 +111,16 @@ def new_logprobs(stream: Any, sent: int) -> tuple[list[Any], int]:
     return list(lps[sent:]), len(lps)
 
 
+#: What a log-probability of -inf (or NaN) becomes: JSON has no infinities (OpenAI sends -9999.0 too).
+_NO_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else _NO_LOGPROB
+
+
 def _entry(lp: Any) -> dict[str, Any]:
-    return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.bytes)}
+    return {"token": lp.text, "logprob": _logprob(lp.logprob), "bytes": list(lp.bytes)}
 
 
 def chat_logprobs(lps: Sequence[Any]) -> dict[str, Any]:
@@ -113,5 +135,5 @@ def completion_logprobs(lps: Sequence[Any], offset: int = 0) -> dict[str, Any]:
     for lp in lps:
         offsets.append(offset)
         offset += len(lp.text)
-    return {"tokens": [lp.text for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{alt.text: alt.logprob for alt in lp.top} for lp in lps], "text_offset": offsets}
+    return {"tokens": [lp.text for lp in lps], "token_logprobs": [_logprob(lp.logprob) for lp in lps],
+            "top_logprobs": [{alt.text: _logprob(alt.logprob) for alt in lp.top} for lp in lps], "text_offset": offsets}

@@ -8,11 +8,12 @@ failed to load, answers 503.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ...core.model import Model
-from ...engines.manager import ModelInfo, ModelManager
+from ...engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from ...engines.server import Server
 from .errors import BadRequest, NotFound, Unavailable
 
@@ -70,7 +71,8 @@ class Router:
     def model(self, name: str | None) -> tuple[str, Model]:
         """The :class:`Model` of the model a request names (for tokenizing)."""
         info = self.resolve(name)
-        return info.id, self.manager.model(info.id)
+        with _gone(info.id):
+            return info.id, self.manager.model(info.id)
 
     def servers(self) -> dict[str, Server]:
         """Every ready server-mode model's server (for the metrics and /health)."""
@@ -93,4 +95,16 @@ class Router:
 
 def _server_of(manager: ModelManager, model_id: str) -> Server:
     # Only called for a ready model, so it never waits for a load.
-    return manager.server(model_id)
+    with _gone(model_id):
+        return manager.server(model_id)
+
+
+@contextlib.contextmanager
+def _gone(model_id: str) -> Iterator[None]:
+    """The manager's errors for a model unloaded (or reloading) since it was resolved, as responses."""
+    try:
+        yield
+    except KeyError:
+        raise NotFound(f"the model {model_id!r} was unloaded", param="model") from None
+    except ModelNotReadyError as e:
+        raise Unavailable(f"the model {model_id!r} is not available: {e}") from None

@@ -8,6 +8,8 @@ range is refused with a 400 that names it (``error.param``, e.g.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal, Mapping, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -20,12 +22,17 @@ T = TypeVar("T", bound=BaseModel)
 MAX_CHOICES = 16
 #: Most alternatives per token in ``top_logprobs`` / ``logprobs`` (as llama-server and OpenAI).
 MAX_TOP_LOGPROBS = 20
+#: Most stop strings per request (OpenAI takes 4): every generated token is checked against each of
+#: them in the model's scheduler thread, which serves every request of the model.
+MAX_STOPS = 16
+_INT32_MAX = 2**31 - 1
 
 _UNSUPPORTED_PARTS = {"image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images"}
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # (allow_inf_nan: JSON has no infinities, but the parser reads Infinity and NaN literals)
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -63,7 +70,7 @@ class ResponseFormat(_Body):
 class Message(BaseModel):
     """One chat message. Extra fields travel to the chat template untouched."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
@@ -107,7 +114,7 @@ class SamplingFields(_Body):
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=_INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
@@ -126,7 +133,7 @@ class SamplingFields(_Body):
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # ('²'.isdigit(), and int('١٢') == 12)
                 raise ValueError(f"key {key!r} is not a token id (a decimal integer string)")
             if not -100 <= value <= 100:
                 raise ValueError(f"the bias of token {key} is {value}, outside [-100, 100]")
@@ -137,6 +144,8 @@ class SamplingFields(_Body):
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if isinstance(stop, list) and any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(stop)})")
         return stop
 
     @property
@@ -251,8 +260,21 @@ def param_name(loc: Sequence[Any]) -> str | None:
     return out or None
 
 
+#: Where a NaN or Infinity literal may stand (the JSON parser accepts them; JSON has no such values).
+_NON_FINITE = re.compile(rb"[:,\[]\s*-?(?:NaN|Infinity)\b")
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"the body is not valid JSON: {name} is not a JSON value", code="invalid_json")
+
+
 def parse(cls: type[T], body: bytes) -> T:
     """Validate a JSON body; raises :class:`BadRequest` naming the first wrong field."""
+    if _NON_FINITE.search(body):  # (maybe inside a string: the exact check only then)
+        try:
+            json.loads(body, parse_constant=_reject_constant)
+        except (ValueError, RecursionError):
+            pass  # (not JSON: the parser below says why)
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 import anyio
 from starlette.types import Receive, Scope, Send
 
-from .errors import from_exception
+from .errors import Unavailable, from_exception
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,13 @@ class EventStream:
             except OSError:  # (servers of ASGI spec 2.4 raise it when the client has gone)
                 raise _Gone from None
 
+        started = ended = False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
                 try:
                     await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+                    started = True
                     try:
                         async for data in self.events:
                             await body(event(data))
@@ -73,9 +75,22 @@ class EventStream:
                     except Exception as exc:  # (cancellation is not an Exception: it passes)
                         await body(event(from_exception(exc).body()))
                     await body(b"data: [DONE]\n\n", more=False)
+                    ended = True
                 except (_Gone, OSError):
                     pass
                 tg.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # Cancelled from outside (a client's leaving is this task group's own scope, which
+            # ends quietly): the server's graceful shutdown timed out. The requests go (on_close,
+            # below); the client is told, and the stream ends properly rather than cut mid-event.
+            self.on_close()
+            if started and not ended:
+                with anyio.move_on_after(1, shield=True):
+                    try:
+                        await body(event(Unavailable("the server is shutting down").body()))
+                        await body(b"data: [DONE]\n\n", more=False)
+                    except Exception:  # (gone, or the server refuses to send any more)
+                        pass
         finally:
             self.on_close()  # synchronous: it must run even while this task is being cancelled
             await _aclose_quietly(self.events)

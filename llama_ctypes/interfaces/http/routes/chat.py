@@ -18,9 +18,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....core.grammar import json_schema_to_gbnf
-from ....features.tool_calls import plan_chat
-from ..common import FINISH_REASONS, SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
-from ..errors import BadRequest
+from ....errors import SchemaError
+from ....features.tool_calls import finish_reason, plan_chat
+from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
+from ..errors import BadRequest, from_exception
 from ..generation import (cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options,
                           submit)
 from ..schemas import ChatCompletionRequest, parse
@@ -56,9 +57,12 @@ def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None) ->
 
 
 def _finish_reason(stream: Any, message: dict[str, Any]) -> str:
-    if message.get("tool_calls"):
-        return "tool_calls"
-    return FINISH_REASONS.get(stream.finish_reason or "length", "stop")
+    # (a reply cut by the length limit is "length", even in the middle of a tool call)
+    return finish_reason(stream.finish_reason, bool(message.get("tool_calls")))
+
+
+def _truncated(stream: Any) -> bool:
+    return stream.finish_reason in (None, "length")
 
 
 @endpoint
@@ -66,11 +70,14 @@ async def chat_completions(request: Request, app: AppContext) -> Response:
     body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
     model_id, server = app.router.server(body.model)
     template = app.router.settings_of(model_id).chat_template
-    plan, required = await anyio.to_thread.run_sync(functools.partial(_plan, server.get_model(), body, template))
+    try:
+        plan, required = await anyio.to_thread.run_sync(functools.partial(_plan, server.get_model(), body, template))
+    except SchemaError as e:  # (a tool's parameters, when there is no response_format)
+        raise from_exception(e, param="response_format" if body.response_format is not None else "tools") from None
     opts = merge_options(sampling_options(body, body.max_completion_tokens or body.max_tokens), required)
     if body.logprobs:
         opts["logprobs"] = body.top_logprobs or 0
-    streams = submit(server, plan.prompt, opts, body.n)
+    streams = await submit(server, [plan.prompt], opts, body.n)
     try:
         reply = _Reply(app, model_id, body, streams, [plan.output() for _ in streams], len(plan.prompt))
     except BaseException:
@@ -104,8 +111,9 @@ class _Reply:
     async def _choice(self, index: int) -> dict[str, Any]:
         stream, out = self.streams[index], self.outputs[index]
         async for piece in stream:
-            out.feed(piece)
-        message = out.finish()
+            out.push(piece)  # (no deltas: the message is parsed once, at the end)
+        await out.aend(_truncated(stream))
+        message = out.message
         self._done(stream)
         logprobs = chat_logprobs(stream.logprobs or []) if self.body.logprobs else None
         return {"index": index, "message": message, "logprobs": logprobs,
@@ -133,22 +141,22 @@ class _Reply:
         def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
             nonlocal pending
             lp = None
-            if want_logprobs and (pending or finish is not None):
+            if want_logprobs and pending:
                 lp, pending = chat_logprobs(pending), []
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
         async for piece in stream:
-            deltas = out.feed(piece)
+            deltas = await out.afeed(piece)
             if want_logprobs:
                 new, sent = new_logprobs(stream, sent)
                 pending += new
             for delta in deltas:
                 yield self._chunk([choice(delta)])
-        for delta in out.end():
+        for delta in await out.aend(_truncated(stream)):
             yield self._chunk([choice(delta)])
         if want_logprobs:
             pending += new_logprobs(stream, sent)[0]
-        message = out.finish()
+        message = out.message
         self._done(stream)
         yield self._chunk([choice({}, _finish_reason(stream, message))])
 

@@ -40,13 +40,7 @@ async def completions(request: Request, app: AppContext) -> Response:
     opts = sampling_options(body, body.max_tokens)
     if body.logprobs is not None:
         opts["logprobs"] = body.logprobs
-    streams: list[Any] = []
-    try:
-        for tokens in ids:
-            streams += submit(server, tokens, opts, body.n)
-    except BaseException:
-        cancel_all(streams)
-        raise
+    streams = await submit(server, ids, opts, body.n)
     reply = _Reply(app, model_id, body, streams, [len(t) for t in ids], echoed)
     if body.stream:
         return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams))  # type: ignore[return-value]
