@@ -498,3 +498,19 @@ def test_chat_reply_carries_logprobs(tiny_model):
     assert [e.token for e in reply.logprobs] == reply.tokens
     assert all(e.top[0].token == e.token and len(e.top) == 2 for e in reply.logprobs)
     assert lc.chat(tiny_model, messages, chat_template="chatml", max_tokens=2, temp=0).logprobs is None
+
+
+def test_asubmit_from_a_worker_thread_for_a_loop(server):
+    async def main():
+        loop = asyncio.get_running_loop()
+        stream = await asyncio.to_thread(lambda: server.asubmit("Hello", loop=loop, max_tokens=6, temp=0,
+                                                                 ignore_eos=True, cache_prompt=False))
+        text = "".join([piece async for piece in stream])
+        return text, stream
+    text, stream = asyncio.run(main())
+    assert text == stream.text and len(stream.tokens) == 6
+    assert text == server.generate("Hello", max_tokens=6, temp=0, ignore_eos=True, cache_prompt=False)
+    with pytest.raises(RuntimeError, match="loop="):
+        server.asubmit("Hello", max_tokens=1)
+    with pytest.raises(lc.ArgumentTypeError):
+        server.asubmit("Hello", loop="nope", max_tokens=1)

@@ -179,19 +179,24 @@ class Server:
         """Like :meth:`generate`, for a pre-tokenized prompt."""
         return self.stream_tokens(tokens, **opts).completion()
 
-    def asubmit(self, prompt: str | Sequence[int], **opts: Any) -> AsyncServerStream:
-        """Submit a request from a running asyncio event loop; returns its :class:`AsyncServerStream`.
+    def asubmit(self, prompt: str | Sequence[int], *, loop: asyncio.AbstractEventLoop | None = None,
+                **opts: Any) -> AsyncServerStream:
+        """Submit a request whose pieces an asyncio event loop reads; returns its :class:`AsyncServerStream`.
 
         Synchronous: the request is validated and queued at once, so invalid options,
         QueueFullError and ServerClosedError are raised here, as :meth:`stream` raises them.
-        Same options as :meth:`stream`; ``prompt`` is text or token ids. Outside a running
-        event loop it raises RuntimeError.
+        Same options as :meth:`stream`; ``prompt`` is text or token ids. ``loop``: the loop that
+        will iterate the stream (default: the running one), so a worker thread can submit for it
+        (validation and grammar compilation then stay off the loop). Without either, RuntimeError.
         """
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            raise RuntimeError("Server.asubmit needs a running asyncio event loop (use stream() from "
-                               "synchronous code)") from None
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError("Server.asubmit needs a running asyncio event loop or loop= (use stream() "
+                                   "from synchronous code)") from None
+        elif not isinstance(loop, asyncio.AbstractEventLoop):
+            raise ArgumentTypeError(f"loop={loop!r}: expected an asyncio event loop")
         return AsyncServerStream(self, self._request(prompt, opts, loop))
 
     async def astream(self, prompt: str | Sequence[int], **opts: Any) -> AsyncIterator[str]:
