@@ -160,7 +160,9 @@ def backend_cmake_args(backend: str) -> list[str]:
                 if os.environ.get("LLAMA_CTYPES_AMX") == "1":
                     args.append("-DLLAMA_CTYPES_AMX=ON")  # AMX kernels kept (see CMakeLists.txt)
     else:
-        args.append("-DGGML_NATIVE=ON")
+        # RPC (ggml's remote backend, `rpc_servers=` and `llama-ctypes rpc-server`) is small and
+        # linked into libggml like the CPU backend. A flag of the key: its own build folder.
+        args += ["-DGGML_NATIVE=ON", "-DGGML_RPC=ON"]
         if _is_x86() and sys.platform != "win32" and os.environ.get("LLAMA_CTYPES_AMX") != "1":
             # ggml's AMX kernels crash on Q4_K models (llama.cpp #20824); -mno-amx-*
             # wins over -march=native whatever the order, so native keeps AVX-512.

@@ -18,6 +18,7 @@ from .core.logprobs import TokenLogprob
 from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
+from .core.rpc import add_rpc_servers
 from .core.sampler import Sampler, SamplingParams
 from .core.tokenizer import StreamDecoder, Tokenizer
 from .core.vocab import Vocab
@@ -83,6 +84,8 @@ from .errors import (
     ModelLoadError,
     ModelNotFoundError,
     NativeLibraryError,
+    RPCConnectionError,
+    RPCError,
     SchemaError,
     TokenizationError,
 )
@@ -91,6 +94,7 @@ __all__ = [
     "__version__",
     # backend
     "init", "system_info", "version_info", "devices", "Device", "VersionInfo", "loaded_backends", "LoadedBackend",
+    "add_rpc_servers",
     # core objects
     "Model", "load_model", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
@@ -118,4 +122,5 @@ __all__ = [
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
     "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
     "IndexOutOfRangeError", "ModelNotFoundError", "InsufficientMemoryError", "AlreadyLoadedError",
+    "RPCError", "RPCConnectionError",
 ]

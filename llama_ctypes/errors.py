@@ -21,6 +21,25 @@ class LayoutMismatchError(NativeLibraryError):
     """A ctypes struct mirror does not match the native library's layout."""
 
 
+class RPCError(LlamaError, OSError):
+    """llama.cpp's RPC backend failed: a worker cannot listen, or cannot be reached (also an ``OSError``)."""
+
+
+class RPCConnectionError(RPCError, ConnectionError):
+    """An RPC worker cannot be reached, does not answer in time, or speaks another protocol version.
+
+    ``endpoint`` is the worker's ``"host:port"``. Raised before ggml is asked to connect (ggml
+    aborts the process on a failed connection), so the process stays usable.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = ""):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, {"endpoint": self.endpoint}))
+
+
 class ModelLoadError(LlamaError):
     """llama.cpp refused to load a model file (corrupt, truncated, unsupported)."""
 

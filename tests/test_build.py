@@ -105,6 +105,19 @@ def test_variant_names_keep_their_dots(tmp_path):
     assert backends.cpu_variant_files(tmp_path)["default"] == tmp_path / "libggml-cpu.so"
 
 
+def test_every_build_has_the_rpc_backend(monkeypatch):
+    # rpc_servers= and `llama-ctypes rpc-server` work from a plain source install; the
+    # run-time-dispatched build makes it a module for the llama-ctypes-rpc plugin.
+    monkeypatch.delenv("LLAMA_CTYPES_PORTABLE", raising=False)
+    assert "-DGGML_RPC=ON" in build_llama.backend_cmake_args("cpu")
+    monkeypatch.setenv("LLAMA_CTYPES_PORTABLE", "1")
+    if sys.platform != "darwin":
+        assert "-DGGML_RPC=ON" in build_llama.backend_cmake_args("cpu")
+    # Linked into libggml, it must be one unversioned file the installer copies (no symlinks).
+    cmake = (ROOT / "build_scripts" / "CMakeLists.txt").read_text()
+    assert re.search(r"foreach\(lib [^)]*\bggml-rpc\b[^)]*\)", cmake)
+
+
 def test_backend_flags():
     assert "-DGGML_CUDA=ON" in build_llama.backend_cmake_args("cuda")
     assert "-DGGML_VULKAN=ON" in build_llama.backend_cmake_args("vulkan")

@@ -76,6 +76,9 @@ _router: _LogRouter | None = None  # set once init() has finished
 # a collected callback would be called after it is freed.
 _installed_router: _LogRouter | None = None
 _backends: tuple[LoadedBackend, ...] = ()
+# ggml's device registry is a plain vector: adding RPC workers' devices (core/rpc.py) and
+# listing devices take this lock. Reentrant: listing an RPC device probes its worker.
+registry_lock = threading.RLock()
 
 
 def init() -> native.NativeLibrary:
@@ -191,36 +194,25 @@ class Device:
     backend: str  # the registering backend, e.g. "CPU", "CUDA"
     memory_total: int
     memory_free: int
-    # Index among GPU devices, the index space of tensor_split and main_gpu; None for others.
+    # Index among local offload GPUs, the index space of tensor_split and main_gpu of a model
+    # loaded without rpc_servers; None for others (the CPU, RPC devices).
     gpu_index: int | None
+    # "host:port" of the worker holding an RPC device; None for local devices.
+    endpoint: str | None = None
 
 
 def devices() -> list[Device]:
-    """List ggml's devices with their current memory (bytes)."""
+    """List ggml's devices with their current memory (bytes).
+
+    RPC devices (workers registered with ``rpc_servers=`` or ``add_rpc_servers``) are
+    asked for their memory over the network; a worker that cannot be reached now is
+    listed with 0 bytes (and a warning logged) instead of aborting the process.
+    """
     lib = init()
     listed = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        props = ggml_h.ggml_backend_dev_props()
-        lib.ggml_backend_dev_get_props(dev, byref(props))
-        free, total = c_size_t(), c_size_t()
-        lib.ggml_backend_dev_memory(dev, byref(free), byref(total))
-        reg = lib.ggml_backend_dev_backend_reg(dev)
-        listed.append(
-            (
-                props.device_id,
-                Device(
-                    index=i,
-                    name=(props.name or b"").decode(),
-                    description=(props.description or b"").decode(),
-                    type=_DEVICE_TYPES.get(props.type, "accel"),
-                    backend=(lib.ggml_backend_reg_name(reg) or b"").decode() if reg else "",
-                    memory_total=int(total.value),
-                    memory_free=int(free.value),
-                    gpu_index=None,
-                ),
-            )
-        )
+    with registry_lock:
+        for i in range(lib.ggml_backend_dev_count()):
+            listed.append(_describe_device(lib, i))
     order = _offload_order(listed)
     return [
         dataclasses.replace(dev, gpu_index=order.index(dev.index)) if dev.index in order else dev
@@ -228,22 +220,56 @@ def devices() -> list[Device]:
     ]
 
 
-def _offload_order(listed: list[tuple[bytes | None, Device]]) -> list[int]:
-    """Device indices in the order llama.cpp numbers offload devices (main_gpu, tensor_split).
+def _describe_device(lib: native.NativeLibrary, i: int) -> tuple[bytes | None, Device]:
+    dev = lib.ggml_backend_dev_get(i)
+    reg = lib.ggml_backend_dev_backend_reg(dev)
+    backend = (lib.ggml_backend_reg_name(reg) or b"").decode() if reg else ""
+    if backend == "RPC":
+        # The props and memory of an RPC device come from its worker: ggml aborts when it
+        # cannot connect, so the worker is probed first (core/rpc.py).
+        from .rpc import device_memory
 
-    Mirrors llama_model_load's default device list: RPC devices first, then
-    discrete GPUs (one per physical device id), and integrated GPUs only when
-    there is no discrete one.
+        endpoint = (lib.ggml_backend_dev_description(dev) or b"").decode()
+        memory = device_memory(lib, dev, endpoint) or (0, 0)
+        return None, Device(
+            index=i, name=(lib.ggml_backend_dev_name(dev) or b"").decode(), description=endpoint,
+            type=_DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "accel"), backend=backend,
+            memory_total=memory[1], memory_free=memory[0], gpu_index=None, endpoint=endpoint,
+        )
+    props = ggml_h.ggml_backend_dev_props()
+    lib.ggml_backend_dev_get_props(dev, byref(props))
+    free, total = c_size_t(), c_size_t()
+    lib.ggml_backend_dev_memory(dev, byref(free), byref(total))
+    return props.device_id, Device(
+        index=i,
+        name=(props.name or b"").decode(),
+        description=(props.description or b"").decode(),
+        type=_DEVICE_TYPES.get(props.type, "accel"),
+        backend=backend,
+        memory_total=int(total.value),
+        memory_free=int(free.value),
+        gpu_index=None,
+    )
+
+
+def _offload_order(listed: list[tuple[bytes | None, Device]]) -> list[int]:
+    """Local device indices in the order llama.cpp numbers offload devices (main_gpu, tensor_split).
+
+    Mirrors llama_model_load's default device list without its RPC devices: discrete GPUs
+    (one per physical device id), and integrated GPUs only when there is no discrete one.
+    RPC devices get no gpu_index: once a process registers workers, each model gets an
+    explicit list (its own workers' devices, then these GPUs, see core/rpc.py), so local
+    GPUs keep the same numbers whether or not workers are registered.
     """
-    rpc, gpus, igpus, seen_ids = [], [], [], set()
+    gpus, igpus, seen_ids = [], [], set()
     for device_id, dev in listed:
-        if dev.type == "gpu" and dev.backend == "RPC":
-            rpc.append(dev.index)
-        elif dev.type == "gpu":
+        if dev.backend == "RPC":
+            continue
+        if dev.type == "gpu":
             if device_id is None or device_id not in seen_ids:
                 gpus.append(dev.index)
             if device_id is not None:
                 seen_ids.add(device_id)
         elif dev.type == "igpu" and (not igpus or listed[igpus[-1]][1].backend == dev.backend):
             igpus.append(dev.index)
-    return rpc + gpus + (igpus if not gpus else [])
+    return gpus + (igpus if not gpus else [])

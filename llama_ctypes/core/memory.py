@@ -18,10 +18,11 @@ from typing import Any, Union
 
 from ..errors import ContextCreationError, ModelLoadError
 from ..native.adapter_h import lcx_device_memory
+from . import rpc
 from .backend import clear_native_error, devices, init, native_error
 from .params import ContextParams, ModelParams, split_options
 
-Pool = Union[str, tuple[str, int]]  # "ram" or ("gpu", gpu_index)
+Pool = Union[str, tuple[str, Union[int, str]]]  # "ram", ("gpu", gpu_index) or ("rpc", "host:port")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class DeviceMemory:
     model: int  # weights
     context: int  # KV cache, recurrent state
     compute: int  # compute buffers
+    endpoint: str | None = None  # the RPC worker ("host:port") holding the device; None when local
 
     @property
     def total(self) -> int:
@@ -41,7 +43,9 @@ class DeviceMemory:
 
     @property
     def pool(self) -> Pool:
-        """The memory this comes out of: "ram", or ("gpu", gpu_index)."""
+        """The memory this comes out of: "ram", ("gpu", gpu_index), or ("rpc", endpoint) on a worker."""
+        if self.endpoint is not None:
+            return ("rpc", self.endpoint)
         return ("gpu", self.gpu_index) if self.gpu_index is not None else "ram"
 
 
@@ -68,7 +72,8 @@ class MemoryUsage:
         return sum(d.compute for d in self.devices)
 
     def by_pool(self) -> dict[Pool, int]:
-        """Bytes per pool ("ram", ("gpu", i)), the unit a memory budget counts in."""
+        """Bytes per pool ("ram", ("gpu", i), ("rpc", endpoint)), the unit a memory budget counts in
+        (a ModelManager budgets this machine only: not the "rpc" pools)."""
         pools: dict[Pool, int] = {}
         for d in self.devices:
             pools[d.pool] = pools.get(d.pool, 0) + d.total
@@ -102,6 +107,7 @@ def usage_from_rows(rows: ctypes.Array, n: int) -> MemoryUsage:
             device_index=dev.index if dev else None,
             gpu_index=dev.gpu_index if dev else None,
             model=int(row.model), context=int(row.context), compute=int(row.compute),
+            endpoint=dev.endpoint if dev else None,
         ))
     return MemoryUsage(tuple(out))
 
@@ -120,12 +126,16 @@ def estimate_memory(path: str | os.PathLike, **opts: Any) -> MemoryUsage:
     mparams, cparams = ModelParams(**model_opts), ContextParams(**ctx_opts)
     path = check_gguf_file(path)
     lib = init()
-    native_m, keep_alive = mparams.to_native(lib)
-    native_c = cparams.to_native()
-    rows = (lcx_device_memory * _ROWS)()
-    clear_native_error()
-    n = lib.lcx_estimate_memory(os.fsencode(path), byref(native_m), byref(native_c), rows, _ROWS)
-    del keep_alive
+    workers = rpc.use(lib, mparams.rpc_servers, mparams.split_mode)
+    try:
+        native_m, keep_alive = mparams.to_native(lib, workers.devices)
+        native_c = cparams.to_native()
+        rows = (lcx_device_memory * _ROWS)()
+        clear_native_error()
+        n = lib.lcx_estimate_memory(os.fsencode(path), byref(native_m), byref(native_c), rows, _ROWS)
+        del keep_alive
+    finally:
+        workers.release()
     if n == -1:
         raise ModelLoadError(f"could not load {path}: {native_error('refused by llama.cpp')}")
     if n == -2:

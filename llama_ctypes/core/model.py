@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ..errors import ClosedError, ModelLoadError, ModelNotFoundError
 from ..native import llama_h as L
+from . import rpc
 from .backend import clear_native_error, init, native_error
 from .handle import NativeHandle
 from .params import ModelParams, split_options
@@ -68,7 +69,18 @@ class Model(NativeHandle):
     def _load(self):
         path = check_gguf_file(self.path)
         lib, p = self._lib, self.params
-        native, keep_alive = p.to_native(lib)  # keep_alive: buffers that must outlive the load call
+        # RPC workers are probed before llama.cpp connects (it aborts when it cannot); the
+        # model holds its use of them until it is freed.
+        self._rpc = rpc.use(lib, p.rpc_servers, p.split_mode)
+        try:
+            return self._load_with(path, self._rpc.devices)
+        except BaseException:
+            self._rpc.release()
+            raise
+
+    def _load_with(self, path: Path, devices: list[int] | None):
+        lib, p = self._lib, self.params
+        native, keep_alive = p.to_native(lib, devices)  # keep_alive: buffers that must outlive the load call
         callback_error: list[BaseException] = []
         if p.progress_callback is not None:
             user_cb = p.progress_callback
@@ -100,6 +112,7 @@ class Model(NativeHandle):
         if self._ptr:
             self._lib.llama_model_free(self._ptr)
             self._ptr = None
+            self._rpc.release()
 
     def close(self) -> None:
         """Free the model once every Context and Sampler made from it is closed.

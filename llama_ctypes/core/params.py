@@ -80,6 +80,12 @@ class ModelParams:
     """Also load multi-token-prediction layers, where the model has them."""
     kv_overrides: Mapping[str, int | float | bool | str] | None = None
     """GGUF metadata overrides, by key."""
+    rpc_servers: Sequence[str] | None = None
+    """RPC workers (``llama-ctypes rpc-server``) to spread the model over: ``["host:port", ...]``.
+    Their devices come first in the model's device list, in this order, then local GPUs:
+    ``tensor_split`` indexes that list, and the layers not offloaded (``n_gpu_layers``) stay on
+    the local CPU. Each worker is checked before use (connect and handshake, 3 s timeout);
+    one that cannot be reached raises ``RPCConnectionError``. None = no workers."""
     progress_callback: Callable[[float], Any] | None = field(default=None, compare=False, hash=False)
     """Called with load progress in [0, 1]; returning False aborts the load."""
 
@@ -104,10 +110,19 @@ class ModelParams:
             object.__setattr__(self, "kv_overrides", dict(self.kv_overrides))
         if self.progress_callback is not None and not callable(self.progress_callback):
             raise ArgumentTypeError("progress_callback must be callable")
+        if self.rpc_servers is not None:
+            from .rpc import parse_endpoints
 
-    def to_native(self, lib) -> tuple[L.llama_model_params, list]:
+            if isinstance(self.rpc_servers, (str, bytes)) or not isinstance(self.rpc_servers, Sequence):
+                raise InvalidArgumentError(f"rpc_servers={self.rpc_servers!r}: expected a list of 'host:port'")
+            object.__setattr__(self, "rpc_servers", parse_endpoints(self.rpc_servers) or None)
+
+    def to_native(self, lib, devices: Sequence[int] | None = None) -> tuple[L.llama_model_params, list]:
         """A ``llama_model_params`` struct (from llama.cpp's defaults) and the buffers it points into,
-        which the caller must keep alive until the load returns. The progress callback is not set."""
+        which the caller must keep alive until the load returns. The progress callback is not set.
+
+        ``devices``: an explicit device list (``ggml_backend_dev_t`` pointers) for the model, as
+        ``core.rpc.use`` builds it; None keeps llama.cpp's default selection."""
         native = lib.llama_model_default_params()
         native.n_gpu_layers = self.n_gpu_layers
         native.split_mode = _SPLIT[self.split_mode]
@@ -119,6 +134,10 @@ class ModelParams:
         native.no_host = self.no_host
         native.load_mtp = self.load_mtp
         keep_alive: list = []
+        if devices is not None:
+            arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+            keep_alive.append(arr)
+            native.devices = ctypes.cast(arr, ctypes.POINTER(ctypes.c_void_p))
         if self.tensor_split:
             n_max = lib.llama_max_devices()
             if len(self.tensor_split) > n_max:

@@ -1,7 +1,7 @@
 """The ``llama-ctypes`` command (also ``python -m llama_ctypes``).
 
-Subcommands: ``generate``, ``chat``, ``serve``, ``hub search|list|download``, ``bench``, ``info``, ``devices``,
-``version``.
+Subcommands: ``generate``, ``chat``, ``serve``, ``rpc-server``, ``hub search|list|download``, ``bench``, ``info``,
+``devices``, ``version``.
 """
 
 from __future__ import annotations
@@ -175,6 +175,41 @@ def _add_serve_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def cmd_rpc_server(args: argparse.Namespace) -> int:
+    from ..core import rpc
+
+    cache = None
+    if args.cache is not None:
+        cache = str(rpc.default_cache_dir() if args.cache == "" else Path(args.cache).expanduser())
+    names = tuple(n for n in (args.device or "").replace("/", ",").split(",") if n.strip())
+    config = rpc.WorkerConfig(host=args.host, port=args.port, n_threads=args.threads, cache_dir=cache,
+                              devices=names)
+    thread = rpc.start_server(config)
+    print(f"llama-ctypes rpc-server: serving on {config.endpoint} (Ctrl-C stops it)", file=sys.stderr, flush=True)
+    while thread.is_alive():
+        thread.join(0.5)
+    return 1  # ggml's loop only returns when it cannot serve (its reason is on stderr)
+
+
+def _add_rpc_server_parser(sub) -> None:
+    """``rpc-server``: llama.cpp's rpc-server options, through ggml's own server loop (no extra binary)."""
+    p = sub.add_parser("rpc-server", help="offer this machine's devices to other processes (llama.cpp RPC worker)",
+                       description="Serve this machine's devices (its GPUs, else its CPU) over llama.cpp's RPC "
+                                   "protocol, for load_model(..., rpc_servers=['HOST:PORT']). The protocol has no "
+                                   "authentication: keep the default 127.0.0.1 or use a private network.")
+    p.add_argument("--host", "-H", default="127.0.0.1",
+                   help="IPv4 address to listen on (default 127.0.0.1; anything else is reachable by others)")
+    p.add_argument("--port", "-p", type=int, default=50052, help="TCP port (default 50052)")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads of a CPU device (default: half the CPUs)")
+    p.add_argument("--device", "-d",
+                   help="comma-separated ggml device names to offer (default: every GPU, else the CPU)")
+    p.add_argument("--cache", "-c", nargs="?", const="", default=None, metavar="DIR",
+                   help="cache large tensors on disk, so a reload sends only their hashes "
+                        "(default DIR: $LLAMA_CACHE/rpc or ~/.cache/llama.cpp/rpc)")
+    p.set_defaults(func=cmd_rpc_server)
+
+
 def cmd_hub(args: argparse.Namespace) -> int:
     from ..features import hub
 
@@ -267,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     _add_serve_parser(sub)
+    _add_rpc_server_parser(sub)
 
     bench = sub.add_parser("bench", help="prefill/decode speed of a model (llama-bench shapes)")
     bench.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")

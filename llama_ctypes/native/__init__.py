@@ -1,6 +1,6 @@
 """Native layer: library loading and ctypes prototypes mirroring the C headers.
 
-One module per header (``llama_h``, ``ggml_h``, ``adapter_h``), plus the
+One module per header (``llama_h``, ``ggml_h``, ``ggml_rpc_h``, ``adapter_h``), plus the
 loader and the struct-layout check. No inference logic lives here.
 """
 

@@ -1,7 +1,8 @@
 """ctypes mirror of the parts of ggml's ``ggml.h`` and ``ggml-backend.h`` llama_ctypes uses.
 
 Declarations only: the log/abort callback types, ``enum ggml_type`` values used
-for KV-cache types, and the backend registry / device API used by ``devices()``.
+for KV-cache types, and the backend registry / device API used by ``devices()``
+and by the RPC backend (``ggml_rpc_h``: its functions come through the registry).
 """
 
 from __future__ import annotations
@@ -116,4 +117,12 @@ PROTOTYPES = [
     ("ggml_backend_unload", [ggml_backend_reg_t], None),
     # size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
     ("ggml_backend_reg_dev_count", [ggml_backend_reg_t], c_size_t),
+    # ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+    ("ggml_backend_reg_dev_get", [ggml_backend_reg_t, c_size_t], ggml_backend_dev_t),
+    # ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);  (NULL when not registered)
+    ("ggml_backend_reg_by_name", [c_char_p], ggml_backend_reg_t),
+    # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+    ("ggml_backend_reg_get_proc_address", [ggml_backend_reg_t, c_char_p], c_void_p),
+    # void ggml_backend_register(ggml_backend_reg_t reg);  (its devices join ggml's device list)
+    ("ggml_backend_register", [ggml_backend_reg_t], None),
 ]

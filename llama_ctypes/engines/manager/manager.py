@@ -341,7 +341,8 @@ class ModelManager(Closeable):
         for i, usage in enumerate(usages):
             for d in usage.devices:
                 charged = d.context + d.compute + (d.model if weights and i == 0 else 0)
-                if charged:
+                # (memory on RPC workers is theirs: the budget covers this machine's pools)
+                if charged and d.endpoint is None:
                     required = required + Footprint({d.pool: charged})
         # (the weights once: every run loads the same model)
         rows = tuple(d if i == 0 else dataclasses.replace(d, model=0) for i, u in enumerate(usages) for d in u.devices)

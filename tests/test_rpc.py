@@ -1,0 +1,269 @@
+"""llama.cpp's RPC backend: one model over RPC workers and the local CPU.
+
+Two workers run as separate processes (``python -m llama_ctypes rpc-server``) on
+127.0.0.1 for the module. A split run must generate what a purely local run does; an
+unreachable or silent endpoint must fail fast with RPCConnectionError; a worker that
+dies mid-generation takes its client process down (ggml aborts), which is shown in a
+subprocess while this process carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.core import rpc
+
+pytestmark = pytest.mark.skipif(not rpc.rpc_available(), reason="these libraries were built without GGML_RPC")
+
+PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """``python -m llama_ctypes rpc-server`` in its own process, output to a log file."""
+
+    def __init__(self, log_dir: Path, *extra: str, host: str = "127.0.0.1", threads: int = 1):
+        self.port = free_port()
+        self.endpoint = f"{host}:{self.port}"
+        self.log = log_dir / f"rpc-worker-{self.port}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llama_ctypes", "rpc-server", "--host", host, "--port", str(self.port),
+                 "--threads", str(threads), *extra],
+                stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> "Worker":
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"RPC worker exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                rpc.probe(self.endpoint, timeout=2.0)
+                return self
+            except lc.RPCConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"RPC worker {self.endpoint} not ready: {self.log.read_text()[-2000:]}")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("rpc")
+    started = [Worker(log_dir), Worker(log_dir)]
+    try:
+        yield [w.wait_ready().endpoint for w in started]
+    finally:
+        for w in started:
+            w.stop()
+
+
+def local_and_split(path, split_opts: dict, use_extra_bufts: bool = True,
+                    **gen) -> tuple[lc.Completion, lc.Completion]:
+    with lc.load_model(path, use_extra_bufts=use_extra_bufts) as model:
+        local = lc.generate(model, PROMPT, **gen)
+    with lc.load_model(path, **split_opts) as model:
+        split = lc.generate(model, PROMPT, **gen)
+    return local, split
+
+
+def placement(path, **opts) -> dict[str, int]:
+    """Weight bytes per device of a load with these options (llama.cpp's own accounting)."""
+    return {d.device: d.model for d in lc.estimate_memory(path, n_ctx=256, **opts).devices if d.model}
+
+
+# ---- devices ----------------------------------------------------------------------------------
+def test_devices_lists_the_workers_with_their_memory(workers):
+    added = lc.add_rpc_servers(workers)
+    assert [d.endpoint for d in added] == workers
+    for d in added:
+        assert d.backend == "RPC" and d.type == "gpu" and d.description == d.endpoint
+        assert d.memory_total > 0 and 0 < d.memory_free <= d.memory_total
+    listed = [d for d in lc.devices() if d.backend == "RPC"]
+    assert [d.endpoint for d in listed] == workers
+    # gpu_index numbers local GPUs only: registering workers does not renumber them
+    assert [d.gpu_index for d in listed] == [None, None]
+    lc.add_rpc_servers(",".join(workers))  # idempotent: registered once per endpoint per process
+    assert len([d for d in lc.devices() if d.backend == "RPC"]) == 2
+
+
+# ---- one model over two workers and the local CPU ---------------------------------------------
+def test_tiny_model_split_matches_a_local_run(tiny_model_path, workers):
+    # 2 layers: layer 0 stays on the CPU (n_gpu_layers=2 offloads layer 1 and the output), layer 1
+    # goes to the first worker and the output layer to the second.
+    split = dict(rpc_servers=workers, n_gpu_layers=2, tensor_split=[1, 1])
+    where = placement(tiny_model_path, **split)
+    assert {"RPC0", "RPC1"} <= set(where) and len(where) >= 3, where  # and the CPU ("CPU" or "host")
+    local, remote = local_and_split(tiny_model_path, split, max_tokens=48, temp=0, ignore_eos=True)
+    assert remote.tokens == local.tokens
+    assert len(local.tokens) == 48
+
+
+@pytest.mark.gemma
+def test_gemma_split_matches_a_local_run(gemma_path, workers):
+    # 18 layers: 7 on the local CPU, 6 on the first worker, 5 and the output on the second.
+    split = dict(rpc_servers=workers, n_gpu_layers=12, tensor_split=[1, 1])
+    where = placement(gemma_path, **split)
+    assert {"RPC0", "RPC1"} <= set(where) and len(where) >= 3, where
+    gen = dict(max_tokens=48, temp=0, ignore_eos=True, logprobs=2)
+    # Bit-exact when the local CPU, like a worker, keeps the weights as stored: the transport
+    # and the split change nothing.
+    local, remote = local_and_split(gemma_path, {**split, "use_extra_bufts": False}, **gen,
+                                    use_extra_bufts=False)
+    assert remote.tokens == local.tokens
+    # With the defaults the local CPU repacks its Q4_K weights (other kernels, other rounding)
+    # and a worker does not: greedy may then flip only at a near tie of the local run.
+    local, remote = local_and_split(gemma_path, split, **gen)
+    if remote.tokens != local.tokens:
+        i = next(i for i, (a, b) in enumerate(zip(local.tokens, remote.tokens)) if a != b)
+        top = local.logprobs[i].top
+        assert top[0].logprob - top[1].logprob < 0.1, (i, local.tokens[i], remote.tokens[i], top)
+
+
+def test_server_and_manager_take_rpc_servers(tiny_model_path, workers):
+    opts = dict(rpc_servers=workers, n_gpu_layers=2, tensor_split=[1, 1], n_ctx=256)
+    with lc.load_model(tiny_model_path) as model:
+        expected = lc.generate(model, PROMPT, max_tokens=16, temp=0, ignore_eos=True).tokens
+    with lc.Server(model_path=str(tiny_model_path), n_parallel=1, **opts) as srv:
+        assert srv.model.params.rpc_servers == tuple(workers)
+        assert srv.generate(PROMPT, max_tokens=16, temp=0, ignore_eos=True).tokens == expected
+    with lc.ModelManager(memory_budget="auto") as mm:  # this machine's pools; workers' memory is theirs
+        info = mm.load("tiny", str(tiny_model_path), n_parallel=1, **opts)
+        assert {"RPC0", "RPC1"} <= set(info.placement), info.placement
+        assert {("rpc", w) for w in workers} <= set(info.estimated), info.estimated
+        assert mm.generate("tiny", PROMPT, max_tokens=16, temp=0, ignore_eos=True).tokens == expected
+
+
+def test_a_model_without_rpc_servers_stays_local(tiny_model_path, workers):
+    lc.add_rpc_servers(workers)  # registered in this process...
+    where = placement(tiny_model_path)  # ...but not asked for: llama.cpp must not use them
+    assert not any(k.startswith("RPC") for k in where), where
+
+
+# ---- failures -----------------------------------------------------------------------------------
+def test_an_unreachable_endpoint_fails_fast_and_the_process_stays_usable(tiny_model_path, tiny_model):
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(lc.RPCConnectionError, match=dead.replace(".", r"\.")) as err:
+        lc.load_model(tiny_model_path, rpc_servers=[dead], n_gpu_layers=2)
+    assert time.monotonic() - t0 < 5
+    assert "timeout 3 s" in str(err.value) and err.value.endpoint == dead
+    assert isinstance(err.value, ConnectionError) and dead not in rpc.registered_endpoints()
+    assert lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0).tokens  # still usable
+
+
+def test_an_endpoint_that_never_answers_times_out(tiny_model_path):
+    # Accepts connections (the kernel's backlog does) but never answers the handshake, like a
+    # worker busy with another client or a port that is not an RPC worker.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        endpoint = f"127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(lc.RPCConnectionError, match="within the 3 s timeout"):
+            lc.load_model(tiny_model_path, rpc_servers=[endpoint])
+        assert time.monotonic() - t0 < 5
+
+
+def test_bad_endpoints_are_rejected_before_any_connection():
+    for bad in (["localhost"], ["::1:50052"], ["h:0"], ["h:70000"], "h:1", ["h:1", "h:01"]):
+        with pytest.raises(lc.InvalidArgumentError):
+            lc.ModelParams(rpc_servers=bad)
+    assert lc.ModelParams(rpc_servers=["h:050052"]).rpc_servers == ("h:50052",)
+
+
+def test_a_build_without_rpc_says_how_to_get_it(tiny_model_path, monkeypatch):
+    lib = lc.init()
+    monkeypatch.setattr(lib, "ggml_backend_reg_by_name", lambda name: None)
+    with pytest.raises(lc.NativeLibraryError, match="llama-ctypes-rpc"):
+        lc.load_model(tiny_model_path, rpc_servers=["127.0.0.1:1"])
+
+
+_CLIENT = textwrap.dedent("""
+    import sys
+    import llama_ctypes as lc
+    model = lc.load_model(sys.argv[1], rpc_servers=[sys.argv[2]], n_gpu_layers=2, tensor_split=[1])
+    first = True
+    while True:
+        for piece in lc.stream(model, "Once upon a time", max_tokens=64, temp=0, ignore_eos=True, n_ctx=256):
+            if first:
+                print("generating", flush=True)
+                first = False
+""")
+
+
+def test_a_worker_killed_mid_generation_aborts_only_its_client(tiny_model_path, tiny_model, tmp_path):
+    # ggml aborts the client process when a worker dies during a call (RPC_STATUS_ASSERT): that
+    # cannot be caught in Python, so it runs in a subprocess. Its own worker: a worker serves one
+    # client at a time, and this process may hold connections to the module's workers.
+    worker = Worker(tmp_path).wait_ready()
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT, str(tiny_model_path), worker.endpoint],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GGML_NO_BACKTRACE": "1"})  # (no gdb backtrace)
+    try:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: lines.put(client.stdout.readline()), daemon=True).start()
+        try:
+            assert lines.get(timeout=120) == "generating\n", client.stderr.read()
+        except queue.Empty:
+            pytest.fail("the client never started generating")
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait(10)
+        _, err = client.communicate(timeout=60)
+        assert client.returncode != 0
+        if os.name == "posix":
+            assert client.returncode == -signal.SIGABRT, (client.returncode, err[-2000:])
+        assert "Remote RPC server crashed" in err, err[-2000:]  # ggml's RPC_STATUS_ASSERT message
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(10)
+        worker.stop()
+    assert lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0).tokens  # this process is fine
+
+
+# ---- the worker command --------------------------------------------------------------------------
+def test_worker_warns_when_listening_beyond_localhost(tmp_path):
+    # 127.0.0.2 is loopback (not exposed) but not 127.0.0.1: the warning must show.
+    worker = Worker(tmp_path, host="127.0.0.2")
+    try:
+        deadline = time.monotonic() + 60
+        while "no authentication" not in worker.log.read_text():
+            if worker.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(worker.log.read_text()[-2000:])
+            time.sleep(0.2)
+    finally:
+        worker.stop()
+
+
+def test_worker_on_a_busy_port_says_so(workers):
+    port = workers[0].rsplit(":", 1)[1]
+    out = subprocess.run([sys.executable, "-m", "llama_ctypes", "rpc-server", "--port", port],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
