@@ -404,3 +404,21 @@ def test_hostile_mix_then_close_under_load(tiny_model):
     with pytest.raises(lc.ServerClosedError):
         srv.generate("after close")
     assert lc.generate(tiny_model, "the model still works", max_tokens=2, temp=0).tokens
+
+
+def test_a_sampler_dead_end_fails_its_request_alone(server, tiny_model):
+    """A grammar whose only continuation logit_bias bans (every end-of-generation token) used to
+    abort the process (llama.cpp throws accepting the token); in a Server it failed every request."""
+    eog = [t for t in range(tiny_model.n_vocab) if lc.Tokenizer.is_eog(tiny_model, t)]
+    dead_end = dict(grammar='root ::= "a"', logit_bias={t: float("-inf") for t in eog}, max_tokens=8)
+    with pytest.raises(lc.GrammarError, match="no token allowed by the grammar"):
+        lc.generate(tiny_model, "Hello", temp=0, **dead_end)
+    with pytest.raises(lc.GrammarError, match="no token allowed by the grammar"):
+        lc.generate(tiny_model, "Hello", temp=0.8, seed=1, **dead_end)
+    other = server.stream("Once upon a time", max_tokens=24, temp=0, ignore_eos=True)
+    with pytest.raises(lc.GrammarError):
+        server.generate("Hello", temp=0, **dead_end)
+    assert len(other.completion().tokens) == 24  # its batch-mate went on
+    assert server.generate("Hello", max_tokens=4, temp=0, ignore_eos=True).tokens  # and the server serves
+    wait_idle(server)
+    assert server.stats()["active_slots"] == 0

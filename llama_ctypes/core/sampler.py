@@ -517,6 +517,11 @@ class Sampler(NativeHandle):
                 apply(grammar, arr_ref)
                 apply(chain, arr_ref)
                 tok = selected()
+                if not np.isfinite(arr.data[arr.selected].logit):
+                    # Nothing the grammar allows survived (e.g. logit_bias bans every token it
+                    # allows); llama.cpp would abort the process on accepting the token.
+                    raise GrammarError("no token allowed by the grammar is left after logit_bias and the "
+                                       "other samplers (is every end-of-generation token banned?)")
             accept(grammar, tok)
             accept(chain, tok)
             return tok

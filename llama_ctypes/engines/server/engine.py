@@ -26,7 +26,7 @@ from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import ContextLease, check_decode
 from ...core.logprobs import TokenLogprob, token_logprob
-from ...errors import DecodeError
+from ...errors import DecodeError, LlamaError
 from .prompt_cache import PromptCache
 from .request import Request
 from .scheduler import QueueFullError, Scheduler, ServerClosedError, TickPlan
@@ -192,8 +192,8 @@ class Engine:
                 scheduler.admit()
                 plan = scheduler.schedule()
                 if plan.steps:
-                    outputs, logprobs, failure = self.execute(plan)
-                    scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs)
+                    outputs, logprobs, failure, row_errors = self.execute(plan)
+                    scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs, row_errors=row_errors)
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
         except BaseException as exc:  # a bug or a native failure: no caller may hang
@@ -224,11 +224,13 @@ class Engine:
                 logger.exception("freeing the server's context failed")
 
     def execute(self, plan: TickPlan) -> tuple[Sequence[int] | None, list[TokenLogprob | None] | None,
-                                               BaseException | None]:
+                                               BaseException | None, dict[int, BaseException] | None]:
         """Decode the plan's batch and sample its output rows.
 
-        Returns ``(tokens, logprobs, None)`` with the tokens in plan order and ``logprobs`` parallel to
-        them (None when no request of the plan asked for logprobs), or ``(None, None, error)``.
+        Returns ``(tokens, logprobs, None, row_errors)`` with the tokens in plan order, ``logprobs``
+        parallel to them (None when no request of the plan asked for logprobs) and ``row_errors``
+        (output index → the error of a request whose sampler refused, e.g. a grammar left with no
+        allowed token; its token is -1), or ``(None, None, error, None)``.
         """
         batch = self.batch
         batch.clear()
@@ -253,8 +255,19 @@ class Engine:
             try:
                 check_decode(rc, "llama_decode", batch.n_tokens)
             except DecodeError as error:
-                return None, None, error
-        outputs = [step.slot.sample(step.row + i) for step in plan.steps for i in step.sample]
+                return None, None, error, None
+        outputs: list[int] = []
+        row_errors: dict[int, BaseException] | None = None
+        for step in plan.steps:
+            sample = step.slot.sample
+            for i in step.sample:
+                try:
+                    outputs.append(sample(step.row + i))
+                except LlamaError as error:  # this request's sampler refused: it fails alone
+                    if row_errors is None:
+                        row_errors = {}
+                    row_errors[len(outputs)] = error
+                    outputs.append(-1)
         # One attribute test per step when no request asked: ticks without logprobs keep their speed.
         logprobs = self._logprobs(plan, outputs) \
             if any(step.request.logprobs is not None for step in plan.steps) else None
@@ -263,7 +276,7 @@ class Engine:
                 "batch_tokens": batch.n_tokens, "decode_tokens": plan.n_decode,
                 "prefill_tokens": batch.n_tokens - plan.n_decode, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
-        return outputs, logprobs, None
+        return outputs, logprobs, None, row_errors
 
     def _logprobs(self, plan: TickPlan, outputs: Sequence[int]) -> list[TokenLogprob | None]:
         """The entry of each sampled token whose request asked for logprobs, parallel to ``outputs``.
@@ -282,6 +295,8 @@ class Engine:
             params = request.params
             piece = pieces[params.special]
             for i in step.sample:
-                entries.append(token_logprob(logits_of(step.row + i), outputs[k], params.logprobs or 0, piece))
+                tok = outputs[k]
+                entries.append(token_logprob(logits_of(step.row + i), tok, params.logprobs or 0, piece)
+                               if tok >= 0 else None)
                 k += 1
         return entries

@@ -22,7 +22,7 @@ import collections
 import copy
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ... import telemetry
 from ...core.logprobs import TokenLogprob
@@ -232,11 +232,13 @@ class Scheduler:
 
     def update_from_output(self, plan: TickPlan, outputs: Sequence[int] | None,
                            error: BaseException | None = None, now: float | None = None, *,
-                           logprobs: Sequence[TokenLogprob | None] | None = None) -> None:
+                           logprobs: Sequence[TokenLogprob | None] | None = None,
+                           row_errors: Mapping[int, BaseException] | None = None) -> None:
         """Apply a tick: ``outputs`` holds the sampled tokens of every step's ``sample`` rows, in plan
         order; ``error`` (outputs None) fails the plan's requests, e.g. when the decode failed.
         ``logprobs``, parallel to ``outputs`` (None: no request of the tick asked), holds the entry
-        of each sampled token of a request with logprobs."""
+        of each sampled token of a request with logprobs. ``row_errors`` (output index → error)
+        fails only the requests whose sampling failed; the others go on."""
         for slot in plan.cancelled:
             self.finish(slot, slot.request, Status.CANCELLED)
         if error is not None:
@@ -257,6 +259,8 @@ class Scheduler:
             for _ in step.sample:
                 tok = outputs[k]  # type: ignore[index]
                 entry = logprobs[k] if logprobs is not None else None
+                if row_errors and k in row_errors:
+                    self.finish(slot, request, Status.FAILED, error=_own_copy(row_errors[k]))
                 k += 1
                 if request.ended is None:  # not finished by an earlier token of this step
                     self._accept(slot, request, tok, now, entry)
