@@ -267,3 +267,16 @@ def test_worker_on_a_busy_port_says_so(workers):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_serve_takes_rpc_workers_and_fails_fast_on_a_dead_one(tiny_model_path, workers):
+    port = free_port()
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "llama_ctypes", "serve", str(tiny_model_path), "--port", str(port),
+                           "--rpc", dead, "-ts", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and dead in proc.stderr
+    assert time.monotonic() - t0 < 60
+    bad = subprocess.run([sys.executable, "-m", "llama_ctypes", "serve", str(tiny_model_path), "--port", str(port),
+                          "-ts", "1,x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--tensor-split" in bad.stderr

@@ -172,6 +172,8 @@ def _add_serve_parser(sub) -> None:
                    help="a KV buffer per slot: output independent of batch-mates (no cross-slot prefix reuse)")
     p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
+    p.add_argument("--rpc", help="RPC workers HOST:PORT,... holding layers of the model(s) (see docs/scaling.md)")
+    p.add_argument("--tensor-split", "-ts", help="share of the layers per device, e.g. 1,1 (with --rpc: one per worker)")
     p.set_defaults(func=cmd_serve)
 
 

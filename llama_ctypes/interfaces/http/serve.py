@@ -121,6 +121,13 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         cli_opts["kv_unified"] = False
     if args.no_cache_prompt:
         cli_opts["cache_prompt"] = False
+    if getattr(args, "rpc", None):
+        cli_opts["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
+    if getattr(args, "tensor_split", None):
+        try:
+            cli_opts["tensor_split"] = [float(x) for x in args.tensor_split.split(",")]
+        except ValueError:
+            raise ArgumentTypeError(f"--tensor-split {args.tensor_split!r}: expected numbers such as 1,1") from None
     if args.config:
         if args.model or args.hub:
             raise ArgumentTypeError("pass either MODEL, --hub or --config")
