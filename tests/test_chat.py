@@ -202,6 +202,7 @@ class _FakeTextStream:
         self.tokens = list(range(len(pieces)))
         self.prompt_tokens = 3
         self.timings = lc.Timings()
+        self.logprobs = None  # not asked for
 
     def __iter__(self):
         for p in self._pieces:
