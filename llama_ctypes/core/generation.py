@@ -433,30 +433,12 @@ class _TextGeneration:
             self.release()
 
 
-class TextStream(LazyStream):
-    """A lazy stream of generated text pieces (``for piece in stream: ...``).
+class GenerationResults:
+    """The results a single-sequence stream shows: ``self._g`` holds ``run`` (finish reason, timings,
+    tokens, logprobs), ``pieces``, ``prompt`` and ``cancelled`` (plain and speculative generation)."""
 
-    Decoding starts at the first ``next()``, which claims the context and the
-    sampler (``BusyError`` if another generation holds either). Breaking out of
-    the loop, ``close()`` or dropping the stream stops decoding at once and
-    releases both. ``cancel()``, from any thread, also interrupts a decode in
-    flight (a long prompt); the iterating thread then gets ``CancelledError``.
-    After the end, ``finish_reason``, ``timings``, ``tokens``, ``text`` and
-    ``logprobs`` describe the run.
-    """
+    _g: Any
 
-    def __init__(self, ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
-                 on_close: Callable[[], None] | None = None):
-        self._g = g = _TextGeneration(ctx, sampler, prompt, params, on_close)
-        self._gen = g.pieces_iter()
-        self._iter_lock = threading.Lock()
-        try:
-            check_prompt(ctx, prompt)  # fail at the call, not at the first next()
-        except BaseException:
-            self.close()
-            raise
-
-    # results
     @property
     def finish_reason(self) -> FinishReason | None:
         return self._g.run.finish_reason
@@ -486,6 +468,30 @@ class TextStream(LazyStream):
     @property
     def cancelled(self) -> bool:
         return self._g.cancelled
+
+
+class TextStream(GenerationResults, LazyStream):
+    """A lazy stream of generated text pieces (``for piece in stream: ...``).
+
+    Decoding starts at the first ``next()``, which claims the context and the
+    sampler (``BusyError`` if another generation holds either). Breaking out of
+    the loop, ``close()`` or dropping the stream stops decoding at once and
+    releases both. ``cancel()``, from any thread, also interrupts a decode in
+    flight (a long prompt); the iterating thread then gets ``CancelledError``.
+    After the end, ``finish_reason``, ``timings``, ``tokens``, ``text`` and
+    ``logprobs`` describe the run.
+    """
+
+    def __init__(self, ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams,
+                 on_close: Callable[[], None] | None = None):
+        self._g = g = _TextGeneration(ctx, sampler, prompt, params, on_close)
+        self._gen = g.pieces_iter()
+        self._iter_lock = threading.Lock()
+        try:
+            check_prompt(ctx, prompt)  # fail at the call, not at the first next()
+        except BaseException:
+            self.close()
+            raise
 
     def cancel(self) -> None:
         """Stop the generation from any thread, interrupting a decode in flight."""

@@ -9,10 +9,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...core.context import ABORTED, Context, ContextLease, check_prompt
-from ...core.generation import (Completion, FinishReason, GenerationParams, LazyStream, StopFilter, Timings,
+from ...core.generation import (Completion, GenerationParams, GenerationResults, LazyStream, StopFilter,
                                  prompt_tokens)
 from ...core.handle import Closeable
-from ...core.logprobs import TokenLogprob
 from ...core.model import Model
 from ...core.params import ContextParams, split_options
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
@@ -286,42 +285,13 @@ class _Generation:
                 yield ev.text
 
 
-class _StreamBase(LazyStream):
+class _StreamBase(GenerationResults, LazyStream):
     """Results and control shared by the text and event streams of a session."""
 
     def __init__(self, g: _Generation, gen: Iterator[Any]) -> None:
         self._g = g
         self._gen = gen
         self._iter_lock = threading.Lock()
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return self._g.run.finish_reason
-
-    @property
-    def timings(self) -> Timings:
-        return self._g.run.timings
-
-    @property
-    def tokens(self) -> list[int]:
-        return self._g.run.tokens
-
-    @property
-    def text(self) -> str:
-        """The text emitted so far."""
-        return "".join(self._g.pieces)
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        return self._g.run.logprobs
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self._g.prompt)
-
-    @property
-    def cancelled(self) -> bool:
-        return self._g.cancelled
 
     def stats(self) -> SpeculativeStats:
         """The session's cumulative counters (see :meth:`SpeculativeSession.stats`)."""
