@@ -78,7 +78,45 @@ def _pieces(consumer: _Consumer) -> Iterator[str]:
         consumer.end()
 
 
-class ServerStream(LazyStream):
+class _RequestResults:
+    """What a request's stream shows of it: ``self.request`` and its consumer ``self._consumer``."""
+
+    request: Request
+    _consumer: _Consumer
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"`` or ``"eog"`` after a natural end; None before it (or when cancelled)."""
+        return self._consumer.finish_reason
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token ids generated so far (the scheduler's view: may run ahead of ``text``)."""
+        return self.request.generated
+
+    @property
+    def text(self) -> str:
+        """The text read so far."""
+        return "".join(self._consumer.pieces)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.request.prompt)
+
+    @property
+    def timings(self) -> Timings:
+        """Timings so far (milliseconds); frozen at the end."""
+        return self.request.timings()
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """Entries of the tokens behind the text read so far (None unless requested with ``logprobs=``);
+        after the end, one per token of ``tokens``."""
+        return self._consumer.logprobs
+
+
+class ServerStream(_RequestResults, LazyStream):
     """A lazy stream of a server request's text pieces.
 
     Breaking out of the loop and dropping the stream, ``close()``, or leaving a
@@ -98,32 +136,6 @@ class ServerStream(LazyStream):
         self._consumer = _Consumer(server, request)
         self._gen = _pieces(self._consumer)
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self._consumer.finish_reason
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.generated
-
-    @property
-    def text(self) -> str:
-        return "".join(self._consumer.pieces)
-
-    @property
-    def timings(self):
-        return self.request.timings()
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.request.prompt)
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        """Entries of the tokens behind the text read so far (None unless requested with ``logprobs=``);
-        after the end, one per token of ``tokens``."""
-        return self._consumer.logprobs
-
     def cancel(self) -> None:
         """Cancel the request (any thread): a waiting one leaves the queue at once, a running one ends
         at the next tick. The iterating thread gets CancelledError."""
@@ -139,7 +151,7 @@ class ServerStream(LazyStream):
         return self._consumer.completion()
 
 
-class AsyncServerStream:
+class AsyncServerStream(_RequestResults):
     """An asyncio stream of a server request's text pieces, with its metadata (:meth:`Server.asubmit`).
 
     ``async for piece in stream`` yields ``str`` pieces; waiting never blocks the event
@@ -221,38 +233,6 @@ class AsyncServerStream:
             self._consumer.end()
         except Exception:
             pass
-
-    # ---- results ------------------------------------------------------------------------------
-    @property
-    def finish_reason(self) -> str | None:
-        """``"stop"``, ``"length"`` or ``"eog"`` after a natural end; None before it (or when cancelled)."""
-        return self._consumer.finish_reason
-
-    @property
-    def tokens(self) -> list[int]:
-        """Token ids generated so far (the scheduler's view: may run ahead of ``text``)."""
-        return self.request.generated
-
-    @property
-    def text(self) -> str:
-        """The text read so far."""
-        return "".join(self._consumer.pieces)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens in the prompt."""
-        return len(self.request.prompt)
-
-    @property
-    def timings(self) -> Timings:
-        """Timings so far (milliseconds); frozen at the end."""
-        return self.request.timings()
-
-    @property
-    def logprobs(self) -> list[TokenLogprob] | None:
-        """Entries of the tokens behind the text read so far (None unless requested with ``logprobs=``);
-        after the end, one per token of ``tokens``."""
-        return self._consumer.logprobs
 
     def __repr__(self) -> str:
         return (f"<AsyncServerStream request={self.request.id} status={self.request.status.name.lower()} "
