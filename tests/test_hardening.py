@@ -521,3 +521,17 @@ def test_sampler_repr_while_streaming(tiny_model):
         next(st)
         assert "dist" in repr(smp)
         st.close()
+
+
+def test_completion_after_a_close_between_two_steps_raises_cancelled(tiny_model):
+    """close() from another thread between two next() calls closes the generator at once; the
+    iterating thread's completion() used to return it as a finished run ('length')."""
+    st = lc.stream(tiny_model, PROMPT, max_tokens=-1, ignore_eos=True, temp=0)
+    assert next(st)
+    t = threading.Thread(target=st.close)
+    t.start()
+    t.join(10)
+    with pytest.raises(lc.CancelledError):
+        st.completion()
+    done = lc.stream(tiny_model, PROMPT, max_tokens=4, ignore_eos=True, temp=0)
+    assert done.completion().finish_reason == "length"

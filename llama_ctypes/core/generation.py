@@ -469,6 +469,18 @@ class GenerationResults:
     def cancelled(self) -> bool:
         return self._g.cancelled
 
+    def completion(self) -> Completion:
+        """Run to the end (if not done) and return the :class:`Completion`."""
+        for _ in self:  # through __next__: a close() from another thread then cancels this loop
+            pass
+        g = self._g
+        if g.run.finish_reason is None:
+            # closed (from another thread, between two steps) before its end: not a finished run
+            raise CancelledError("the stream was closed before the end of the generation")
+        entries = g.run.logprobs
+        return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason, len(g.prompt),
+                          g.run.timings, None if entries is None else list(entries))
+
 
 class TextStream(GenerationResults, LazyStream):
     """A lazy stream of generated text pieces (``for piece in stream: ...``).
@@ -499,15 +511,6 @@ class TextStream(GenerationResults, LazyStream):
 
     def _after_close(self) -> None:
         self._g.release()
-
-    def completion(self) -> Completion:
-        """Run to the end (if not done) and return the :class:`Completion`."""
-        for _ in self:  # through __next__: a close() from another thread then cancels this loop
-            pass
-        g = self._g
-        entries = g.run.logprobs
-        return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason or "length", len(g.prompt),
-                          g.run.timings, None if entries is None else list(entries))
 
 
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:

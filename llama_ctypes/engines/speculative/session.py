@@ -304,15 +304,6 @@ class _StreamBase(GenerationResults, LazyStream):
     def _after_close(self) -> None:
         self._g.release()
 
-    def completion(self) -> Completion:
-        """Run to the end (if not done) and return the :class:`Completion`."""
-        for _ in self:
-            pass
-        g = self._g
-        entries = g.run.logprobs
-        return Completion("".join(g.pieces), list(g.run.tokens), g.run.finish_reason or "length", len(g.prompt),
-                          g.run.timings, None if entries is None else list(entries))
-
 
 class SpeculativeStream(_StreamBase):
     """Text pieces of a speculative generation; the protocol of ``lc.stream``'s TextStream.
