@@ -1,0 +1,363 @@
+"""llama.cpp's chat code (``common/chat.cpp``) through the C adapter: templates and output parsers.
+
+:class:`ChatFormatter` wraps ``common_chat_templates`` (render a request, build the
+tool-call grammar, triggers, stops and the format's parser); :class:`OutputParser`
+runs one request's PEG parser. Both cross the boundary as JSON text; every C++
+exception comes back as :class:`ToolCallError`. llama.cpp recurses through the JSON
+it reads, so requests are checked for nesting depth and the native calls run on
+threads with a large stack (a stack overflow cannot be caught).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import os
+import queue
+import threading
+from ctypes import byref, c_void_p, string_at
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from ..core.backend import init
+from ..core.handle import NativeHandle
+from ..core.model import Model
+from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
+from .chat_template import ChatTemplateError
+
+__all__ = ["ChatFormatter", "ChatFormat", "OutputParser", "ToolCallError", "MAX_JSON_DEPTH"]
+
+class ToolCallError(LlamaError, ValueError):
+    """llama.cpp's chat code refused a request (template, tools, tool_choice) or its output."""
+
+
+def _take_string(lib, ptr: int | None, error: c_void_p, what: str) -> str:
+    """The malloc'd string an adapter call returned (freed here), or ToolCallError with its message."""
+    if not ptr:
+        message = string_at(error.value).decode("utf-8", "replace") if error.value else "unknown error"
+        if error.value:
+            lib.lcx_string_free(error.value)
+        raise ToolCallError(f"{what}: {message}")
+    try:
+        return string_at(ptr).decode("utf-8", "replace")
+    finally:
+        lib.lcx_string_free(ptr)
+
+
+def _error_text(lib, error: c_void_p) -> str:
+    if not error.value:
+        return "unknown error"
+    try:
+        return string_at(error.value).decode("utf-8", "replace")
+    finally:
+        lib.lcx_string_free(error.value)
+
+
+# ---- native: common_chat_templates and one request's parser ------------------------------------
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """What llama.cpp's chat code made of one request (``common_chat_params``)."""
+
+    format: str
+    """The output format's name (e.g. ``"peg-native"``)."""
+    format_id: int
+    prompt: str
+    """The rendered prompt text."""
+    grammar: str
+    """GBNF constraining the output ("" = none)."""
+    grammar_lazy: bool
+    """The grammar applies only from a trigger on (``tool_choice="auto"``)."""
+    trigger_patterns: tuple[str, ...]
+    """Regex patterns that start a lazy grammar."""
+    preserved_tokens: tuple[str, ...]
+    """Special tokens the parser needs to see in the text."""
+    additional_stops: tuple[str, ...]
+    generation_prompt: str
+    """Text the template put after the last message; the parser reads it before the output."""
+    parser: str
+    """The serialised PEG parser of the output format."""
+    supports_thinking: bool
+    reasoning_format: str
+    caps: Mapping[str, bool]
+    """The template's capabilities as llama.cpp detects them (``supports_tool_calls``, ...)."""
+
+
+class ChatFormatter(NativeHandle):
+    """llama.cpp's ``common_chat_templates`` for a model (or a template source).
+
+    ``template``: Jinja source; None = the model's own (its ``tool_use`` variant for
+    requests with tools, as llama-server does). ``apply`` may be called from any
+    thread (calls are serialised).
+    """
+
+    _kind = "chat formatter"
+
+    def __init__(self, model: Model | None, template: str | None = None, *, bos_token: str | None = None,
+                 eos_token: str | None = None):
+        super().__init__()
+        if template is not None and not isinstance(template, str):
+            raise ArgumentTypeError("template must be Jinja source text")
+        if model is None and not template:
+            raise InvalidArgumentError("a ChatFormatter needs a model or a template")
+        self._lib = lib = init()
+        self._ptr = None
+        self._call_lock = threading.Lock()
+        error = c_void_p()
+        args = ((template or "").encode(), (bos_token or "").encode(), (eos_token or "").encode(), byref(error))
+        if model is not None:
+            # The templates copy what they read (template text, BOS/EOS pieces): the model is
+            # needed only during this call.
+            hold = model.hold()
+            try:
+                ptr = lib.lcx_chat_templates_init(model.native(), *args)
+            finally:
+                hold.release()
+        else:
+            ptr = lib.lcx_chat_templates_init(None, *args)
+        if not ptr:
+            self._mark_dead()
+            raise ChatTemplateError(f"llama.cpp could not load the chat template: {_error_text(lib, error)}")
+        self._ptr = ptr
+
+    def apply(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+              tool_choice: str = "auto", parallel_tool_calls: bool = False,
+              json_schema: Mapping[str, Any] | None = None, grammar: str | None = None,
+              enable_thinking: bool = True, reasoning_format: str = "deepseek",
+              template_kwargs: Mapping[str, Any] | None = None, add_generation_prompt: bool = True) -> ChatFormat:
+        """Render ``messages`` (OpenAI shape) and build the output's grammar and parser.
+
+        ``tool_choice``: ``"auto"``, ``"none"`` or ``"required"``. ``reasoning_format``:
+        ``"deepseek"`` puts thinking in ``reasoning_content``, ``"none"`` leaves it in the content.
+        """
+        inputs = {
+            "messages": list(messages), "tools": list(tools) if tools else None, "tool_choice": tool_choice,
+            "parallel_tool_calls": bool(parallel_tool_calls), "add_generation_prompt": bool(add_generation_prompt),
+            "enable_thinking": bool(enable_thinking), "reasoning_format": reasoning_format,
+            "chat_template_kwargs": dict(template_kwargs or {}),
+        }
+        if json_schema is not None:
+            inputs["json_schema"] = json_schema
+        if grammar:
+            inputs["grammar"] = grammar
+        try:
+            payload = json.dumps(inputs, ensure_ascii=False, allow_nan=False).encode()
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"the request is not JSON-serialisable: {e}") from None
+        _check_nesting(inputs)
+        error = c_void_p()
+        with self._call_lock, self._shared():
+            # (on a thread with a large stack: llama.cpp recurses through the JSON it reads)
+            out = _PARSE_THREADS.submit(self._lib.lcx_chat_templates_apply, self._ptr, payload,
+                                        byref(error)).result()
+        data = json.loads(_take_string(self._lib, out, error, "llama.cpp refused the chat request"))
+        return ChatFormat(
+            format=data["format"], format_id=int(data["format_id"]), prompt=data["prompt"],
+            grammar=data["grammar"], grammar_lazy=bool(data["grammar_lazy"]),
+            trigger_patterns=tuple(data["trigger_patterns"]), preserved_tokens=tuple(data["preserved_tokens"]),
+            additional_stops=tuple(data["additional_stops"]), generation_prompt=data["generation_prompt"],
+            parser=data["parser"], supports_thinking=bool(data["supports_thinking"]),
+            reasoning_format=reasoning_format, caps=dict(data.get("caps") or {}))
+
+    def _free(self) -> None:
+        if self._ptr:
+            self._lib.lcx_chat_templates_free(self._ptr)
+            self._ptr = None
+
+
+# ---- llama.cpp's output parsers recurse once per nesting level of the JSON they read ----------
+#
+# A model's output with arguments nested a few thousand levels deep ('[[[[...') overflows an
+# 8 MiB stack (300 levels overflow a 512 KiB one, macOS's thread default) and the process dies.
+# So the parses run on threads of their own with a large stack, and an output with more opening
+# brackets than that stack can take (the nesting can be no deeper) is not given to llama.cpp at
+# all: it does not parse (ToolCallError), so its text becomes the answer.
+
+_PARSE_STACK = 256 * 2**20
+#: Stack bytes per nesting level allowed for (llama.cpp's PEG parser takes about 2 KiB).
+_STACK_PER_LEVEL = 4096
+#: Where no thread with a large stack can be started: the limit for the caller's own thread.
+_FALLBACK_MAX_OPENERS = 64
+
+
+class _ParseThreads:
+    """A few daemon threads with a large stack that run the native output parses."""
+
+    def __init__(self, size: int = 2):
+        self._size = size
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._pid: int | None = None
+        self._max_openers = _FALLBACK_MAX_OPENERS
+
+    def _started(self) -> queue.SimpleQueue | None:
+        if self._pid == os.getpid():
+            return self._queue
+        with self._lock:
+            if self._pid != os.getpid():  # (first use, or a forked child: the threads are not here)
+                self._queue, self._max_openers = self._start()
+                self._pid = os.getpid()
+            return self._queue
+
+    def _start(self) -> tuple[queue.SimpleQueue | None, int]:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            old = threading.stack_size(_PARSE_STACK)
+        except (ValueError, RuntimeError):  # a platform without settable thread stacks
+            return None, _FALLBACK_MAX_OPENERS
+        started = 0
+        try:
+            for i in range(self._size):
+                threading.Thread(target=_serve_parses, args=(q,), name=f"llama_ctypes-chat-parse-{i}",
+                                 daemon=True).start()
+                started += 1
+        except RuntimeError:  # (the large stack could not be mapped)
+            pass
+        finally:
+            threading.stack_size(old)
+        if not started:
+            return None, _FALLBACK_MAX_OPENERS
+        return q, _PARSE_STACK // _STACK_PER_LEVEL
+
+    @property
+    def max_openers(self) -> int:
+        """Most opening brackets an output may hold to be parsed."""
+        self._started()
+        return self._max_openers
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        q = self._started()
+        if q is None:
+            _run(future, fn, args)
+        else:
+            q.put((future, fn, args))
+        return future
+
+
+def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+        future.set_exception(e)
+
+
+def _serve_parses(q: queue.SimpleQueue) -> None:
+    while True:
+        future, fn, args = q.get()
+        _run(future, fn, args)
+        del future, fn, args
+
+
+_PARSE_THREADS = _ParseThreads()
+
+
+#: Deepest JSON nesting a chat request may hand to llama.cpp's chat code. It recurses through what it
+#: reads (and some templates render each level with the indentation of all the levels above it:
+#: quadratic in time and size), so a request must not choose the depth freely. Real tool schemas
+#: and arguments are a few levels deep.
+MAX_JSON_DEPTH = 256
+
+
+def _json_depth(value: Any, limit: int) -> int:
+    """Nesting depth of a JSON-like value (0 for a scalar), counted up to ``limit + 1`` (no recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _check_nesting(inputs: Mapping[str, Any]) -> None:
+    """Refuse a chat request with JSON nested deeper than :data:`MAX_JSON_DEPTH` where llama.cpp reads it.
+
+    What it reads as JSON counts: tool schemas, template variables, message fields, and the arguments
+    of earlier tool calls (a string of JSON, parsed and converted for the template one level at a
+    time); the messages' text does not.
+    """
+    limit = MAX_JSON_DEPTH
+    values: list[Any] = [{k: v for k, v in inputs.items() if k != "messages"}]
+    too_deep = False
+    for m in inputs.get("messages") or ():
+        if not isinstance(m, Mapping):
+            continue
+        values.append({k: v for k, v in m.items() if not (k in ("content", "reasoning_content") and isinstance(v, str))})
+        calls = m.get("tool_calls")
+        for call in calls if isinstance(calls, (list, tuple)) else ():
+            fn = call.get("function") if isinstance(call, Mapping) else None
+            args = fn.get("arguments") if isinstance(fn, Mapping) else None
+            if isinstance(args, str) and args.count("[") + args.count("{") > limit:  # (else it cannot be deeper)
+                try:
+                    values.append(json.loads(args))
+                except RecursionError:  # (deeper than Python's own parser goes)
+                    too_deep = True
+                except ValueError:
+                    pass  # not JSON: llama.cpp refuses it
+    if too_deep or any(_json_depth(value, limit) > limit for value in values):
+        raise InvalidArgumentError(f"the request holds JSON nested deeper than {limit} levels (in its tools, "
+                                   "tool call arguments or template variables)")
+
+
+class OutputParser(NativeHandle):
+    """Parses one request's output with its format's parser (llama.cpp ``common_chat_parse``).
+
+    The parse runs on a thread with a large stack (llama.cpp's parser recurses once per level of
+    JSON nesting); :meth:`aparse` awaits it from an event loop without blocking the loop.
+    """
+
+    _kind = "chat output parser"
+
+    def __init__(self, fmt: ChatFormat, *, parse_tool_calls: bool = True):
+        super().__init__()
+        self._lib = lib = init()
+        self._ptr = None
+        params = {"format_id": fmt.format_id, "generation_prompt": fmt.generation_prompt, "parser": fmt.parser,
+                  "reasoning_format": fmt.reasoning_format, "parse_tool_calls": parse_tool_calls}
+        error = c_void_p()
+        ptr = lib.lcx_chat_parser_init(json.dumps(params).encode(), byref(error))
+        if not ptr:
+            self._mark_dead()
+            raise ToolCallError(f"llama.cpp could not build the output parser: {_error_text(lib, error)}")
+        self._ptr = ptr
+
+    def parse(self, text: str, partial: bool) -> dict[str, Any]:
+        """The OpenAI message in ``text`` (``partial``: more text will follow). Raises ToolCallError when
+        complete output does not match the format (or is nested too deeply to parse safely)."""
+        return _PARSE_THREADS.submit(self._parse, self._input(text), partial).result()
+
+    async def aparse(self, text: str, partial: bool) -> dict[str, Any]:
+        """:meth:`parse` from an event loop (the loop keeps running meanwhile)."""
+        return await asyncio.wrap_future(_PARSE_THREADS.submit(self._parse, self._input(text), partial))
+
+    @staticmethod
+    def _input(text: str) -> bytes:
+        limit = _PARSE_THREADS.max_openers
+        if text.count("[") + text.count("{") > limit:
+            raise ToolCallError(f"the model's output holds more than {limit} opening brackets: it is not parsed "
+                                "(llama.cpp's parser would overflow its stack)")
+        # (a NUL would end the C string early, and the text after it would be lost)
+        return text.replace("\0", "\ufffd").encode("utf-8", "surrogatepass")
+
+    def _parse(self, data: bytes, partial: bool) -> dict[str, Any]:
+        error = c_void_p()
+        with self._exclusively():
+            out = self._lib.lcx_chat_parse(self._ptr, data, partial, byref(error))
+        return json.loads(_take_string(self._lib, out, error, "the model's output does not match its chat format"))
+
+    def _free(self) -> None:
+        if self._ptr:
+            self._lib.lcx_chat_parser_free(self._ptr)
+            self._ptr = None
