@@ -94,6 +94,8 @@ class Timings:
     generation_ms: float = 0.0  # first token to the last
     decode_ms: float = 0.0  # inside llama_decode during generation
     sample_ms: float = 0.0  # inside the native sampler during generation
+    draft_tokens: int = 0  # speculative decoding: tokens drafted (0 without speculation)
+    draft_accepted: int = 0  # of those, tokens the target kept
 
     @property
     def prompt_tokens_per_s(self) -> float:

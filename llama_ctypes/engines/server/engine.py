@@ -4,9 +4,11 @@ A tick (see ``scheduler.py`` for the bookkeeping):
 
 1. under the scheduler's lock, only queue operations: take waiting requests for free slots;
 2. without the lock: admission (prefix reuse may copy, save or restore KV state),
-   calls routed to this thread (``call``), the plan (``Scheduler.schedule``);
-3. :meth:`Engine.execute`: fill ONE batch from the plan, decode, sample every output row (and, for
-   requests that asked, compute each sampled token's log-probabilities from its row);
+   calls routed to this thread (``call``), drafts for speculating slots (``speculation.py``),
+   the plan (``Scheduler.schedule``);
+3. :meth:`Engine.execute`: fill ONE batch from the plan, decode, sample every output row (a
+   speculative step's rows in order, up to the first that rejects its draft; and, for requests
+   that asked, compute each sampled token's log-probabilities from its row);
 4. ``Scheduler.update_from_output``: end-of-generation, stop strings, lengths, text to the channels.
 
 Clients (submit, cancel, the asyncio loop) therefore never wait for KV copies or decodes.
@@ -29,7 +31,8 @@ from ...core.logprobs import TokenLogprob, token_logprob
 from ...errors import DecodeError, LlamaError
 from .prompt_cache import PromptCache
 from .request import Request
-from .scheduler import QueueFullError, Scheduler, ServerClosedError, TickPlan
+from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
+from .speculation import SlotDrafter
 from .slots import SlotPool
 from .strategies import BatchStrategy
 
@@ -89,8 +92,10 @@ class Engine:
     """Owns the context; runs the tick loop on its own thread. All client calls are thread-safe."""
 
     def __init__(self, lease: ContextLease, strategy: BatchStrategy, max_queue: int = 0, *,
-                 n_ctx_seq: int | None = None, prompt_cache_bytes: int = 0):
+                 n_ctx_seq: int | None = None, prompt_cache_bytes: int = 0,
+                 drafter: SlotDrafter | None = None, n_draft: int = 0):
         self.lease = lease
+        self.drafter = drafter
         self.ctx = ctx = lease.ctx
         self.batch = Batch(ctx.n_batch, 1)
         # The decode call, an attribute so that tests can slow it down.
@@ -107,7 +112,9 @@ class Engine:
                              ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
         self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
-                                   bind=lambda request: request.sampler.bind(lease))
+                                   bind=lambda request: request.sampler.bind(lease),
+                                   n_draft=n_draft if drafter is not None else 0)
+        self._check_tokens = ctx.vocab.check_tokens
         self._calls: collections.deque[_Call] = collections.deque()
         self._on_exit: Callable[[], None] | None = None
         self._exited = False
@@ -190,6 +197,8 @@ class Engine:
                     for call in calls:
                         call.run()
                 scheduler.admit()
+                if self.drafter is not None:
+                    self._draft()
                 plan = scheduler.schedule()
                 if plan.steps:
                     outputs, logprobs, failure, row_errors = self.execute(plan)
@@ -222,6 +231,25 @@ class Engine:
                 on_exit()
             except Exception:  # pragma: no cover
                 logger.exception("freeing the server's context failed")
+
+    def _draft(self) -> None:
+        """Ask the drafter for every speculating slot's next tokens (a failing drafter only costs speed)."""
+        asks = self.scheduler.draft_asks()
+        if not asks:
+            return
+        try:
+            self.drafter.propose(asks)  # type: ignore[union-attr]
+        except LlamaError:
+            logger.exception("the server's drafter failed; this tick decodes without drafts")
+            return
+        check = self._check_tokens
+        for ask in asks:
+            draft = ask.draft[:ask.k]
+            if draft:
+                try:
+                    ask.request.draft = check(draft).tolist()  # a drafter's bug must not reach llama.cpp
+                except LlamaError:
+                    logger.warning("drafter proposed invalid token ids %r; ignored", draft)
 
     def execute(self, plan: TickPlan) -> tuple[Sequence[int] | None, list[TokenLogprob | None] | None,
                                                BaseException | None, dict[int, BaseException] | None]:
@@ -260,6 +288,9 @@ class Engine:
         row_errors: dict[int, BaseException] | None = None
         for step in plan.steps:
             sample = step.slot.sample
+            if step.n_draft:
+                row_errors = self._sample_verified(step, outputs, row_errors)
+                continue
             for i in step.sample:
                 try:
                     outputs.append(sample(step.row + i))
@@ -277,6 +308,30 @@ class Engine:
                 "prefill_tokens": batch.n_tokens - plan.n_decode, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
         return outputs, logprobs, None, row_errors
+
+    def _sample_verified(self, step, outputs: list[int],
+                         row_errors: dict[int, BaseException] | None) -> dict[int, BaseException] | None:
+        """A speculative step's rows, sampled in order with the request's own sampler until one
+        differs from its draft (the match rule: every emitted token is the sampler's draw given
+        exactly the tokens before it) or ends the generation; later rows are SKIPPED."""
+        sample, drafts, row, n_draft = step.slot.sample, step.tokens, step.row, step.n_draft
+        ignore_eos, is_eog = step.request.params.ignore_eos, self.scheduler.is_eog
+        done = False
+        for i in step.sample:
+            if done:
+                outputs.append(SKIPPED)
+                continue
+            try:
+                tok = sample(row + i)
+            except LlamaError as error:
+                if row_errors is None:
+                    row_errors = {}
+                row_errors[len(outputs)] = error
+                tok, done = -1, True
+            outputs.append(tok)
+            if i == n_draft or tok != drafts[i + 1] or (not ignore_eos and is_eog(tok)):
+                done = True
+        return row_errors
 
     def _logprobs(self, plan: TickPlan, outputs: Sequence[int]) -> list[TokenLogprob | None]:
         """The entry of each sampled token whose request asked for logprobs, parallel to ``outputs``.

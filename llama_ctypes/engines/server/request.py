@@ -149,6 +149,10 @@ class Request:
     finish_reason: str | None = None
     cancel_requested: bool = False
     queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
+    speculative: bool = True  # draft for it when the server speculates
+    draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
+    drafted: int = 0  # draft tokens verified so far
+    accepted: int = 0  # of those, tokens kept
 
     def __post_init__(self) -> None:
         if self.sampler is None:
@@ -163,7 +167,7 @@ class Request:
     def timings(self) -> Timings:
         """Timings so far; fixed once the request has ended."""
         t = Timings(prompt_tokens=len(self.prompt), generated_tokens=len(self.generated),
-                    cached_tokens=self.cached_tokens)
+                    cached_tokens=self.cached_tokens, draft_tokens=self.drafted, draft_accepted=self.accepted)
         now = self.ended if self.ended is not None else time.perf_counter()
         if self.first_token is not None:
             t.ttft_ms = (self.first_token - self.arrived) * 1e3

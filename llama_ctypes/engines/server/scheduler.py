@@ -13,7 +13,10 @@ synthetic outputs. One engine step, after vLLM's v1 engine::
 A plan is a list of :class:`Step`: one per slot, the tokens it puts in the
 batch and which of them are sampled. Decoding is one token with one sampled
 row, a prompt chunk samples only its last row when it completes the prompt;
-a speculative step would carry the last token plus drafts, all sampled.
+a speculative step carries the last token plus the request's drafts, all rows
+sampled in order until the first that disagrees with its draft (the engine
+marks the rows after it :data:`SKIPPED`); ``update_from_output`` keeps the
+agreeing drafts and cuts the others off the sequence's KV.
 """
 
 from __future__ import annotations
@@ -43,23 +46,46 @@ class ServerClosedError(CancelledError, ClosedError):
 _FIRST = (0,)
 _NONE = ()
 
+#: An output row of a speculative step the engine did not sample (after the first rejected draft).
+SKIPPED = -2
+
+
+class DraftAsk:
+    """A request to draft for one decoding slot: up to ``k`` tokens after ``context``; the drafter sets
+    ``draft``."""
+
+    __slots__ = ("seq_id", "context", "k", "draft", "request")
+
+    def __init__(self, seq_id: int, context: list[int], k: int, request: Request):
+        self.seq_id = seq_id
+        self.context = context
+        self.k = k
+        self.draft: list[int] = []
+        self.request = request
+
+    def __repr__(self) -> str:
+        return f"DraftAsk(seq={self.seq_id}, context={len(self.context)}, k={self.k}, draft={self.draft})"
+
 
 class Step:
     """One slot's share of a tick: ``tokens`` go in the batch at the slot's next positions;
     ``sample`` lists the indices (into ``tokens``) whose logits are sampled, in order.
+    ``n_draft``: a speculative step's drafted tokens (``tokens[1:]``; every row sampled).
     The engine sets ``row``, the batch row of ``tokens[0]``."""
 
-    __slots__ = ("slot", "request", "tokens", "sample", "row")
+    __slots__ = ("slot", "request", "tokens", "sample", "row", "n_draft")
 
-    def __init__(self, slot: Slot, tokens: list[int], sample: tuple[int, ...]):
+    def __init__(self, slot: Slot, tokens: list[int], sample: tuple[int, ...], n_draft: int = 0):
         self.slot = slot
         self.request = slot.request
         self.tokens = tokens
         self.sample = sample
         self.row = -1
+        self.n_draft = n_draft
 
     def __repr__(self) -> str:
-        return f"Step(seq={self.slot.seq_id}, tokens={len(self.tokens)}, sample={self.sample})"
+        draft = f", draft={self.n_draft}" if self.n_draft else ""
+        return f"Step(seq={self.slot.seq_id}, tokens={len(self.tokens)}, sample={self.sample}{draft})"
 
 
 class TickPlan:
@@ -101,12 +127,17 @@ class Scheduler:
 
     ``is_eog(token)`` tells end-of-generation tokens; ``bind(request)`` returns
     the request's ``row -> token`` sampling function (the engine binds it to its
-    context); ``n_ctx_seq`` is the most tokens a slot holds.
+    context); ``n_ctx_seq`` is the most tokens a slot holds. ``n_draft`` (0: no speculation): most
+    tokens drafted per decoding slot and tick.
     """
 
     def __init__(self, pool: SlotPool, strategy: BatchStrategy, budget: int, n_ctx_seq: int, *,
                  max_queue: int = 0, is_eog: Callable[[int], bool] = lambda t: False,
-                 bind: Callable[[Request], Callable[[int], int] | None] = lambda r: None):
+                 bind: Callable[[Request], Callable[[int], int] | None] = lambda r: None,
+                 n_draft: int = 0):
+        self.n_draft = n_draft
+        self.drafted = 0  # draft tokens verified, all requests
+        self.accepted = 0
         self.pool = pool
         self.strategy = strategy
         self.budget = budget
@@ -204,8 +235,34 @@ class Scheduler:
                     "prompt_tokens": len(request.prompt)}, {"id": request.id})
         return admitted
 
+    def draft_asks(self) -> list[DraftAsk]:
+        """What to draft before this tick's :meth:`schedule`: one ask per decoding slot whose request
+        speculates, with as many tokens as could still be emitted (max_tokens, the slot's context)."""
+        if not self.n_draft:
+            return []
+        asks = []
+        n_ctx = self.n_ctx_seq
+        for slot in self.pool.slots:
+            request = slot.request
+            if request is None:
+                continue
+            request.draft = []
+            if not request.speculative or request.cancel_requested or not request.generated \
+                    or request.n_prefilled != len(request.prompt):
+                continue
+            # The step decodes the pending token and k drafts at positions n_past .. n_past + k.
+            k = min(self.n_draft, n_ctx - len(slot.tokens) - 1)
+            if request.params.max_tokens > 0:
+                k = min(k, request.params.max_tokens - len(request.generated) - 1)
+            if k > 0:
+                asks.append(DraftAsk(slot.seq_id, slot.tokens + [request.generated[-1]], k, request))
+        return asks
+
     def schedule(self) -> TickPlan:
-        """This tick's plan: cancelled slots to end, then the strategy's split of the token budget."""
+        """This tick's plan: cancelled slots to end, then the strategy's split of the token budget.
+
+        A decoding request's ``draft`` (set from :meth:`draft_asks`) rides along in its step; drafts
+        come out of the budget first and are cut to fit it."""
         cancelled: list[Slot] = []
         decoding: list[Slot] = []
         prefilling: list[tuple[Slot, int]] = []
@@ -221,8 +278,25 @@ class Scheduler:
                 prefilling.append((slot, len(request.prompt) - request.n_prefilled))
         if len(prefilling) > 1:
             prefilling.sort(key=lambda sr: sr[0].request.arrived)
-        split = self.strategy.plan(decoding, prefilling, self.budget)
-        steps = [Step(slot, [slot.request.generated[-1]], _FIRST) for slot in split.decode]
+        budget = self.budget
+        if self.n_draft:
+            room = budget - len(decoding)
+            for slot in decoding:
+                draft = slot.request.draft
+                if len(draft) > room:
+                    del draft[max(room, 0):]
+                room -= len(draft)
+                budget -= len(draft)
+        split = self.strategy.plan(decoding, prefilling, budget)
+        steps = []
+        for slot in split.decode:
+            request = slot.request
+            draft = request.draft
+            if draft:
+                request.draft = []
+                steps.append(Step(slot, [request.generated[-1], *draft], tuple(range(len(draft) + 1)), len(draft)))
+            else:
+                steps.append(Step(slot, [request.generated[-1]], _FIRST))
         n_decode = len(steps)
         for slot, n in split.prefill:
             request = slot.request
@@ -249,6 +323,9 @@ class Scheduler:
             now = time.perf_counter()
         k = 0
         for step in plan.steps:
+            if step.n_draft:
+                k = self._verified(step, outputs, k, now, logprobs, row_errors)  # type: ignore[arg-type]
+                continue
             slot, request, tokens = step.slot, step.request, step.tokens
             slot.tokens += tokens  # their KV is in the sequence now
             n_prompt = len(request.prompt) - request.n_prefilled
@@ -265,9 +342,48 @@ class Scheduler:
                 if request.ended is None:  # not finished by an earlier token of this step
                     self._accept(slot, request, tok, now, entry)
 
+    def _verified(self, step: Step, outputs: Sequence[int], k: int, now: float,
+                  logprobs: Sequence[TokenLogprob | None] | None,
+                  row_errors: Mapping[int, BaseException] | None) -> int:
+        """Apply a speculative step whose rows start at ``outputs[k]``; returns the index after them.
+
+        Rows were sampled in order until the first that differs from its draft: the drafts before
+        it stay in the sequence, the rest are cut off the KV, and every sampled token is accepted
+        as plain decoding would have produced it, one by one."""
+        slot, request, tokens, n_draft = step.slot, step.request, step.tokens, step.n_draft
+        n = len(step.sample)
+        rows = outputs[k:k + n]
+        m = 0
+        while m < n_draft and rows[m] == tokens[1 + m]:
+            m += 1
+        n_past = len(slot.tokens)
+        slot.tokens += tokens  # their KV is in the sequence now, rejected drafts included
+        request.drafted += n_draft
+        request.accepted += m
+        self.drafted += n_draft
+        self.accepted += m
+        if not self.pool.rollback(slot, n_past + 1 + m):
+            self.finish(slot, request, Status.FAILED, error=LlamaError(
+                "the server could not cut rejected draft tokens off its memory (a recurrent state "
+                "without enough rollback snapshots: raise n_rs_seq)"))
+            return k + n
+        for j in range(n):
+            tok = rows[j]
+            if tok == SKIPPED:
+                break
+            if row_errors and k + j in row_errors:
+                self.finish(slot, request, Status.FAILED, error=_own_copy(row_errors[k + j]))
+            if request.ended is not None:
+                break
+            # (as plain decoding: the sequence held n_past + 1 + j tokens when this one was sampled)
+            self._accept(slot, request, tok, now, logprobs[k + j] if logprobs is not None else None,
+                         n_past + 1 + j)
+        return k + n
+
     def _accept(self, slot: Slot, request: Request, tok: int, now: float,
-                entry: TokenLogprob | None = None) -> None:
-        """One sampled token, counted exactly as the single-sequence token loop counts it."""
+                entry: TokenLogprob | None = None, held: int | None = None) -> None:
+        """One sampled token, counted exactly as the single-sequence token loop counts it
+        (``held``: the tokens the sequence held when it was sampled; default: all of them)."""
         if request.first_token is None:
             request.first_token = now
         params = request.params
@@ -289,7 +405,8 @@ class Scheduler:
             if text.stopped:
                 self.finish(slot, request, Status.FINISHED, "stop")
                 return
-        if len(request.generated) == params.max_tokens or len(slot.tokens) >= self.n_ctx_seq:
+        if len(request.generated) == params.max_tokens \
+                or (len(slot.tokens) if held is None else held) >= self.n_ctx_seq:
             self._end(slot, request, "length")
 
     def _end(self, slot: Slot, request: Request, reason: str) -> None:

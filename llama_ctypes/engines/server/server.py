@@ -12,7 +12,9 @@
 Every method is thread-safe. One scheduler thread owns the context and, each
 tick, decodes one batch holding the next token of every running request plus
 prompt chunks of new ones (see ``engine.py``). Each request has its own
-sampler, seed, grammar, stop strings and limits.
+sampler, seed, grammar, stop strings and limits. With ``speculative=`` (a
+drafter: ``NgramDraft``, ``DraftModel``) running requests also carry drafted
+tokens, verified in the same batch (see ``speculation.py``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
 from ...core.tokenizer import StreamDecoder
+from ..speculative.drafters import Drafter
 from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
+from .speculation import SlotDrafter, slot_drafter
 from .strategies import DecodeMaximal, resolve
 from .streams import AsyncServerStream, ServerStream
 
@@ -59,13 +63,19 @@ class Server:
         prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
+        speculative: a drafter (:class:`NgramDraft`, :class:`DraftModel`, or a stateless
+            :class:`Drafter` of your own) to draft up to ``n_draft`` tokens (1..32, default 4) per running
+            request and tick; the server owns it from then on (closes it). Drafts are verified by the
+            request's own sampler in the tick's batch, so every request's output is what it would be
+            without speculation. Per request, ``speculative=False`` opts out.
         **opts: model options (when loading), context options (type_k, flash_attn, ...), and default
             sampling/generation options for every request (temp, top_p, max_tokens, stop, ...).
     """
 
     def __init__(self, model_path: str | None = None, *, model: Model | None = None, n_parallel: int = 4,
                  n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
-                 cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True, **opts: Any):
+                 cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
+                 speculative: Drafter | None = None, n_draft: int = 4, **opts: Any):
         if (model_path is None) == (model is None):
             raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
@@ -81,6 +91,16 @@ class Server:
             raise InvalidArgumentError(f"max_queue={max_queue!r}: expected an integer >= 0")
         if not isinstance(prompt_cache_ram_mb, (int, float)) or prompt_cache_ram_mb < 0:
             raise InvalidArgumentError(f"prompt_cache_ram_mb={prompt_cache_ram_mb!r}: expected a number >= 0")
+        if speculative is not None:
+            from ..speculative.session import MAX_DRAFT
+
+            if not isinstance(speculative, Drafter):
+                raise ArgumentTypeError(f"speculative= takes a Drafter (NgramDraft, DraftModel), "
+                                        f"not {type(speculative).__name__}")
+            if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 1 <= n_draft <= MAX_DRAFT:
+                raise InvalidArgumentError(f"n_draft={n_draft!r}: expected an integer in [1, {MAX_DRAFT}]")
+            if opts.get("embeddings"):
+                raise InvalidArgumentError("speculative decoding generates text: not with embeddings")
         model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="Server: unknown")
         SamplingParams(**sampling_opts)  # validate the defaults now
@@ -95,21 +115,38 @@ class Server:
                 raise ArgumentTypeError(f"model options {sorted(model_opts)} need model_path (the model is already loaded)")
             self._owns_model = False
         self.model = model
+        self._drafter: SlotDrafter | None = None
         try:
-            self._ctx = Context(model, ContextParams(**self.context_options(n_parallel, n_ctx, n_batch, kv_unified,
-                                                                              **ctx_opts)))
-            # Buffers are sized at creation: what the context holds now is what it will hold.
-            self.memory = self._ctx.memory()
-            self._lease = self._ctx.lease()  # the scheduler thread is its only user from now on
+            copts = self.context_options(n_parallel, n_ctx, n_batch, kv_unified, **ctx_opts)
+            if speculative is not None:
+                copts = self._speculative_options(model, copts, n_parallel, n_draft, ctx_opts)
+            self._ctx = Context(model, ContextParams(**copts))
+            try:
+                # Buffers are sized at creation: what the context holds now is what it will hold.
+                self.memory = self._ctx.memory()
+                if speculative is not None:
+                    dopts = {"n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "kv_unified": kv_unified, **ctx_opts}
+                    self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts)
+                self._lease = self._ctx.lease()  # the scheduler thread is its only user from now on
+            except BaseException:
+                self._ctx.close()
+                raise
         except BaseException:
+            if self._drafter is not None:
+                self._drafter.close()
+            elif speculative is not None:
+                speculative.close()
             if self._owns_model:
                 model.close()
             raise
         self.n_parallel = n_parallel
         self.n_ctx = min(n_ctx, self._ctx.n_ctx_seq)
         self.batch_strategy = strategy
+        self.speculative = speculative
+        self.n_draft = n_draft if speculative is not None else 0
         self._engine = Engine(self._lease, strategy, max_queue, n_ctx_seq=self.n_ctx,
-                              prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20))
+                              prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20),
+                              drafter=self._drafter, n_draft=self.n_draft)
         self._close_lock = threading.Lock()
         self._closed = False
         self._engine.thread.start()
@@ -128,6 +165,23 @@ class Server:
             "n_outputs_max": n_parallel, **ctx_opts,
         }
 
+    @staticmethod
+    def _speculative_options(model: Model, copts: dict[str, Any], n_parallel: int, n_draft: int,
+                             user: dict[str, Any]) -> dict[str, Any]:
+        """Context options for verifying drafts: a logits row per drafted token, and memories that
+        can drop rejected drafts."""
+        if model.has_encoder:
+            raise InvalidArgumentError(f"{model.path.name} is an encoder model; speculative decoding "
+                                       "needs a decoder-only model")
+        copts = dict(copts)
+        if "n_outputs_max" not in user:
+            copts["n_outputs_max"] = min(n_parallel * (n_draft + 1), copts["n_batch"])
+        if model.is_recurrent or model.is_hybrid:
+            copts.setdefault("n_rs_seq", n_draft)
+        if model.n_swa > 0:
+            copts.setdefault("swa_full", True)  # a rollback must not lose window cells the prefix needs
+        return copts
+
     # ---- submission ------------------------------------------------------------------------
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
                  loop: asyncio.AbstractEventLoop | None) -> Request:
@@ -138,6 +192,9 @@ class Server:
             raise InvalidArgumentError("requests cannot be submitted from the server's own scheduler thread")
         opts = dict(opts)
         session = opts.pop("session", None)
+        speculative = opts.pop("speculative", True)
+        if not isinstance(speculative, bool):
+            raise ArgumentTypeError(f"speculative={speculative!r}: expected a bool (per request: opt out with False)")
         try:
             hash(session)
             if not isinstance(session == session, bool):
@@ -154,7 +211,8 @@ class Server:
         sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx, holder=self._ctx)
         try:
             text = TextOut(StreamDecoder(vocab, special=params.special), params.stop)
-            request = Request(tokens, params, sampler, Channel(loop), session=session, text=text)
+            request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
+                              speculative=speculative)
         except BaseException:
             sampler.close()
             raise
@@ -234,7 +292,8 @@ class Server:
         return self.model
 
     def stats(self) -> dict[str, Any]:
-        """Slots in use, queue length, ticks, tokens per tick, and prefix-cache counters so far."""
+        """Slots in use, queue length, ticks, tokens per tick, prefix-cache counters and, with
+        ``speculative=``, draft tokens verified and accepted so far."""
         engine = self._engine
         cache = engine.pool.stats
         ram = engine.pool.ram
@@ -253,6 +312,10 @@ class Server:
             "prefix_instabilities": cache.instabilities,
             "ram_cache_entries": len(ram) if ram else 0,
             "ram_cache_bytes": ram.used if ram else 0,
+            "draft_tokens": engine.scheduler.drafted,
+            "draft_accepted": engine.scheduler.accepted,
+            "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
+            if engine.scheduler.drafted else 0.0,
         }
 
     def kv_positions(self) -> list[int]:
@@ -284,6 +347,8 @@ class Server:
     def _free_native(self) -> None:
         """Free the context (and an owned model) once the scheduler thread has ended."""
         self._lease.release()
+        if self._drafter is not None:
+            self._drafter.close()
         self._ctx.close()
         if self._owns_model:
             self.model.close()

@@ -193,6 +193,16 @@ class SlotPool:
             self.kv.forget(slot.seq_id)
             slot.tokens = []
 
+    def rollback(self, slot: Slot, keep: int) -> bool:
+        """Cut a running slot's sequence back to its first ``keep`` tokens (rejected drafts);
+        False when the memory cannot (nothing changed then)."""
+        if keep >= len(slot.tokens):
+            return True
+        if not self.kv.truncate(slot.seq_id, keep):
+            return False
+        del slot.tokens[keep:]
+        return True
+
     # ---- release and eviction ---------------------------------------------------------------------
     def release(self, slot: Slot, keep: bool) -> None:
         """Free a slot; with ``keep`` its tokens stay in KV for the next request."""

@@ -235,6 +235,24 @@ class DraftModel(Drafter):
             opts.setdefault("swa_full", True)  # cutting rejected drafts back must not lose window cells
         self._ctx = Context.create(self._model, **opts)
 
+    def attach_server(self, model: Model, n_seq: int, n_draft: int, ctx_opts: dict[str, Any]) -> Context:
+        """Bind to a batching server's ``model``: a draft context with one sequence per slot (``n_seq``),
+        owned by the drafter like a session's. ``ctx_opts``: the server's context options."""
+        if self._closed:
+            raise ClosedError("DraftModel is closed")
+        if self._ctx is not None:
+            raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
+        check_same_vocab(model, self._model)
+        opts = {**ctx_opts, **self._ctx_opts}
+        opts["n_seq_max"] = n_seq
+        opts["n_outputs_max"] = n_seq  # one logits row per sequence and draft step
+        if self._model.is_recurrent or self._model.is_hybrid:
+            opts.setdefault("n_rs_seq", n_draft)
+        if self._model.n_swa > 0:
+            opts.setdefault("swa_full", True)
+        self._ctx = Context.create(self._model, **opts)
+        return self._ctx
+
     def hold(self) -> Hold | _NoHold:
         if self._ctx is None:
             raise InvalidArgumentError("DraftModel is not attached to a session")
