@@ -322,7 +322,10 @@ def test_bad_speculative_options(tiny_model, tmp_path, vocab_dir):
     with pytest.raises(lc.InvalidArgumentError, match="n_draft"):
         lc.Server(model=tiny_model, speculative=lc.NgramDraft(), n_draft=33, **SRV)
     with pytest.raises(lc.ArgumentTypeError, match="Drafter"):
-        lc.Server(model=tiny_model, speculative="ngram", **SRV)
+        lc.Server(model=tiny_model, speculative=42, **SRV)
+    with pytest.raises(FileNotFoundError):
+        lc.Server(model=tiny_model, speculative=str(tmp_path / "missing.gguf"), **SRV)
+    assert not tiny_model.closed
     # a draft model with another vocabulary: refused, and the draft model it loaded is closed again
     other = write_tiny_llama(tmp_path / "other.gguf", vocab_dir / "ggml-vocab-gpt-2.gguf")
     drafter = lc.DraftModel(other)
@@ -334,6 +337,8 @@ def test_bad_speculative_options(tiny_model, tmp_path, vocab_dir):
         with pytest.raises(lc.ArgumentTypeError, match="speculative"):
             srv.generate("x", speculative="yes")
         assert srv.generate("x", max_tokens=4, speculative=False).timings.draft_tokens == 0
+    with lc.Server(model=tiny_model, n_parallel=1, speculative="ngram", n_draft=2, **SRV) as srv:
+        assert isinstance(srv.speculative, lc.NgramDraft) and srv.n_draft == 2
 
 
 @pytest.mark.gemma
@@ -358,3 +363,40 @@ def test_greedy_identity_gemma(gemma_path):
                 assert stats["draft_acceptance"] > 0.5
     finally:
         model.close()
+
+
+def test_serve_with_a_draft_model_over_http(tiny_model, tmp_path):
+    """``llama-ctypes serve --model-draft``: completions equal a plain server's; /metrics counts the drafts."""
+    from http_helpers import ServeProcess, metric_samples
+
+    prompts = PROMPTS[:2]
+    refs = references(tiny_model, prompts, temp=0, max_tokens=24)
+    server = ServeProcess([str(tiny_model.path), "--model-draft", str(tiny_model.path), "--draft-max", "3",
+                           "-np", "2", "-c", "256", "--threads", "1", "--no-kv-unified"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        with server.client() as http:
+            for prompt, ref in zip(prompts, refs):
+                r = http.post("/v1/completions", json={"model": "x", "prompt": prompt, "temperature": 0,
+                                                       "max_tokens": 24})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["choices"][0]["text"] == str(ref)
+                assert body["usage"]["completion_tokens"] == len(ref.tokens)
+            text = http.get("/metrics").text
+        drafted = sum(metric_samples(text, "llama_ctypes_draft_tokens_total").values())
+        accepted = sum(metric_samples(text, "llama_ctypes_draft_tokens_accepted_total").values())
+        assert drafted >= accepted > 0  # the model drafting for itself: (nearly) every draft is kept
+    finally:
+        server.stop()
+    assert "--draft-max needs" in _serve_error(["--draft-max", "3", str(tiny_model.path)], tmp_path)
+
+
+def _serve_error(args, tmp_path) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "llama_ctypes", "serve", *args], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0
+    return out.stdout + out.stderr

@@ -174,6 +174,11 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
     p.add_argument("--rpc", help="RPC workers HOST:PORT,... holding layers of the model(s) (see docs/scaling.md)")
     p.add_argument("--tensor-split", "-ts", help="share of the layers per device, e.g. 1,1 (with --rpc: one per worker)")
+    spec = p.add_mutually_exclusive_group()
+    spec.add_argument("--model-draft", "-md", metavar="DRAFT.gguf",
+                      help="speculative decoding with this draft model (same vocabulary; docs/speculative.md)")
+    spec.add_argument("--spec-ngram", action="store_true", help="speculative decoding with n-gram (prompt lookup) drafts")
+    p.add_argument("--draft-max", type=int, help="most tokens drafted per step (default 4)")
     p.set_defaults(func=cmd_serve)
 
 

@@ -63,7 +63,7 @@ _DIRECT_SIZING = ("n_ctx", "n_batch", "kv_unified")
 # Context options embed() sets itself (features/embeddings.py).
 _EMBED_SETS = frozenset({"embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"})
 _SERVER_OPTIONS = ("n_parallel", "n_ctx", "n_batch", "batch_strategy", "max_queue", "cache_prompt",
-                   "prompt_cache_ram_mb", "kv_unified")
+                   "prompt_cache_ram_mb", "kv_unified", "speculative", "n_draft")
 # The context embed()/rerank() create (features/embeddings.py), for the memory estimate.
 _DIRECT_CONTEXT = {"n_ctx": 2048, "n_batch": 2048, "n_ubatch": 2048, "n_seq_max": _emb.MAX_SEQUENCES,
                    "kv_unified": True, "embeddings": True, "flash_attn": "disabled"}

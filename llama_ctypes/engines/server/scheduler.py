@@ -452,7 +452,8 @@ class Scheduler:
             telemetry.emit("server.request.stop", {
                 "queue_wait_ms": ((request.started or request.ended) - request.arrived) * 1e3,
                 "ttft_ms": t.ttft_ms, "duration_ms": (request.ended - request.arrived) * 1e3,
-                "prompt_tokens": len(request.prompt), "generated_tokens": len(request.generated)},
+                "prompt_tokens": len(request.prompt), "generated_tokens": len(request.generated),
+                "draft_tokens": request.drafted, "draft_accepted": request.accepted},
                 {"id": request.id, "finish_reason": reason if status is Status.FINISHED else "error"})
 
     def fail_all(self, error: BaseException) -> None:

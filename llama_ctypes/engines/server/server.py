@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any, AsyncIterator, Mapping, Sequence
 
@@ -31,7 +32,7 @@ from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
 from ...core.tokenizer import StreamDecoder
-from ..speculative.drafters import Drafter
+from ..speculative.drafters import Drafter, DraftModel, NgramDraft
 from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
@@ -64,8 +65,9 @@ class Server:
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
         speculative: a drafter (:class:`NgramDraft`, :class:`DraftModel`, or a stateless
-            :class:`Drafter` of your own) to draft up to ``n_draft`` tokens (1..32, default 4) per running
-            request and tick; the server owns it from then on (closes it). Drafts are verified by the
+            :class:`Drafter` of your own; or ``"ngram"``, or a draft GGUF path) to draft up to ``n_draft``
+            tokens (1..32, default 4) per running request and tick; the server owns it from then on
+            (closes it). Drafts are verified by the
             request's own sampler in the tick's batch, so every request's output is what it would be
             without speculation. Per request, ``speculative=False`` opts out.
         **opts: model options (when loading), context options (type_k, flash_attn, ...), and default
@@ -75,7 +77,7 @@ class Server:
     def __init__(self, model_path: str | None = None, *, model: Model | None = None, n_parallel: int = 4,
                  n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
                  cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
-                 speculative: Drafter | None = None, n_draft: int = 4, **opts: Any):
+                 speculative: Drafter | str | os.PathLike | None = None, n_draft: int = 4, **opts: Any):
         if (model_path is None) == (model is None):
             raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
@@ -94,13 +96,11 @@ class Server:
         if speculative is not None:
             from ..speculative.session import MAX_DRAFT
 
-            if not isinstance(speculative, Drafter):
-                raise ArgumentTypeError(f"speculative= takes a Drafter (NgramDraft, DraftModel), "
-                                        f"not {type(speculative).__name__}")
             if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 1 <= n_draft <= MAX_DRAFT:
                 raise InvalidArgumentError(f"n_draft={n_draft!r}: expected an integer in [1, {MAX_DRAFT}]")
-            if opts.get("embeddings"):
-                raise InvalidArgumentError("speculative decoding generates text: not with embeddings")
+            if not isinstance(speculative, (Drafter, str, os.PathLike)):
+                raise ArgumentTypeError(f"speculative= takes a Drafter (NgramDraft, DraftModel), \"ngram\" or a "
+                                        f"draft GGUF path, not {type(speculative).__name__}")
         model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="Server: unknown")
         SamplingParams(**sampling_opts)  # validate the defaults now
@@ -124,6 +124,8 @@ class Server:
             try:
                 # Buffers are sized at creation: what the context holds now is what it will hold.
                 self.memory = self._ctx.memory()
+                if isinstance(speculative, (str, os.PathLike)):
+                    speculative = NgramDraft() if speculative == "ngram" else DraftModel(speculative)
                 if speculative is not None:
                     dopts = {"n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "kv_unified": kv_unified, **ctx_opts}
                     self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts)
@@ -134,7 +136,7 @@ class Server:
         except BaseException:
             if self._drafter is not None:
                 self._drafter.close()
-            elif speculative is not None:
+            elif isinstance(speculative, Drafter):
                 speculative.close()
             if self._owns_model:
                 model.close()

@@ -41,6 +41,10 @@ class _ServerCollector(Collector):
                                      labels=["model"])
         evaluated = CounterMetricFamily(f"{PREFIX}_prompt_tokens_evaluated", "Prompt tokens computed",
                                         labels=["model"])
+        drafted = CounterMetricFamily(f"{PREFIX}_draft_tokens", "Speculative draft tokens verified",
+                                      labels=["model"])
+        accepted = CounterMetricFamily(f"{PREFIX}_draft_tokens_accepted", "Speculative draft tokens accepted",
+                                       labels=["model"])
         try:
             stats = self._stats()
         except Exception:  # a scrape must not fail because a model is going away
@@ -54,7 +58,9 @@ class _ServerCollector(Collector):
             misses.add_metric([model], s["cache_misses"])
             cached.add_metric([model], s["cached_tokens"])
             evaluated.add_metric([model], s["prompt_tokens_evaluated"])
-        return [queue, active, total, hits, misses, cached, evaluated]
+            drafted.add_metric([model], s.get("draft_tokens", 0))
+            accepted.add_metric([model], s.get("draft_accepted", 0))
+        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted]
 
 
 class Metrics:

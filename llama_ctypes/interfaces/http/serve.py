@@ -121,6 +121,14 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         cli_opts["kv_unified"] = False
     if args.no_cache_prompt:
         cli_opts["cache_prompt"] = False
+    if getattr(args, "model_draft", None):
+        cli_opts["speculative"] = str(Path(args.model_draft).expanduser())
+    elif getattr(args, "spec_ngram", False):
+        cli_opts["speculative"] = "ngram"
+    if getattr(args, "draft_max", None) is not None:
+        if "speculative" not in cli_opts:
+            raise ArgumentTypeError("--draft-max needs --model-draft or --spec-ngram")
+        cli_opts["n_draft"] = args.draft_max
     if getattr(args, "rpc", None):
         cli_opts["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
     if getattr(args, "tensor_split", None):
