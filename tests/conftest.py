@@ -67,6 +67,18 @@ def tiny_hybrid(tmp_path_factory, vocab_dir):
     model.close()
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp(tmp_path_factory, vocab_dir):
+    """A tiny hybrid qwen35 with an MTP head, loaded with ``load_mtp=True``: the head predicts from the
+    token alone, and the trunk changes the token's embedding a little, so the head's drafts are the
+    target's picks about one time in ten (accepted, partly accepted and rejected drafts)."""
+    path = write_tiny_qwen35(tmp_path_factory.mktemp("models") / "tiny-qwen35-mtp.gguf",
+                             vocab_dir / "ggml-vocab-llama-spm.gguf", mtp="token", trunk_scale=0.01)
+    model = lc.load_model(path, load_mtp=True)
+    yield model
+    model.close()
+
+
 @pytest.fixture
 def server(tiny_model):
     # A KV stream per slot: each request's numerics are then independent of its batch-mates,

@@ -147,12 +147,24 @@ def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: 
 
 
 def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2,
-                      n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0) -> Path:
+                      n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0, mtp: str | None = None,
+                      trunk_scale: float = 1.0) -> Path:
     """A 2-layer hybrid ``qwen35``: layer 0 is a gated-delta-net (recurrent) layer, layer 1 full attention.
 
     Its memory is hybrid (a KV cache plus a recurrent state), so a cached prefix can
     only be resumed exactly, never cut back.
+
+    ``mtp`` adds a multi-token-prediction block (``blk.2``, ``qwen35.nextn_predict_layers = 1``;
+    ``block_count`` counts it, as in Qwen3.6's MTP GGUFs): ``"random"`` weights; ``"token"``, a head
+    that ignores the target's hidden state and predicts from the token alone through the target's
+    LM head (its drafts are the target's when the trunk barely changes the token's embedding: pair it
+    with a small ``trunk_scale``); ``"state"``, a head that passes the target's hidden state (of the
+    previous position) straight to the LM head, so its first draft is the target's prediction for the
+    previous position (a probe of which hidden row the drafter pairs with which token).
+    ``trunk_scale`` scales what the two trunk layers add to the residual stream (1.0: as random).
     """
+    if mtp not in (None, "random", "token", "state"):
+        raise ValueError(f"mtp={mtp!r}: expected None, 'random', 'token' or 'state'")
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
     n_k_heads, n_v_heads = 2, 4  # ssm.group_count, ssm.time_step_rank
@@ -160,7 +172,9 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
     conv_kernel = 4
     writer = gguf.GGUFWriter(str(path), "qwen35")
     writer.add_name("tiny-qwen35-test")
-    writer.add_block_count(2)
+    writer.add_block_count(3 if mtp else 2)
+    if mtp:
+        writer.add_uint32("qwen35.nextn_predict_layers", 1)
     writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(n_embd)
     writer.add_feed_forward_length(n_ff)
@@ -197,20 +211,42 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
     writer.add_tensor("blk.0.ssm_beta.weight", w(n_v_heads, n_embd))
     writer.add_tensor("blk.0.ssm_alpha.weight", w(n_v_heads, n_embd))
     writer.add_tensor("blk.0.ssm_norm.weight", _ones(head_dim))
-    writer.add_tensor("blk.0.ssm_out.weight", w(n_embd, value_dim))
+    writer.add_tensor("blk.0.ssm_out.weight", w(n_embd, value_dim) * trunk_scale)
     # layer 1: full attention (q carries a gate: twice the width)
     writer.add_tensor("blk.1.attn_norm.weight", _ones(n_embd))
     writer.add_tensor("blk.1.post_attention_norm.weight", _ones(n_embd))
     writer.add_tensor("blk.1.attn_q.weight", w(head_dim * n_head * 2, n_embd))
     writer.add_tensor("blk.1.attn_k.weight", w(head_dim * n_head_kv, n_embd))
     writer.add_tensor("blk.1.attn_v.weight", w(head_dim * n_head_kv, n_embd))
-    writer.add_tensor("blk.1.attn_output.weight", w(n_embd, head_dim * n_head))
+    writer.add_tensor("blk.1.attn_output.weight", w(n_embd, head_dim * n_head) * trunk_scale)
     writer.add_tensor("blk.1.attn_q_norm.weight", _ones(head_dim))
     writer.add_tensor("blk.1.attn_k_norm.weight", _ones(head_dim))
     for i in range(2):
         writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff) * trunk_scale)
+    if mtp:
+        # The MTP block: a full-attention decoder block fed eh_proj([enorm(embed(token)), hnorm(h)]),
+        # with its own norm before the shared LM head.
+        constructed = mtp != "random"
+        eye, zero = np.eye(n_embd, dtype=np.float32), np.zeros((n_embd, n_embd), dtype=np.float32)
+        eh_proj = {"token": np.hstack([eye, zero]), "state": np.hstack([zero, eye])}.get(mtp)
+        writer.add_tensor("blk.2.nextn.eh_proj.weight", eh_proj if constructed else w(n_embd, 2 * n_embd))
+        writer.add_tensor("blk.2.nextn.enorm.weight", _ones(n_embd))
+        writer.add_tensor("blk.2.nextn.hnorm.weight", _ones(n_embd))
+        writer.add_tensor("blk.2.nextn.shared_head_norm.weight", _ones(n_embd))
+        writer.add_tensor("blk.2.attn_norm.weight", _ones(n_embd))
+        writer.add_tensor("blk.2.post_attention_norm.weight", _ones(n_embd))
+        writer.add_tensor("blk.2.attn_q.weight", w(head_dim * n_head * 2, n_embd))
+        writer.add_tensor("blk.2.attn_k.weight", w(head_dim * n_head_kv, n_embd))
+        writer.add_tensor("blk.2.attn_v.weight", w(head_dim * n_head_kv, n_embd))
+        # (constructed heads: attention and FFN add nothing, the block passes eh_proj's output on)
+        writer.add_tensor("blk.2.attn_output.weight", w(n_embd, head_dim * n_head) * (0.0 if constructed else 1.0))
+        writer.add_tensor("blk.2.attn_q_norm.weight", _ones(head_dim))
+        writer.add_tensor("blk.2.attn_k_norm.weight", _ones(head_dim))
+        writer.add_tensor("blk.2.ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor("blk.2.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor("blk.2.ffn_down.weight", w(n_embd, n_ff) * (0.0 if constructed else 1.0))
     _finish(writer)
     return path
 

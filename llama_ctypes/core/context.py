@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import (ArgumentTypeError, ClosedError, ContextCreationError, ContextOverflowError, DecodeError,
                       IndexOutOfRangeError, InvalidArgumentError, LlamaError)
 from ..native import ggml_h
+from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .batch import Batch
 from .handle import NativeHandle
@@ -86,7 +87,9 @@ class Context(NativeHandle):
 
     _kind = "Context"
 
-    def __init__(self, model: "Model", params: ContextParams | None = None):
+    def __init__(self, model: "Model", params: ContextParams | None = None, *, mtp_of: "Context | None" = None):
+        """``mtp_of``: make a draft context over the model's multi-token-prediction head
+        (``LLAMA_CONTEXT_TYPE_MTP``) beside that target context of the same model (speculative MTP)."""
         super().__init__()
         self._ptr = None
         self.model = model
@@ -95,9 +98,19 @@ class Context(NativeHandle):
         if model.params.vocab_only:
             self._mark_dead()
             raise ContextCreationError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to run")
+        n_rs, n_ub = self.params.n_rs_seq, self.params.n_ubatch
+        if n_rs > 0 and n_ub and n_ub <= n_rs + 1 and (model.is_recurrent or model.is_hybrid):
+            # llama.cpp keeps each sequence's last n_rs_seq + 1 tokens in one micro-batch and
+            # asserts (aborting the process) when n_ubatch cannot hold them.
+            self._mark_dead()
+            raise InvalidArgumentError(f"n_rs_seq={n_rs} needs n_ubatch > n_rs_seq + 1 on {model.path.name} "
+                                       f"(a recurrent memory), got n_ubatch={n_ub}")
         model._acquire()
         try:
             native = self.params.to_native()
+            if mtp_of is not None:
+                native.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+                native.ctx_other = mtp_of._ptr
             clear_native_error()
             ptr = self._lib.llama_init_from_model(model._ptr, native)
             if not ptr:
@@ -287,6 +300,11 @@ class ContextLease:
         self._mem = ctx._mem
         self._held = True
         self._max_outputs = ctx.n_outputs_max
+        # Called as ``after_decode(lease, tokens, pos)`` after each decode of prefill() and decode_run()
+        # (``tokens`` now sit at positions pos.. of sequence 0; the decode's outputs are readable): a
+        # speculative drafter that follows the target's hidden state (MTP). An exception it raises
+        # fails the decode (the sequence is cleared).
+        self.after_decode: Callable[["ContextLease", Sequence[int], int], None] | None = None
         # A cancel meant for an earlier user of the context must not stop this one.
         with ctx._abort_lock:
             ctx._abort_flag.value = 0
@@ -384,6 +402,8 @@ class ContextLease:
                 batch.clear()
                 batch.add_sequence(chunk, pos, 0, output_last=pos + len(chunk) == len(prompt))
                 self.decode(batch)
+                if self.after_decode is not None:
+                    self.after_decode(self, chunk, pos)
                 held.extend(chunk)
                 pos += len(chunk)
                 ctx._exact_cut = min(len(chunk) - 1, ctx.n_rs_seq)
@@ -465,9 +485,93 @@ class ContextLease:
         batch.logits[:n] = 1
         try:
             self.decode(batch)
+            if self.after_decode is not None:
+                self.after_decode(self, run, len(held))
         except BaseException:  # a failed or interrupted decode leaves the cache state uncertain
             self.clear()
             raise
+        held.extend(run)
+        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
+
+    # ---- hidden states for multi-token prediction (MTP) ------------------------------------------
+    def set_embeddings_nextn(self, value: bool, masked: bool) -> None:
+        """Keep the hidden state that feeds an MTP head (``n_embd_out`` floats per token) of every
+        decoded token (``masked=False``: a target) or of the output rows only (``masked=True``: an MTP context)."""
+        self._check()
+        self._lib.lcx_set_embeddings_nextn(self._ptr, bool(value), bool(masked))
+
+    def n_embd_out(self) -> int:
+        """Width of a hidden row (and of a state row), in floats."""
+        self._check()
+        # (through the context: its model may be closed meanwhile, and stays alive while the context does)
+        return int(self._lib.llama_model_n_embd_out(self._lib.llama_get_model(self._ptr)))
+
+    def nextn_rows(self, n: int) -> np.ndarray:
+        """A float32 view ``(n, n_embd_out)`` of the hidden rows of the last decode's first ``n`` tokens
+        (unmasked, see :meth:`set_embeddings_nextn`); valid until the next decode."""
+        self._check()
+        if not 0 < n <= self.ctx.n_batch:
+            raise InvalidArgumentError(f"nextn_rows({n}): expected 1..n_batch={self.ctx.n_batch}")
+        ptr = self._lib.lcx_get_embeddings_nextn(self._ptr)
+        if not ptr:
+            raise IndexOutOfRangeError("no nextn hidden rows: set_embeddings_nextn(True, ...) before the decode")
+        return np.ctypeslib.as_array(ptr, shape=(n, self.n_embd_out()))
+
+    def nextn_row(self, i: int = -1) -> np.ndarray:
+        """A float32 view of the hidden row of batch row ``i`` of the last decode (negative: counted
+        from the last output row, for a masked context); valid until the next decode."""
+        self._check()
+        ptr = self._lib.lcx_get_embeddings_nextn_ith(self._ptr, i)
+        if not ptr:
+            raise IndexOutOfRangeError(f"no nextn hidden row for batch row {i}")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd_out(),))
+
+    def decode_with_states(self, tokens: Sequence[int], states: Sequence[int], output_last: bool) -> None:
+        """Decode ``tokens`` at the end of sequence 0, token ``i`` with the state row at address ``states[i]``
+        (``n_embd_out`` float32s, copied during the call), through ``llama_process``: the input of an MTP
+        context. ``output_last``: logits (and the hidden row) of the last token.
+
+        Unknown ids or too many tokens raise with nothing changed; if the decode fails, the sequence is cleared.
+        """
+        self._check()
+        ctx, lib, ptr = self.ctx, self._lib, self._ptr
+        run = ctx.vocab.check_tokens(tokens).tolist()
+        n = len(run)
+        if len(states) != n or not 0 < n <= ctx.n_batch:
+            raise InvalidArgumentError(f"{n} tokens with {len(states)} state rows: expected as many, "
+                                       f"1..n_batch={ctx.n_batch}")
+        held = ctx._tokens
+        if len(held) + n > ctx.n_ctx_seq:
+            raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
+                                       f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
+        width = self.n_embd_out()
+        batch = lib.llama_batch_ext_init(ptr)
+        if not batch:
+            raise LlamaError("llama_batch_ext_init failed")
+        try:
+            add, set_pos = lib.llama_batch_ext_add_token, lib.llama_batch_ext_set_pos
+            set_embd, embd = lib.llama_batch_ext_set_embd_token, L.llama_embd
+            pos = ctypes.c_int32()
+            pos_ref = ctypes.byref(pos)
+            base = len(held)
+            for i in range(n):
+                idx = add(batch, 0, run[i])
+                pos.value = base + i
+                if idx != i or not set_pos(batch, idx, pos_ref) or not set_embd(batch, idx, embd(states[i], 1, width)):
+                    raise InvalidArgumentError(f"llama.cpp refused token {i} of a batch with state rows (code {idx})")
+            if output_last:
+                lib.llama_batch_ext_set_output_logits(batch, n - 1, True)
+            ctx._exact_cut = 0
+            try:
+                rc = int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
+            except BaseException:  # interrupted: the cache state is uncertain
+                self.clear()
+                raise
+            if rc != 0:
+                self.clear()
+                check_decode(rc, "llama_process", n)
+        finally:
+            lib.llama_batch_ext_free(batch)
         held.extend(run)
         ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
 

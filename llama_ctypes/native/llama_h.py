@@ -46,6 +46,7 @@ class llama_context(_Opaque): ...
 class llama_vocab(_Opaque): ...
 class llama_memory_i(_Opaque): ...
 class llama_adapter_lora(_Opaque): ...
+class llama_batch_ext(_Opaque): ...
 
 
 llama_model_p = POINTER(llama_model)
@@ -53,6 +54,7 @@ llama_context_p = POINTER(llama_context)
 llama_vocab_p = POINTER(llama_vocab)
 llama_memory_t = POINTER(llama_memory_i)
 llama_adapter_lora_p = POINTER(llama_adapter_lora)
+llama_batch_ext_p = POINTER(llama_batch_ext)
 llama_sampler_p = c_void_p  # struct llama_sampler * (only ever handled as a pointer)
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -115,6 +117,9 @@ LLAMA_LAZY_MODE_OFF, LLAMA_LAZY_MODE_AUTO, LLAMA_LAZY_MODE_ON = 0, 1, 2
 
 # enum llama_context_type
 LLAMA_CONTEXT_TYPE_DEFAULT, LLAMA_CONTEXT_TYPE_MTP = 0, 1
+
+# enum llama_process_type
+LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE = 0, 1
 
 # enum llama_model_kv_override_type
 LLAMA_KV_OVERRIDE_TYPE_INT, LLAMA_KV_OVERRIDE_TYPE_FLOAT, LLAMA_KV_OVERRIDE_TYPE_BOOL, LLAMA_KV_OVERRIDE_TYPE_STR = 0, 1, 2, 3
@@ -282,6 +287,20 @@ class llama_perf_sampler_data(Structure):
     _fields_ = [
         ("t_sample_ms", c_double),
         ("n_sample", c_int32),
+    ]
+
+
+class llama_embd(Structure):
+    """Rows of embeddings for the extended batch API, passed by value.
+
+    Not in ``STRUCTS``: the adapter's layout table predates it (its layout, a pointer and two
+    ``size_t``, has no padding to get wrong: 24 bytes on LP64, 12 on 32-bit).
+    """
+
+    _fields_ = [
+        ("data", c_void_p),  # const float * (an address: the rows are copied during the call)
+        ("n_rows", c_size_t),
+        ("n_embd", c_size_t),
     ]
 
 
@@ -481,6 +500,34 @@ PROTOTYPES = [
     ("llama_encode", [llama_context_p, llama_batch], c_int32),
     # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
     ("llama_decode", [llama_context_p, llama_batch], c_int32),
+    # struct llama_batch_ext * llama_batch_ext_init(struct llama_context * ctx);
+    ("llama_batch_ext_init", [llama_context_p], llama_batch_ext_p),
+    # void llama_batch_ext_free(struct llama_batch_ext * batch);
+    ("llama_batch_ext_free", [llama_batch_ext_p], None),
+    # void llama_batch_ext_clear(struct llama_batch_ext * batch);
+    ("llama_batch_ext_clear", [llama_batch_ext_p], None),
+    # int32_t llama_batch_ext_add(struct llama_batch_ext * batch, llama_seq_id seq_id);
+    ("llama_batch_ext_add", [llama_batch_ext_p, llama_seq_id], c_int32),
+    # int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
+    ("llama_batch_ext_add_token", [llama_batch_ext_p, llama_seq_id, llama_token], c_int32),
+    # int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+    ("llama_batch_ext_add_embd", [llama_batch_ext_p, llama_seq_id, llama_embd], c_int32),
+    # bool llama_batch_ext_add_seq(struct llama_batch_ext * batch, int32_t idx, llama_seq_id seq_id);
+    ("llama_batch_ext_add_seq", [llama_batch_ext_p, c_int32, llama_seq_id], c_bool),
+    # bool llama_batch_ext_set_embd_token(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
+    ("llama_batch_ext_set_embd_token", [llama_batch_ext_p, c_int32, llama_embd], c_bool),
+    # bool llama_batch_ext_set_embd_state(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
+    # (a stub that returns false in the pinned llama.cpp: an MTP context takes its state row
+    # through llama_batch_ext_set_embd_token, as common_batch::set_embd does)
+    ("llama_batch_ext_set_embd_state", [llama_batch_ext_p, c_int32, llama_embd], c_bool),
+    # bool llama_batch_ext_set_output_embd(struct llama_batch_ext * batch, int32_t idx, bool value);
+    ("llama_batch_ext_set_output_embd", [llama_batch_ext_p, c_int32, c_bool], c_bool),
+    # bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
+    ("llama_batch_ext_set_output_logits", [llama_batch_ext_p, c_int32, c_bool], c_bool),
+    # bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
+    ("llama_batch_ext_set_pos", [llama_batch_ext_p, c_int32, POINTER(llama_pos)], c_bool),
+    # int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
+    ("llama_process", [llama_context_p, c_int32, llama_batch_ext_p], c_int32),
     # void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
     ("llama_set_n_threads", [llama_context_p, c_int32, c_int32], None),
     # int32_t llama_n_threads(struct llama_context * ctx);

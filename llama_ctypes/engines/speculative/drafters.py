@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ...core.context import ContextLease
     from ...core.sampler import SamplingParams
 
-__all__ = ["Drafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup"]
+__all__ = ["Drafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup", "rollback_snapshots"]
 
 _PIECE_BUF = 256
 
@@ -46,10 +46,15 @@ class Drafter(Closeable):
     #: Whether :meth:`draft_sampled` gives the distributions its drafts were drawn from.
     has_distribution = False
 
-    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any]) -> None:
+    #: Whether the session reports every target decode to :meth:`target_decoded` (MTP drafts from
+    #: the target's hidden state of each decoded token, prompt chunks included).
+    observes_target = False
+
+    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any], target: Context | None = None) -> None:
         """Bind to a session's target ``model`` (called once by the session; checks compatibility).
 
-        ``ctx_opts``: the session's context options, for a drafter that makes a context.
+        ``ctx_opts``: the session's context options, for a drafter that makes a context;
+        ``target``: the session's target context (for a drafter that reads its state).
         """
 
     def hold(self) -> Hold | _NoHold:
@@ -77,6 +82,11 @@ class Drafter(Closeable):
 
     def accept(self, n_accepted: int) -> None:
         """Feedback after verification: how many of the last draft's tokens the target kept."""
+
+    def target_decoded(self, target: "ContextLease", tokens: Sequence[int], pos: int) -> None:
+        """After every target decode, where ``observes_target``: ``tokens`` now sit at positions ``pos``..
+        of the target (prompt chunks and verification runs); that decode's outputs are readable through
+        ``target`` until its next decode."""
 
     def reset(self) -> None:
         """Forget the current sequence."""
@@ -128,6 +138,13 @@ def ngram_lookup(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int
             start = int(found[-1]) + n
             return tokens[start:start + k].tolist()
     return []
+
+
+def rollback_snapshots(n_draft: int, ctx_opts: dict[str, Any]) -> int:
+    """Recurrent-state snapshots (``n_rs_seq``) for dropping up to ``n_draft`` tokens: llama.cpp keeps
+    ``n_rs_seq + 1`` tokens of a sequence in one micro-batch, so ``n_ubatch`` bounds them (deeper
+    rollbacks then recompute)."""
+    return max(0, min(n_draft, ctx_opts.get("n_ubatch", ContextParams.n_ubatch) - 2))
 
 
 def check_same_vocab(target: Model, draft: Model) -> None:
@@ -212,6 +229,10 @@ class DraftModel(Drafter):
         return self._model
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def context(self) -> Context | None:
         """The draft context (None until a session attaches the drafter)."""
         return self._ctx
@@ -219,7 +240,7 @@ class DraftModel(Drafter):
     def __repr__(self) -> str:
         return f"DraftModel({self._model.path.name!r}{', closed' if self._closed else ''})"
 
-    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any]) -> None:
+    def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any], target: Context | None = None) -> None:
         if self._closed:
             raise ClosedError("DraftModel is closed")
         if self._ctx is not None:
@@ -230,7 +251,7 @@ class DraftModel(Drafter):
         opts["n_outputs_max"] = max(1, opts.get("n_outputs_max") or 1)
         if self._model.is_recurrent or self._model.is_hybrid:
             # A recurrent state cannot drop the rejected drafts unless it kept a snapshot per token.
-            opts.setdefault("n_rs_seq", n_draft)
+            opts.setdefault("n_rs_seq", rollback_snapshots(n_draft, opts))
         if self._model.n_swa > 0:
             opts.setdefault("swa_full", True)  # cutting rejected drafts back must not lose window cells
         self._ctx = Context.create(self._model, **opts)
@@ -247,7 +268,7 @@ class DraftModel(Drafter):
         opts["n_seq_max"] = n_seq
         opts["n_outputs_max"] = n_seq  # one logits row per sequence and draft step
         if self._model.is_recurrent or self._model.is_hybrid:
-            opts.setdefault("n_rs_seq", n_draft)
+            opts.setdefault("n_rs_seq", rollback_snapshots(n_draft, opts))
         if self._model.n_swa > 0:
             opts.setdefault("swa_full", True)
         self._ctx = Context.create(self._model, **opts)

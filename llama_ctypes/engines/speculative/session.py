@@ -17,7 +17,7 @@ from ...core.params import ContextParams, split_options
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
 from ...core.tokenizer import StreamDecoder
 from ...errors import ArgumentTypeError, CancelledError, ClosedError, DecodeError, InvalidArgumentError
-from .drafters import Drafter
+from .drafters import Drafter, rollback_snapshots
 from .loop import MatchVerifier, SamplingVerifier, SpecRun, Verifier, speculative_loop
 from .stats import SpeculativeEvent, SpeculativeStats, StatsRecorder
 from .verify import numpy_supported
@@ -68,7 +68,7 @@ class SpeculativeSession(Closeable):
         topts["n_outputs_max"] = max(rows, user.n_outputs_max)
         if model.is_recurrent or model.is_hybrid:
             # A recurrent state cannot drop rejected drafts unless it kept a snapshot per drafted token.
-            topts.setdefault("n_rs_seq", n_draft)
+            topts.setdefault("n_rs_seq", rollback_snapshots(n_draft, topts))
         if model.n_swa > 0:
             # Cutting rejected drafts back must never lose window cells the kept prefix needs.
             topts.setdefault("swa_full", True)
@@ -77,7 +77,7 @@ class SpeculativeSession(Closeable):
         self.drafter = drafter
         self._ctx = Context.create(model, **topts)
         try:
-            drafter.attach(model, n_draft, copts)
+            drafter.attach(model, n_draft, copts, target=self._ctx)
         except BaseException:
             self._ctx.close()
             raise
@@ -215,6 +215,8 @@ class _Generation:
                 binding = sampler.bind(lease, held=True)
                 self.drafter.start()
                 started = True
+                if self.drafter.observes_target:
+                    lease.after_decode = self.drafter.target_decoded
                 if not self.gparams.cache_prompt:
                     # A cold draft context, as the target's: the draft distributions of a seeded call
                     # then do not depend on what earlier calls left there (batch shapes round apart).
