@@ -182,7 +182,8 @@ class OracleSlots(lc.Drafter):
 
 def server_runs(model, prompts, *, concurrent=True, **opts):
     """Each prompt's Completion from one server, all submitted together (or one by one)."""
-    server_opts = {k: opts.pop(k) for k in ("speculative", "n_draft", "n_parallel", "n_ctx", "n_batch")
+    server_opts = {k: opts.pop(k) for k in ("speculative", "n_draft", "n_parallel", "n_ctx", "n_batch", "n_ubatch",
+                                            "n_outputs_max")
                    if k in opts}
     server_opts.setdefault("n_parallel", len(prompts))
     with lc.Server(model=model, **{**SRV, **server_opts}) as srv:
@@ -400,3 +401,81 @@ def _serve_error(args, tmp_path) -> str:
                          timeout=60)
     assert out.returncode != 0
     return out.stdout + out.stderr
+
+
+# ---- regressions found in review ------------------------------------------------------------------
+
+def test_small_batches_and_output_budgets(tiny_model, tiny_hybrid, tiny_draft_model):
+    """Shapes that once aborted the process or killed the scheduler: n_batch < n_parallel, a hybrid model
+    with n_draft + 1 > n_ubatch (llama.cpp keeps n_rs_seq + 1 tokens per micro-batch), a user-given
+    n_outputs_max, a draft model with a small n_batch."""
+    opts = dict(temp=0, max_tokens=16, ignore_eos=True)
+    ref = references(tiny_model, PROMPTS[:2], **opts)
+    cases = [(tiny_model, dict(n_parallel=4, n_batch=3, n_ubatch=3, speculative="ngram")),
+             (tiny_model, dict(n_parallel=4, n_outputs_max=4, speculative="ngram", n_draft=8)),
+             (tiny_model, dict(n_parallel=2, n_batch=8, speculative=lc.DraftModel(tiny_draft_model)))]
+    for model, server_opts in cases:
+        outs, _ = server_runs(model, PROMPTS[:2], **server_opts, **opts)
+        assert [o.tokens for o in outs] == [r.tokens for r in ref], server_opts
+    href = references(tiny_hybrid, PROMPTS[:2], **opts)
+    oracle = OracleSlots({tuple(tiny_hybrid.tokenize(p)): r.tokens for p, r in zip(PROMPTS[:2], href)},
+                         tiny_hybrid.n_vocab)
+    outs, stats = server_runs(tiny_hybrid, PROMPTS[:2], speculative=oracle, n_draft=8, n_batch=8, **opts)
+    assert [o.tokens for o in outs] == [r.tokens for r in href] and stats["draft_accepted"] > 0
+    # a recurrent memory without snapshots cannot verify drafts in a server: refused at creation
+    with pytest.raises(lc.InvalidArgumentError, match="roll its recurrent state back"):
+        lc.Server(model=tiny_hybrid, speculative="ngram", n_rs_seq=0, **SRV)
+    # and a single-sequence context whose micro-batch cannot hold the snapshots is refused, not aborted
+    with pytest.raises(lc.InvalidArgumentError, match="n_ubatch"):
+        lc.Context.create(tiny_hybrid, n_ctx=256, n_batch=8, n_ubatch=4, n_rs_seq=4)
+
+
+class Raising(lc.Drafter):
+    def __init__(self, result):
+        self.result = result
+
+    def draft(self, context_tokens, k):
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+
+def test_a_broken_drafter_costs_speed_only(tiny_model):
+    opts = dict(temp=0, max_tokens=8)
+    ref = references(tiny_model, [PROMPTS[0]], **opts)[0]
+    for result in (ValueError("bug"), None, [-1, 5], [10**9], ["x"], [1.5]):
+        with lc.Server(model=tiny_model, n_parallel=1, speculative=Raising(result), **SRV) as srv:
+            assert srv.generate(PROMPTS[0], **opts).tokens == ref.tokens
+            assert srv.generate(PROMPTS[0], speculative=False, **opts).tokens == ref.tokens
+
+
+def test_draft_model_ownership(tiny_model, tiny_draft_model):
+    """A DraftModel serving one server is refused by a second (and stays open); a server that fails to
+    build closes the drafter it took over."""
+    first = lc.DraftModel(tiny_draft_model)
+    with lc.Server(model=tiny_model, n_parallel=1, speculative=first, **SRV) as srv:
+        with pytest.raises(lc.InvalidArgumentError, match="already serves"):
+            lc.Server(model=tiny_model, n_parallel=1, speculative=first, **SRV)
+        assert not first.closed
+        assert srv.generate(PROMPTS[0], temp=0, max_tokens=8).timings.draft_tokens > 0
+    assert first.closed and not tiny_draft_model.closed  # (a Model handed in stays the caller's)
+    failing = lc.DraftModel(tiny_draft_model)
+    with pytest.raises(lc.InvalidArgumentError):
+        lc.Server(model=tiny_model, speculative=failing, type_k="nonsense", **SRV)
+    assert failing.closed
+
+
+def test_tick_telemetry_counts_drafts_apart(tiny_model):
+    ticks = []
+    lc.telemetry.attach("spec-ticks", ["server.tick"], lambda e, m, md: ticks.append(m))
+    try:
+        prompt = PROMPTS[2]
+        ref = references(tiny_model, [prompt], temp=0, max_tokens=20, ignore_eos=True)[0]
+        oracle = OracleSlots({tuple(tiny_model.tokenize(prompt)): ref.tokens}, tiny_model.n_vocab)
+        ticks.clear()
+        server_runs(tiny_model, [prompt], speculative=oracle, temp=0, max_tokens=20, ignore_eos=True)
+    finally:
+        lc.telemetry.detach("spec-ticks")
+    assert sum(t["prefill_tokens"] for t in ticks) == len(tiny_model.tokenize(prompt))
+    assert sum(t["draft_tokens"] for t in ticks) > 0
+    assert all(t["batch_tokens"] == t["prefill_tokens"] + t["decode_tokens"] for t in ticks)

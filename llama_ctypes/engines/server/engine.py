@@ -111,6 +111,7 @@ class Engine:
                              partial_reuse=not (model.is_recurrent or model.is_hybrid),
                              ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
         self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
+                                   max_outputs=ctx.n_outputs_max,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
                                    bind=lambda request: request.sampler.bind(lease),
                                    n_draft=n_draft if drafter is not None else 0)
@@ -239,16 +240,16 @@ class Engine:
             return
         try:
             self.drafter.propose(asks)  # type: ignore[union-attr]
-        except LlamaError:
+        except Exception:  # a drafter's bug (or a draft decode aborted by close) costs speed only
             logger.exception("the server's drafter failed; this tick decodes without drafts")
             return
         check = self._check_tokens
         for ask in asks:
-            draft = ask.draft[:ask.k]
+            draft = ask.draft[:ask.k] if isinstance(ask.draft, list) else None
             if draft:
                 try:
                     ask.request.draft = check(draft).tolist()  # a drafter's bug must not reach llama.cpp
-                except LlamaError:
+                except (LlamaError, TypeError, ValueError):
                     logger.warning("drafter proposed invalid token ids %r; ignored", draft)
 
     def execute(self, plan: TickPlan) -> tuple[Sequence[int] | None, list[TokenLogprob | None] | None,
@@ -303,9 +304,11 @@ class Engine:
         logprobs = self._logprobs(plan, outputs) \
             if any(step.request.logprobs is not None for step in plan.steps) else None
         if telemetry.enabled("server.tick"):
+            decode_tokens = sum(len(step.tokens) for step in plan.steps[:plan.n_decode])
             telemetry.emit("server.tick", {
-                "batch_tokens": batch.n_tokens, "decode_tokens": plan.n_decode,
-                "prefill_tokens": batch.n_tokens - plan.n_decode, "decode_ms": decode_ms,
+                "batch_tokens": batch.n_tokens, "decode_tokens": decode_tokens,
+                "draft_tokens": decode_tokens - plan.n_decode,
+                "prefill_tokens": batch.n_tokens - decode_tokens, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
         return outputs, logprobs, None, row_errors
 

@@ -134,8 +134,9 @@ class Scheduler:
     def __init__(self, pool: SlotPool, strategy: BatchStrategy, budget: int, n_ctx_seq: int, *,
                  max_queue: int = 0, is_eog: Callable[[int], bool] = lambda t: False,
                  bind: Callable[[Request], Callable[[int], int] | None] = lambda r: None,
-                 n_draft: int = 0):
+                 n_draft: int = 0, max_outputs: int = 0):
         self.n_draft = n_draft
+        self.max_outputs = max_outputs  # logits rows one decode may have (0: no limit)
         self.drafted = 0  # draft tokens verified, all requests
         self.accepted = 0
         self.pool = pool
@@ -281,6 +282,8 @@ class Scheduler:
         budget = self.budget
         if self.n_draft:
             room = budget - len(decoding)
+            if self.max_outputs:  # every decoding row, and the last row of each prompt that may complete
+                room = min(room, self.max_outputs - len(decoding) - len(prefilling))
             for slot in decoding:
                 draft = slot.request.draft
                 if len(draft) > room:

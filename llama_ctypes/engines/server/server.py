@@ -32,7 +32,7 @@ from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
 from ...core.tokenizer import StreamDecoder
-from ..speculative.drafters import Drafter, DraftModel, NgramDraft
+from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
@@ -78,6 +78,20 @@ class Server:
                  n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
                  cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
                  speculative: Drafter | str | os.PathLike | None = None, n_draft: int = 4, **opts: Any):
+        self._drafter: SlotDrafter | None = None
+        if isinstance(speculative, DraftModel) and speculative.context is not None:
+            # (before taking it over: it is someone else's, and must stay open)
+            raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
+        try:
+            self._build(model_path, model, n_parallel, n_ctx, n_batch, batch_strategy, max_queue, cache_prompt,
+                        prompt_cache_ram_mb, kv_unified, speculative, n_draft, opts)
+        except BaseException:
+            if isinstance(speculative, Drafter):  # the server took it over: a failed server closes it
+                speculative.close()
+            raise
+
+    def _build(self, model_path, model, n_parallel, n_ctx, n_batch, batch_strategy, max_queue, cache_prompt,
+               prompt_cache_ram_mb, kv_unified, speculative, n_draft, opts) -> None:
         if (model_path is None) == (model is None):
             raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
@@ -115,40 +129,42 @@ class Server:
                 raise ArgumentTypeError(f"model options {sorted(model_opts)} need model_path (the model is already loaded)")
             self._owns_model = False
         self.model = model
-        self._drafter: SlotDrafter | None = None
+        ctx = lease = None
         try:
             copts = self.context_options(n_parallel, n_ctx, n_batch, kv_unified, **ctx_opts)
             if speculative is not None:
                 copts = self._speculative_options(model, copts, n_parallel, n_draft, ctx_opts)
-            self._ctx = Context(model, ContextParams(**copts))
-            try:
-                # Buffers are sized at creation: what the context holds now is what it will hold.
-                self.memory = self._ctx.memory()
+            ctx = self._ctx = Context(model, ContextParams(**copts))
+            # Buffers are sized at creation: what the context holds now is what it will hold.
+            self.memory = ctx.memory()
+            if speculative is not None:
+                n_draft = self._rollback_depth(ctx, n_draft)
                 if isinstance(speculative, (str, os.PathLike)):
                     speculative = NgramDraft() if speculative == "ngram" else DraftModel(speculative)
-                if speculative is not None:
-                    dopts = {"n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "kv_unified": kv_unified, **ctx_opts}
-                    self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts)
-                self._lease = self._ctx.lease()  # the scheduler thread is its only user from now on
-            except BaseException:
-                self._ctx.close()
-                raise
+                dopts = {"n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
+                         "kv_unified": kv_unified, **ctx_opts}
+                self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts)
+            lease = self._lease = ctx.lease()  # the scheduler thread is its only user from now on
+            self.n_parallel = n_parallel
+            self.n_ctx = min(n_ctx, ctx.n_ctx_seq)
+            self.batch_strategy = strategy
+            self.speculative = speculative
+            self.n_draft = n_draft if speculative is not None else 0
+            self._engine = Engine(lease, strategy, max_queue, n_ctx_seq=self.n_ctx,
+                                  prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20),
+                                  drafter=self._drafter, n_draft=self.n_draft)
         except BaseException:
+            if lease is not None:
+                lease.release()
             if self._drafter is not None:
                 self._drafter.close()
             elif isinstance(speculative, Drafter):
                 speculative.close()
+            if ctx is not None:
+                ctx.close()
             if self._owns_model:
                 model.close()
             raise
-        self.n_parallel = n_parallel
-        self.n_ctx = min(n_ctx, self._ctx.n_ctx_seq)
-        self.batch_strategy = strategy
-        self.speculative = speculative
-        self.n_draft = n_draft if speculative is not None else 0
-        self._engine = Engine(self._lease, strategy, max_queue, n_ctx_seq=self.n_ctx,
-                              prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20),
-                              drafter=self._drafter, n_draft=self.n_draft)
         self._close_lock = threading.Lock()
         self._closed = False
         self._engine.thread.start()
@@ -177,12 +193,28 @@ class Server:
                                        "needs a decoder-only model")
         copts = dict(copts)
         if "n_outputs_max" not in user:
-            copts["n_outputs_max"] = min(n_parallel * (n_draft + 1), copts["n_batch"])
+            # (never under one row per sequence: llama.cpp asserts on that)
+            copts["n_outputs_max"] = max(n_parallel, min(n_parallel * (n_draft + 1), copts["n_batch"]))
         if model.is_recurrent or model.is_hybrid:
-            copts.setdefault("n_rs_seq", n_draft)
+            # A snapshot per drafted token; llama.cpp keeps n_rs_seq + 1 tokens in one micro-batch.
+            copts.setdefault("n_rs_seq", rollback_snapshots(n_draft, copts))
         if model.n_swa > 0:
             copts.setdefault("swa_full", True)  # a rollback must not lose window cells the prefix needs
         return copts
+
+    @staticmethod
+    def _rollback_depth(ctx: Context, n_draft: int) -> int:
+        """``n_draft`` capped by the drafts a recurrent memory can drop (a server cannot recompute a slot)."""
+        model = ctx.model
+        if not (model.is_recurrent or model.is_hybrid):
+            return n_draft
+        if ctx.n_rs_seq < 1:
+            raise InvalidArgumentError(
+                f"{model.path.name} cannot roll its recurrent state back (llama.cpp keeps no per-token snapshots "
+                "for this architecture, or n_rs_seq=0, or n_ubatch < 3): a Server cannot verify drafts on it")
+        if ctx.n_rs_seq < n_draft:
+            logger.info("n_draft %d capped at %d: the recurrent state keeps that many snapshots", n_draft, ctx.n_rs_seq)
+        return min(n_draft, ctx.n_rs_seq)
 
     # ---- submission ------------------------------------------------------------------------
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
@@ -341,6 +373,8 @@ class Server:
             if self._closed:
                 return
             self._closed = True
+        if self._drafter is not None:
+            self._drafter.abort()  # a draft in flight ends now: the tick finishes without it
         if not self._engine.close(timeout, on_exit=self._free_native) \
                 and threading.current_thread() is not self._engine.thread:
             logger.warning("server scheduler did not stop within %s s; it frees its context when it ends",

@@ -38,6 +38,9 @@ class SlotDrafter(Protocol):
     def propose(self, asks: Sequence["DraftAsk"]) -> None:
         """Set ``ask.draft`` (at most ``ask.k`` tokens, possibly none) for every ask."""
 
+    def abort(self) -> None:
+        """Stop a draft in flight, from any thread (the scheduler thread then goes on without it)."""
+
     def close(self) -> None:
         """Free what the drafter holds (after the scheduler thread has ended)."""
 
@@ -66,6 +69,9 @@ class PerSlotDrafts:
         draft = self._drafter.draft
         for ask in asks:
             ask.draft = list(draft(ask.context, ask.k))[:ask.k]
+
+    def abort(self) -> None:
+        self._drafter.abort()
 
     def close(self) -> None:
         self._drafter.finish()
@@ -157,7 +163,7 @@ class DraftModelSlots:
         self._batch.clear()
         if rc != 0:
             logger.debug("draft decode failed (%d); the draft sequences start over", rc)
-            self._lease.seq_rm(-1, -1, -1)
+            self._lease.clear()
             for mine in self._held:
                 mine.clear()
             return False
@@ -172,6 +178,9 @@ class DraftModelSlots:
             ask.draft.append(tok)
             live.append((ask, k))
         return True
+
+    def abort(self) -> None:
+        self._drafter.abort()
 
     def close(self) -> None:
         self._lease.release()
