@@ -308,6 +308,8 @@ def test_a_worker_killed_mid_generation_raises_and_the_process_stays_usable(tiny
             assert lc.generate(other, PROMPT, max_tokens=16, temp=0, ignore_eos=True).tokens == expected
         with pytest.raises(lc.RPCConnectionError, match="cannot reach"):  # the dead one: probed first
             lc.load_model(tiny_model_path, rpc_servers=[a.endpoint], n_gpu_layers=2)
+        listed = {d.endpoint: d for d in lc.devices() if d.backend == "RPC"}
+        assert listed[a.endpoint].memory_total == 0 and listed[b.endpoint].memory_total > 0
     finally:
         a.stop(), b.stop()
 

@@ -22,6 +22,7 @@ from .backend import clear_native_error, native_error
 from .batch import Batch
 from .handle import NativeHandle
 from .params import ContextParams, split_options
+from .rpc import ConnectionWatch
 
 if TYPE_CHECKING:
     from .memory import MemoryUsage
@@ -37,6 +38,8 @@ _DECODE_ERRORS = {
 ABORTED = 2
 
 _P_U8 = ctypes.POINTER(ctypes.c_uint8)
+
+_NO_WORKERS = ConnectionWatch(None, ())  # the watch of a context whose creation failed early
 
 
 def check_decode(rc: int, what: str, n_tokens: int) -> None:
@@ -92,6 +95,7 @@ class Context(NativeHandle):
         self.model = model
         self.params = params or ContextParams()
         self._lib = model._lib
+        self._rpc = _NO_WORKERS
         if model.params.vocab_only:
             self._mark_dead()
             raise ContextCreationError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to run")

@@ -322,7 +322,7 @@ def use(lib: NativeLibrary, rpc_servers: Sequence[str] | None, split_mode: str,
 def device_memory(lib: NativeLibrary, dev: int, endpoint: str) -> tuple[int, int] | None:
     """(free, total) bytes of an RPC device, or None when its worker cannot be reached now.
 
-    ggml asks the worker over the network, and aborts if it cannot connect: probe first.
+    ggml asks the worker over the network (and, unpatched, aborts if it cannot connect): probe first.
     """
     try:
         with registry_lock:
