@@ -69,7 +69,7 @@ class Model(NativeHandle):
     def _load(self):
         path = check_gguf_file(self.path)
         lib, p = self._lib, self.params
-        # RPC workers are probed before llama.cpp connects (it aborts when it cannot); the
+        # RPC workers are probed before llama.cpp connects (unpatched, it aborts when it cannot); the
         # model holds its use of them until it is freed, and its watch says when one is lost.
         self._rpc = rpc.use(lib, p.rpc_servers, p.split_mode)
         try:
