@@ -177,8 +177,9 @@ def backend_cmake_args(backend: str) -> list[str]:
 
 
 def _adapter_fingerprint() -> str:
+    """Hash of what this folder adds to llama.cpp: CMakeLists.txt, the adapter, the patches."""
     digest = hashlib.sha256()
-    for path in sorted([HERE / "CMakeLists.txt", *sorted((HERE / "adapter").glob("*"))]):
+    for path in sorted([HERE / "CMakeLists.txt", *sorted((HERE / "adapter").glob("*")), *llama_source.patches()]):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -316,6 +317,25 @@ def sync_project(dest: Path) -> Path:
         if old.is_file() and f"adapter/{old.name}" not in files:
             old.unlink()
     return dest
+
+
+def sync_patched(dest: Path, tree: Path, pinned: bool) -> list[str]:
+    """Write the llama.cpp files the patches change under dest (``<project>/patched``); their names.
+
+    CMakeLists.txt compiles these copies instead of the tree's files, so the tree stays as
+    released (shared by every build of that source). Files no patch produces any more go.
+    """
+    files, applied = llama_source.patched_files(tree, pinned)
+    for rel, data in files.items():
+        _write_if_changed(dest / rel, data)
+    if dest.is_dir():
+        for old in sorted(dest.rglob("*"), reverse=True):
+            rel = old.relative_to(dest).as_posix()
+            if old.is_file() and rel not in files:
+                old.unlink()
+            elif old.is_dir() and not any(old.iterdir()):
+                old.rmdir()
+    return applied
 
 
 def read_cmake_cache(path: Path) -> dict[str, str]:
@@ -520,6 +540,7 @@ def build(
             return out
         build_dir.mkdir(parents=True, exist_ok=True)
         project = sync_project(root / "project" / build_key)
+        patches = sync_patched(project / "patched", tree, pinned=source_id == llama_source.PIN_ID)
         cmake, generator_args = prepare_build_dir(build_dir, project, tree)
         configure = [
             cmake, "-S", str(project), "-B", str(build_dir), *generator_args,
@@ -573,6 +594,7 @@ def build(
             "backend_dl": "-DGGML_BACKEND_DL=ON" in cmake_args,
             "cpu_variants": cpu_variants(staging / "lib"),
             "module": module,
+            "patches": patches,
         }
         (staging / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(out, ignore_errors=True)

@@ -7,6 +7,12 @@ sha256, and only ``vendor/llama.cpp`` is extracted.
 
 A user with their own tree sets ``LLAMA_CPP_DIR`` (or passes ``--llama-cpp-dir``)
 and nothing is downloaded.
+
+The tree itself is never changed. ``patches/*.patch`` (unified diffs against the
+pinned tree) are applied by :func:`patched_files`, which returns the changed files'
+new contents; the build compiles those copies instead (build_llama.py, CMakeLists.txt).
+The patches are part of the build's cache key. On the pinned tree a patch must apply
+exactly; on a user's tree one that does not apply is left out, with a warning.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ PIN_ID = f"{PIN_PACKAGE}-{PIN_VERSION}"
 
 # Marker written into an extracted tree, so a stale or partial extraction is redone.
 _MARKER = ".llama_ctypes_source"
+
+# Changes to llama.cpp the package needs, one unified diff per change (see patched_files).
+PATCH_DIR = Path(__file__).resolve().parent / "patches"
 
 
 class SourceError(RuntimeError):
@@ -170,3 +179,106 @@ def tree_fingerprint(tree: Path) -> str:
             st = path.stat()
             digest.update(f"{path.relative_to(tree)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
+
+
+# ---- patches ------------------------------------------------------------------------
+class PatchError(SourceError):
+    """A patch does not apply to a llama.cpp tree."""
+
+
+def patches() -> list[Path]:
+    """The patch files, in the order they apply."""
+    return sorted(PATCH_DIR.glob("*.patch")) if PATCH_DIR.is_dir() else []
+
+
+def _parse_patch(text: str) -> list[tuple[str, list[tuple[int, list[str], list[str]]]]]:
+    """A unified diff as [(path, [(old start line, old lines, new lines), ...]), ...]."""
+    files: list[tuple[str, list]] = []
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            path = lines[i + 1][4:].split("\t")[0].strip()
+            if path.startswith("b/"):
+                path = path[2:]
+            files.append((path, []))
+            i += 2
+            continue
+        if line.startswith("@@"):
+            if not files:
+                raise PatchError("a hunk before any file header")
+            head = line.split("@@")[1].split()
+            start, _, old_count = head[0][1:].partition(",")
+            new_count = head[1][1:].partition(",")[2]
+            n_old, n_new = int(old_count or 1), int(new_count or 1)
+            old: list[str] = []
+            new: list[str] = []
+            i += 1
+            while len(old) < n_old or len(new) < n_new:
+                if i >= len(lines):
+                    raise PatchError(f"{files[-1][0]}: a hunk ends early")
+                body = lines[i]
+                tag, rest = (body[:1], body[1:]) if body else (" ", "")
+                if tag == " ":
+                    old.append(rest)
+                    new.append(rest)
+                elif tag == "-":
+                    old.append(rest)
+                elif tag == "+":
+                    new.append(rest)
+                elif tag != "\\":  # "\\ No newline at end of file"
+                    raise PatchError(f"{files[-1][0]}: unexpected line in a hunk: {body[:60]!r}")
+                i += 1
+            files[-1][1].append((int(start), old, new))
+            continue
+        i += 1
+    return files
+
+
+def _apply_hunks(path: str, text: str, hunks: list[tuple[int, list[str], list[str]]]) -> str:
+    """Apply hunks exactly: each hunk's old lines must occur once (at or away from its line)."""
+    lines = text.split("\n")
+    offset = 0
+    for start, old, new in hunks:
+        at = start - 1 + offset
+        if lines[at:at + len(old)] != old:
+            found = [k for k in range(len(lines) - len(old) + 1) if lines[k:k + len(old)] == old]
+            if len(found) != 1:
+                raise PatchError(f"{path}: the hunk at line {start} "
+                                 f"{'does not match' if not found else 'matches more than one place'}")
+            at = found[0]
+        lines[at:at + len(old)] = new
+        offset = at + len(new) - (start - 1 + len(old))
+    return "\n".join(lines)
+
+
+def patched_files(tree: Path, pinned: bool) -> tuple[dict[str, bytes], list[str]]:
+    """The files ``patches()`` change in ``tree``: ({relative path: new content}, applied patch names).
+
+    ``pinned``: the tree is the pinned source, where every patch must apply (PatchError);
+    on another tree a patch that does not apply is skipped and reported on stderr.
+    """
+    out: dict[str, bytes] = {}
+    applied: list[str] = []
+    for patch in patches():
+        try:
+            result: dict[str, bytes] = {}
+            for rel, hunks in _parse_patch(patch.read_text(encoding="utf-8")):
+                src = tree / rel
+                if rel in out:
+                    text = out[rel].decode("utf-8")
+                elif src.is_file():
+                    text = src.read_text(encoding="utf-8")
+                else:
+                    raise PatchError(f"{rel} is not in {tree}")
+                result[rel] = _apply_hunks(rel, text, hunks).encode("utf-8")
+        except PatchError as exc:
+            if pinned:
+                raise PatchError(f"{patch.name} does not apply to {PIN_ID}: {exc}") from None
+            print(f"[llama_ctypes build] warning: {patch.name} does not apply to {tree} ({exc}); "
+                  "building without it", file=sys.stderr, flush=True)
+            continue
+        out.update(result)
+        applied.append(patch.stem)
+    return out, applied

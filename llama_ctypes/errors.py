@@ -26,10 +26,12 @@ class RPCError(LlamaError, OSError):
 
 
 class RPCConnectionError(RPCError, ConnectionError):
-    """An RPC worker cannot be reached, does not answer in time, or speaks another protocol version.
+    """An RPC worker cannot be reached, does not answer in time, speaks another protocol version, or was lost.
 
     ``endpoint`` is the worker's ``"host:port"``. Raised before ggml is asked to connect (ggml
-    aborts the process on a failed connection), so the process stays usable.
+    aborts the process on a failed connection), so the process stays usable; and by the call
+    that finds a worker lost while a model used it (the model and its contexts then refuse
+    further use; the process goes on; docs/scaling.md).
     """
 
     def __init__(self, message: str, *, endpoint: str = ""):

@@ -134,6 +134,53 @@ def test_cache_key_depends_on_every_input():
     assert build_llama.cache_key("src-1", "cpu", [], with_adapter=False) != build_llama.cache_key("src-1", "cpu", [])
 
 
+_PATCH = """--- a/src/a.c
++++ b/src/a.c
+@@ -2,3 +2,3 @@
+ int a(void) {
+-    return 1;
++    return 2;
+ }
+"""
+
+
+def test_patches_change_copies_of_the_pinned_tree_and_the_cache_key():
+    tree = ROOT / "vendor" / "llama.cpp"
+    if not (tree / ".llama_ctypes_source").exists():
+        pytest.skip("no extracted pinned tree")
+    rel = "ggml/src/ggml-rpc/ggml-rpc.cpp"
+    files, applied = llama_source.patched_files(tree, pinned=True)
+    assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors"]
+    assert list(files) == [rel]
+    assert b"ggml_backend_rpc_connection_failed" in files[rel]
+    assert b"ggml_backend_rpc_connection_failed" not in (tree / rel).read_bytes()  # the tree stays as released
+    assert any(p.parent.name == "patches" for p in llama_source.patches())
+
+
+def test_a_patch_applies_exactly_or_not_at_all(tmp_path, monkeypatch, capsys):
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "change.patch").write_text(_PATCH)
+    monkeypatch.setattr(llama_source, "PATCH_DIR", patches)
+    tree = tmp_path / "tree"
+    (tree / "src").mkdir(parents=True)
+    # two lines more above the hunk than the patch says: it still applies, where it matches
+    (tree / "src" / "a.c").write_text("// x\n// y\n// one\nint a(void) {\n    return 1;\n}\n")
+    files, applied = llama_source.patched_files(tree, pinned=True)
+    assert applied == ["change"]
+    assert files == {"src/a.c": b"// x\n// y\n// one\nint a(void) {\n    return 2;\n}\n"}
+    # a tree it does not match: refused for the pin, left out (with a warning) for a user's tree
+    (tree / "src" / "a.c").write_text("int a(void) {\n    return 3;\n}\n")
+    with pytest.raises(llama_source.PatchError, match="change.patch does not apply"):
+        llama_source.patched_files(tree, pinned=True)
+    assert llama_source.patched_files(tree, pinned=False) == ({}, [])
+    assert "change.patch does not apply" in capsys.readouterr().err
+    # the patches are part of the cached output's key
+    before = build_llama._adapter_fingerprint()
+    (patches / "change.patch").write_text(_PATCH.replace("return 2;", "return 4;"))
+    assert build_llama._adapter_fingerprint() != before
+
+
 def test_missing_toolchain_is_named(monkeypatch):
     monkeypatch.setattr(build_llama.shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)

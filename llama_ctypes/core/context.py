@@ -23,6 +23,7 @@ from .backend import clear_native_error, native_error
 from .batch import Batch
 from .handle import NativeHandle
 from .params import ContextParams, split_options
+from .rpc import ConnectionWatch
 
 if TYPE_CHECKING:
     from .memory import MemoryUsage
@@ -38,6 +39,8 @@ _DECODE_ERRORS = {
 ABORTED = 2
 
 _P_U8 = ctypes.POINTER(ctypes.c_uint8)
+
+_NO_WORKERS = ConnectionWatch(None, ())  # the watch of a context whose creation failed early
 
 
 def check_decode(rc: int, what: str, n_tokens: int) -> None:
@@ -95,6 +98,7 @@ class Context(NativeHandle):
         self.model = model
         self.params = params or ContextParams()
         self._lib = model._lib
+        self._rpc = _NO_WORKERS
         if model.params.vocab_only:
             self._mark_dead()
             raise ContextCreationError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to run")
@@ -107,6 +111,10 @@ class Context(NativeHandle):
                                        f"(a recurrent memory), got n_ubatch={n_ub}")
         model._acquire()
         try:
+            model.check_workers()  # a model whose RPC worker was lost makes no new context
+            # The context's own connections to the model's workers (the same ones, unless none
+            # was open): a decode that finds one failed raises, and the context refuses use.
+            self._rpc = model._rpc.watch.child(self._lib)
             native = self.params.to_native()
             if mtp_of is not None:
                 native.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
@@ -115,10 +123,18 @@ class Context(NativeHandle):
             ptr = self._lib.llama_init_from_model(model._ptr, native)
             if not ptr:
                 reason = native_error("out of memory, or options the model or backend does not support")
-                raise ContextCreationError(
+                error = ContextCreationError(
                     f"could not create a context with n_ctx={self.params.n_ctx}, n_batch={self.params.n_batch}, "
                     f"type_k={self.params.type_k}, type_v={self.params.type_v}: {reason}"
                 )
+                lost = self._rpc.attach()
+                if lost is not None:
+                    raise lost from error
+                raise error
+            lost = self._rpc.attach()
+            if lost is not None:
+                self._lib.llama_free(ptr)
+                raise lost
         except BaseException:
             self._mark_dead()
             model._release()
@@ -180,9 +196,18 @@ class Context(NativeHandle):
         """Claim the context for one caller (``with ctx.lease() as lease: ...``).
 
         Raises :class:`BusyError` when another caller holds it, :class:`ClosedError` once closed
-        (unless ``held``: the caller keeps the context alive with :meth:`hold`).
+        (unless ``held``: the caller keeps the context alive with :meth:`hold`), and
+        :class:`~llama_ctypes.RPCConnectionError` once an RPC worker it uses was lost.
         """
         return ContextLease(self, held)
+
+    def check_workers(self) -> None:
+        """Raise :class:`~llama_ctypes.RPCConnectionError` if an RPC worker this context uses was lost.
+
+        Such a context refuses every further use (closing it is fine, and frees what the
+        surviving workers hold). Never raises for a context of a model without ``rpc_servers``.
+        """
+        self._rpc.check()
 
     def abort(self) -> None:
         """Stop the decode in flight, if any, from any thread (it raises DecodeError code 2)."""
@@ -242,6 +267,7 @@ class Context(NativeHandle):
             size = self._lib.llama_state_get_size(self._ptr)
             buf = (ctypes.c_uint8 * size)()
             n = self._lib.llama_state_get_data(self._ptr, buf, size)
+            self._rpc.check()  # (a lost worker's share of the state reads as zeros)
             return ctypes.string_at(buf, n)  # (a slice of a ctypes array would be a list of ints)
 
     def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
@@ -250,8 +276,10 @@ class Context(NativeHandle):
         with self.lease():
             buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
             self._exact_cut = 0
-            if self._lib.llama_state_set_data(self._ptr, buf, len(data)) == 0:
+            ok = self._lib.llama_state_set_data(self._ptr, buf, len(data)) != 0
+            if not ok or self._rpc.failure() is not None:
                 self._tokens = []
+                self._rpc.check()
                 raise DecodeError("llama_state_set_data rejected the state")
             self._tokens = tokens
 
@@ -294,11 +322,17 @@ class ContextLease:
 
     def __init__(self, ctx: Context, held: bool = False):
         ctx._begin_exclusive(held)
+        lost = ctx._rpc.failure()
+        if lost is not None:  # a context whose RPC worker was lost refuses any further use
+            ctx._end_exclusive()
+            raise lost
         self.ctx = ctx
         self._lib = ctx._lib
         self._ptr = ctx._ptr
         self._mem = ctx._mem
         self._held = True
+        # Checked after every decode when the model uses RPC workers (None: nothing to watch).
+        self._lost = ctx._rpc.failure if ctx._rpc.active else None
         self._max_outputs = ctx.n_outputs_max
         # Called as ``after_decode(lease, tokens, pos)`` after each decode of prefill() and decode_run()
         # (``tokens`` now sit at positions pos.. of sequence 0; the decode's outputs are readable): a
@@ -360,15 +394,30 @@ class ContextLease:
         check_decode(self.decode_rc(batch), "llama_decode", batch.n_tokens)
 
     def decode_rc(self, batch: Batch) -> int:
-        """``llama_decode`` of ``batch``, returning llama.cpp's code (for callers that can retry)."""
+        """``llama_decode`` of ``batch``, returning llama.cpp's code (for callers that can retry).
+
+        Raises RPCConnectionError (whatever the code) when an RPC worker was lost during it.
+        """
         self._check_batch(batch)
         self.ctx._exact_cut = 0  # the snapshots now describe this batch (the caller sets the bound)
-        return int(self._lib.llama_decode(self._ptr, batch.as_native()))
+        rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
+        self._check_workers()
+        return rc
+
+    def _check_workers(self) -> None:
+        """After a native call that may have used RPC workers: raise if one was lost meanwhile.
+
+        (A lost worker's results read as zeros and its work is skipped: what the call computed is void.)
+        """
+        if self._lost is not None and (error := self._lost()) is not None:
+            raise error
 
     def encode(self, batch: Batch) -> None:
         """``llama_encode`` of ``batch`` (encoder models); DecodeError on failure."""
         self._check_batch(batch)
-        check_decode(self._lib.llama_encode(self._ptr, batch.as_native()), "llama_encode", batch.n_tokens)
+        rc = self._lib.llama_encode(self._ptr, batch.as_native())
+        self._check_workers()
+        check_decode(rc, "llama_encode", batch.n_tokens)
 
     def prefill(self, prompt: Sequence[int], reuse: bool) -> int:
         """Bring sequence 0 to ``prompt`` and compute the logits of its last token.
@@ -437,6 +486,7 @@ class ContextLease:
         batch = ctx._batch
         native_batch, tok_arr, pos_arr, out_arr = batch.native, batch.token, batch.pos, batch.logits
         decode, ptr, held = self._lib.llama_decode, self._ptr, ctx._tokens
+        lost = self._lost
 
         def append(tok: int) -> None:
             if not self._held:
@@ -448,6 +498,8 @@ class ContextLease:
             batch.n_tokens = 1
             try:
                 rc = decode(ptr, native_batch)
+                if lost is not None and (error := lost()) is not None:
+                    raise error
                 if rc == 0:
                     held.append(tok)
                     ctx._exact_cut = 0  # (a one-token decode leaves no snapshot to roll back to)
@@ -733,6 +785,7 @@ class ContextLease:
         size = self._lib.llama_state_seq_get_size(self._ptr, seq_id)
         buf = np.empty(size, dtype=np.uint8)
         n = self._lib.llama_state_seq_get_data(self._ptr, buf.ctypes.data_as(_P_U8), size, seq_id)
+        self._check_workers()  # (a lost worker's share reads as zeros)
         return buf if n == size else buf[:n].copy()
 
     def state_seq_set(self, seq_id: int, state) -> bool:
@@ -744,4 +797,5 @@ class ContextLease:
         if seq_id == 0:
             del self.ctx._tokens[:]
             self.ctx._exact_cut = 0
+        self._check_workers()
         return ok

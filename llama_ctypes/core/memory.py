@@ -134,6 +134,9 @@ def estimate_memory(path: str | os.PathLike, **opts: Any) -> MemoryUsage:
         clear_native_error()
         n = lib.lcx_estimate_memory(os.fsencode(path), byref(native_m), byref(native_c), rows, _ROWS)
         del keep_alive
+        lost = workers.watch.attach()  # a worker lost meanwhile answered nothing: no estimate
+        if lost is not None:
+            raise lost
     finally:
         workers.release()
     if n == -1:

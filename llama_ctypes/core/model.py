@@ -69,11 +69,22 @@ class Model(NativeHandle):
     def _load(self):
         path = check_gguf_file(self.path)
         lib, p = self._lib, self.params
-        # RPC workers are probed before llama.cpp connects (it aborts when it cannot); the
-        # model holds its use of them until it is freed.
+        # RPC workers are probed before llama.cpp connects (unpatched, it aborts when it cannot); the
+        # model holds its use of them until it is freed, and its watch says when one is lost.
         self._rpc = rpc.use(lib, p.rpc_servers, p.split_mode)
         try:
-            return self._load_with(path, self._rpc.devices)
+            try:
+                ptr = self._load_with(path, self._rpc.devices)
+            except ModelLoadError as exc:
+                lost = self._rpc.watch.attach()  # a worker lost during the load explains the refusal
+                if lost is not None:
+                    raise lost from exc
+                raise
+            lost = self._rpc.watch.attach()
+            if lost is not None:  # loaded, but weights may be missing on the lost worker
+                lib.llama_model_free(ptr)
+                raise lost
+            return ptr
         except BaseException:
             self._rpc.release()
             raise
@@ -113,6 +124,15 @@ class Model(NativeHandle):
             self._lib.llama_model_free(self._ptr)
             self._ptr = None
             self._rpc.release()
+
+    def check_workers(self) -> None:
+        """Raise :class:`~llama_ctypes.RPCConnectionError` if an RPC worker this model uses was lost.
+
+        Such a model (and every context of it) refuses further use: contexts raise the same
+        error when used, and new contexts cannot be created. Close it, and load it again once
+        the worker is back. A model without ``rpc_servers`` never raises here.
+        """
+        self._rpc.watch.check()
 
     def close(self) -> None:
         """Free the model once every Context and Sampler made from it is closed.

@@ -7,12 +7,18 @@ endpoint per process) and hands llama.cpp an explicit device list for that model
 RPC devices, in the order given, then the local GPUs. ``tensor_split`` indexes that
 list; the layers not offloaded (``n_gpu_layers``) stay on the local CPU.
 
-ggml aborts the process (``GGML_ABORT``) when it cannot connect to a worker, when the
-handshake fails, and when a worker dies while a call is in flight. The first two are
-checked here before ggml is asked to connect: an unreachable or busy endpoint raises
-:class:`~llama_ctypes.RPCConnectionError` naming the endpoint and the timeout. The
-third cannot be caught without patching ggml: a worker that dies while a model uses it
-takes the client process down (docs/scaling.md).
+Unpatched, ggml aborts the process (``GGML_ABORT``) when it cannot connect to a worker,
+when the handshake fails, and when a worker dies while a call is in flight. The first two
+are checked here before ggml is asked to connect: an unreachable or busy endpoint raises
+:class:`~llama_ctypes.RPCConnectionError` naming the endpoint and the timeout. For the
+third, this package builds ggml-rpc with a patch
+(``build_scripts/patches/ggml-rpc-connection-errors.patch``): a connection that fails is
+closed and stays failed, every later message on it completes at once without the network
+(its output zeroed), and nothing aborts. :class:`ConnectionWatch` then tells a model or a
+context that one of its connections failed: the decode (or load, or context creation) that
+noticed it raises RPCConnectionError, and that model and its contexts refuse any further
+use; the process, other models and new loads go on. Libraries built without the patch
+(a ``LLAMA_CPP_DIR`` tree it does not apply to) keep ggml's abort (docs/scaling.md).
 
 The protocol has no authentication or encryption: bind workers to 127.0.0.1 or a
 private network only.
@@ -186,18 +192,32 @@ def registered_endpoints() -> tuple[str, ...]:
         return tuple(_devices_of)
 
 
-def _check(endpoint: str, timeout: float) -> None:
-    probe(endpoint, timeout, handshake=_in_use[endpoint] == 0)
+def _check(lib: NativeLibrary, endpoint: str, timeout: float) -> None:
+    """Probe ``endpoint`` before ggml uses it. Caller holds registry_lock.
+
+    While this process holds a live connection to the worker, only the TCP connection is
+    checked (the worker serves one client: us). A failed connection is then dropped, so
+    that ggml connects again (those holding it keep it, failed).
+    """
+    api = _connection_api(lib)
+    failed = api is not None and api.current_failed(endpoint)
+    probe(endpoint, timeout, handshake=_in_use[endpoint] == 0 or failed)
+    if failed:
+        api.reset(endpoint)
 
 
 def _register(lib: NativeLibrary, endpoint: str, timeout: float) -> tuple[int, ...]:
     """Probe, then register (once) the worker's devices; their pointers. Caller holds registry_lock."""
     add_server = _proc(lib, "ggml_backend_rpc_add_server")  # a build without RPC says so first
-    _check(endpoint, timeout)
+    _check(lib, endpoint, timeout)
     if endpoint in _devices_of:
         return _devices_of[endpoint]
+    api = _connection_api(lib)
+    before = api.last_failure(endpoint)[0] if api is not None else 0
     reg = add_server(endpoint.encode())
     if not reg:
+        if api is not None and api.last_failure(endpoint)[0] != before:
+            raise _lost(endpoint, api.last_failure(endpoint)[1], "while asking for its devices")
         raise RPCConnectionError(f"RPC worker {endpoint} offers no device", endpoint=endpoint)
     lib.ggml_backend_register(reg)
     devs = tuple(lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg)))
@@ -258,13 +278,16 @@ class RPCUse:
     """What one load (and then the loaded model) holds of the RPC workers it uses.
 
     ``devices`` is the explicit device list for ``llama_model_params.devices`` (None: leave
-    llama.cpp's default, when this process registered no worker). ``release()`` (idempotent)
-    ends the use, once the model (and so its connections) is freed.
+    llama.cpp's default, when this process registered no worker). ``watch`` follows the
+    connections (see :class:`ConnectionWatch`: ``attach()`` once loaded). ``release()``
+    (idempotent) ends the use, once the model (and so its connections) is freed.
     """
 
-    def __init__(self, endpoints: tuple[str, ...], devices: list[int] | None):
+    def __init__(self, endpoints: tuple[str, ...], devices: list[int] | None,
+                 watch: ConnectionWatch | None = None):
         self.endpoints = endpoints
         self.devices = devices
+        self.watch = watch if watch is not None else ConnectionWatch(None, ())
         self._released = False
 
     def release(self) -> None:
@@ -293,23 +316,164 @@ def use(lib: NativeLibrary, rpc_servers: Sequence[str] | None, split_mode: str,
         remote = [dev for e in endpoints for dev in _register(lib, e, timeout)]
         for e in endpoints:
             _in_use[e] += 1
-        return RPCUse(endpoints, remote + _local_offload_devices(lib, split_mode))
+        return RPCUse(endpoints, remote + _local_offload_devices(lib, split_mode), ConnectionWatch(lib, endpoints))
 
 
 def device_memory(lib: NativeLibrary, dev: int, endpoint: str) -> tuple[int, int] | None:
     """(free, total) bytes of an RPC device, or None when its worker cannot be reached now.
 
-    ggml asks the worker over the network, and aborts if it cannot connect: probe first.
+    ggml asks the worker over the network (and, unpatched, aborts if it cannot connect): probe first.
     """
     try:
         with registry_lock:
-            _check(endpoint, CONNECT_TIMEOUT_S)
+            _check(lib, endpoint, CONNECT_TIMEOUT_S)
     except RPCConnectionError as exc:
         logger.warning("%s", exc)
         return None
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
     return int(free.value), int(total.value)
+
+
+# ---- connection state (patched ggml-rpc) ------------------------------------------------------
+class _ConnectionAPI:
+    """The patch's connection-state functions (``native/ggml_rpc_h.py``)."""
+
+    _REASON = 512
+
+    def __init__(self, lib: NativeLibrary):
+        self.connection_id = _proc(lib, "ggml_backend_rpc_connection_id")
+        self.failure_count = _proc(lib, "ggml_backend_rpc_failure_count")
+        self._failed = _proc(lib, "ggml_backend_rpc_connection_failed")
+        self._last_failure = _proc(lib, "ggml_backend_rpc_last_failure")
+        self._reset = _proc(lib, "ggml_backend_rpc_reset_connection")
+
+    def failed(self, conn_id: int) -> str | None:
+        """The reason connection ``conn_id`` failed, or None while it has not."""
+        buf = ctypes.create_string_buffer(self._REASON)
+        if not self._failed(conn_id, buf, self._REASON):
+            return None
+        return buf.value.decode("utf-8", "replace")
+
+    def last_failure(self, endpoint: str) -> tuple[int, str]:
+        """(id, reason) of the last connection to ``endpoint`` that failed; (0, "") if none has."""
+        buf = ctypes.create_string_buffer(self._REASON)
+        conn_id = int(self._last_failure(endpoint.encode(), buf, self._REASON))
+        return conn_id, buf.value.decode("utf-8", "replace")
+
+    def current_failed(self, endpoint: str) -> bool:
+        """Whether the connection ggml would use for ``endpoint`` now is a failed one."""
+        conn_id = int(self.connection_id(endpoint.encode()))
+        return conn_id != 0 and self.failed(conn_id) is not None
+
+    def reset(self, endpoint: str) -> bool:
+        return bool(self._reset(endpoint.encode()))
+
+
+_apis: dict[int, _ConnectionAPI | None] = {}
+
+
+def _connection_api(lib: NativeLibrary | None) -> _ConnectionAPI | None:
+    """The connection-state functions of these libraries; None when they lack the patch (or RPC)."""
+    if lib is None:
+        return None
+    key = id(lib)
+    if key not in _apis:
+        reg = lib.ggml_backend_reg_by_name(R.RPC_REG_NAME)
+        has = bool(reg) and bool(lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_failure_count"))
+        _apis[key] = _ConnectionAPI(lib) if has else None
+    return _apis[key]
+
+
+def connection_errors_supported() -> bool:
+    """Whether a worker lost while in use raises RPCConnectionError here (else ggml aborts the process).
+
+    True for libraries built by this package (with ``build_scripts/patches``); False for a
+    llama.cpp tree the patch does not apply to, and without RPC.
+    """
+    return _connection_api(init()) is not None
+
+
+def _lost(endpoint: str, reason: str, when: str = "") -> RPCConnectionError:
+    return RPCConnectionError(
+        f"RPC worker {endpoint} was lost{' ' + when if when else ''}: {reason}. A model (and its "
+        "contexts) that used it cannot be used any more: close it and load it again (once the worker "
+        "is back); other models are not affected", endpoint=endpoint)
+
+
+class ConnectionWatch:
+    """The connections to RPC workers a model or a context depends on, and whether one failed.
+
+    Made just before the native call that connects (a model load, a context creation):
+    a connection to one of ``endpoints`` that fails from then on counts. ``attach()``,
+    after that call, records the connections the model or context now uses and returns
+    the error of one that failed meanwhile. ``failure()`` (cheap: one native call while
+    no connection of the process fails) returns the error of a failed one, or that of
+    ``parent`` (the model of a context), and keeps returning it. Without the patch (or
+    without endpoints) it watches nothing.
+    """
+
+    __slots__ = ("endpoints", "_api", "_parent", "_baseline", "_conns", "_seen", "_error")
+
+    def __init__(self, lib: NativeLibrary | None, endpoints: Sequence[str],
+                 parent: ConnectionWatch | None = None):
+        self.endpoints = tuple(endpoints)
+        self._api = _connection_api(lib) if self.endpoints else None
+        self._parent = parent
+        self._baseline = {e: self._api.last_failure(e)[0] for e in self.endpoints} if self._api else {}
+        self._conns: tuple[tuple[str, int], ...] = ()
+        self._seen = -1
+        self._error: RPCConnectionError | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anything to watch (RPC endpoints, and a patched build)."""
+        return self._api is not None or (self._parent is not None and self._parent.active)
+
+    def child(self, lib: NativeLibrary | None) -> ConnectionWatch:
+        """A watch for a context of the model this watch follows (same endpoints; this one as parent)."""
+        return ConnectionWatch(lib, self.endpoints, parent=self)
+
+    def attach(self) -> RPCConnectionError | None:
+        """Record the connections in use now; the error of one that failed since this watch was made."""
+        api = self._api
+        if api is None:
+            return self.failure()
+        for e in self.endpoints:
+            conn_id, reason = api.last_failure(e)
+            if conn_id != self._baseline[e]:
+                self._error = _lost(e, reason)
+                return self._error
+        self._conns = tuple((e, c) for e in self.endpoints if (c := int(api.connection_id(e.encode()))))
+        return self.failure()
+
+    def failure(self) -> RPCConnectionError | None:
+        """The error of a failed connection this watch (or its parent) depends on, else None."""
+        if self._error is not None:
+            return self._error
+        parent = self._parent
+        if parent is not None and (error := parent.failure()) is not None:
+            self._error = error
+            return error
+        api = self._api
+        if api is None or not self._conns:
+            return None
+        count = int(api.failure_count())
+        if count == self._seen:
+            return None
+        for endpoint, conn_id in self._conns:
+            reason = api.failed(conn_id)
+            if reason is not None:
+                self._error = _lost(endpoint, reason)
+                return self._error
+        self._seen = count
+        return None
+
+    def check(self) -> None:
+        """Raise the error of :meth:`failure`, if any."""
+        error = self.failure()
+        if error is not None:
+            raise error
 
 
 # ---- the worker -------------------------------------------------------------------------------
@@ -433,11 +597,13 @@ def start_server(config: WorkerConfig) -> threading.Thread:
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
+    "ConnectionWatch",
     "DEFAULT_HOST",
     "DEFAULT_PORT",
     "RPCUse",
     "WorkerConfig",
     "add_rpc_servers",
+    "connection_errors_supported",
     "default_cache_dir",
     "device_memory",
     "parse_endpoint",

@@ -28,7 +28,7 @@ from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import ContextLease, check_decode
 from ...core.logprobs import TokenLogprob, token_logprob
-from ...errors import DecodeError, LlamaError
+from ...errors import DecodeError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache
 from .request import Request
 from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
@@ -206,6 +206,10 @@ class Engine:
                     scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs, row_errors=row_errors)
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
+        except RPCConnectionError as exc:  # an RPC worker of the model was lost: the context is unusable
+            logger.error("server stopped: %s", exc)
+            scheduler.failure = exc
+            error = exc  # every request gets it (with its endpoint); later submissions: "the server failed"
         except BaseException as exc:  # a bug or a native failure: no caller may hang
             logger.exception("server scheduler failed")
             scheduler.failure = exc
