@@ -5,6 +5,7 @@ without speculation, whatever the other slots do."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -479,3 +480,106 @@ def test_tick_telemetry_counts_drafts_apart(tiny_model):
     assert sum(t["prefill_tokens"] for t in ticks) == len(tiny_model.tokenize(prompt))
     assert sum(t["draft_tokens"] for t in ticks) > 0
     assert all(t["batch_tokens"] == t["prefill_tokens"] + t["decode_tokens"] for t in ticks)
+
+
+# ---- MTP inside the Server ------------------------------------------------------------------------
+
+def test_greedy_identity_mtp(tiny_mtp):
+    """The model's own MTP head drafting for 3 slots (its cache mirrors every tick of every slot):
+    outputs equal the plain server's, with drafts kept, cut and rejected; a second round reuses the
+    slots' prefixes (the mirror follows the pool's cuts)."""
+    opts = dict(temp=0, max_tokens=32, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    refs = references(tiny_mtp, prompts, **opts)
+    with lc.Server(model=tiny_mtp, n_parallel=3, speculative="mtp", n_draft=3, **SRV) as srv:
+        for _ in range(2):
+            streams = [srv.stream(p, **opts) for p in prompts]
+            assert [s.completion().tokens for s in streams] == [r.tokens for r in refs]
+        stats = srv.stats()
+    assert stats["draft_tokens"] > stats["draft_accepted"] > 0
+
+
+def test_mtp_drafts_right_by_construction_are_kept(tmp_path_factory, vocab_dir):
+    from tiny_models import write_tiny_qwen35
+
+    path = write_tiny_qwen35(tmp_path_factory.mktemp("srvmtp") / "exact.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf",
+                             mtp="token", trunk_scale=0.0)
+    model = lc.load_model(path, load_mtp=True)
+    try:
+        opts = dict(temp=0, max_tokens=24, ignore_eos=True)
+        refs = references(model, PROMPTS[:2], **opts)
+        outs, stats = server_runs(model, PROMPTS[:2], speculative=lc.MTPDraft(), n_draft=3, **opts)
+        assert [o.tokens for o in outs] == [r.tokens for r in refs]
+        assert stats["draft_acceptance"] > 0.9
+        assert stats["ticks"] < sum(len(r.tokens) for r in refs) // 2
+    finally:
+        model.close()
+
+
+def test_mtp_in_a_server_needs_an_mtp_model(tiny_model, tiny_hybrid):
+    for model in (tiny_model, tiny_hybrid):
+        with pytest.raises(lc.InvalidArgumentError, match="MTP"):
+            lc.Server(model=model, speculative="mtp", **SRV)
+
+
+def test_mtp_mirror_pairs_each_token_with_the_previous_hidden_row(tiny_mtp, monkeypatch):
+    """Every token a slot's MTP sequence receives (prompt chunks, plain steps, the kept part of
+    verification steps, draft steps' pending tokens; three slots per batch) enters with the target's
+    hidden row of the position before it, compared with one plain decode of each final sequence."""
+    import numpy as np
+
+    from llama_ctypes.core.context import ContextLease
+
+    calls = []
+    decode_states = ContextLease.decode_states
+
+    def spy(lease, seq_ids, positions, tokens, states, outputs):
+        width = lease.n_embd_out()
+        rows = [np.ctypeslib.as_array((ctypes.c_float * width).from_address(a)).copy() for a in states]
+        calls.append((list(seq_ids), list(positions), list(tokens), rows, bool(outputs)))
+        return decode_states(lease, seq_ids, positions, tokens, states, outputs)
+
+    monkeypatch.setattr(ContextLease, "decode_states", spy)
+    prompts = PROMPTS[:3]
+    outs, stats = server_runs(tiny_mtp, prompts, speculative="mtp", n_draft=3, n_batch=8,
+                              temp=0, max_tokens=24, ignore_eos=True)
+    assert stats["draft_accepted"] > 0
+    monkeypatch.undo()
+    finals, refs = {}, {}
+    for prompt, out in zip(prompts, outs):
+        seq = tiny_mtp.tokenize(prompt) + out.tokens
+        ctx = lc.Context.create(tiny_mtp, n_ctx=256, n_threads=1)
+        rows = []
+        try:
+            with ctx.lease() as lease:
+                lease.set_embeddings_nextn(True, False)
+                lease.after_decode = lambda tl, toks, pos: rows.append(tl.nextn_rows(len(toks)).copy())
+                lease.prefill(seq, reuse=False)
+        finally:
+            ctx.close()
+        finals[tuple(seq[:4])], refs[tuple(seq[:4])] = seq, np.concatenate(rows)
+    # (one round, a slot per prompt: a slot's first mirrored tokens name its prompt)
+    heads: dict[int, dict[int, int]] = {}
+    for seq_ids, positions, tokens, _, drafting in calls:
+        for s_id, pos, tok in zip(seq_ids, positions, tokens):
+            if not drafting and pos < 4:
+                heads.setdefault(s_id, {})[pos] = tok
+    owner = {s_id: next(key for key, seq in finals.items() if all(seq[p] == t for p, t in h.items()))
+             for s_id, h in heads.items()}
+    assert sorted(owner.values()) == sorted(finals)
+    checked = {"mirror": 0, "draft": 0}
+    mirrored: dict[int, int] = {}  # positions each MTP sequence holds
+    for seq_ids, positions, tokens, states, drafting in calls:
+        for s_id, pos, tok, state in zip(seq_ids, positions, tokens, states):
+            key = owner[s_id]
+            seq, ref = finals[key], refs[key]
+            if drafting and pos != mirrored.get(s_id):
+                continue  # a later draft step: the head's own row
+            if not drafting:
+                mirrored[s_id] = pos + 1
+            assert seq[pos] == tok, (s_id, pos)
+            want = ref[pos - 1] if pos else np.zeros_like(state)
+            np.testing.assert_allclose(state, want, atol=1e-3, err_msg=f"seq {s_id} pos {pos}")
+            checked["draft" if drafting else "mirror"] += 1
+    assert checked["mirror"] >= sum(len(s) for s in finals.values()) - len(finals) * 3
+    assert checked["draft"] > 10

@@ -596,7 +596,45 @@ class ContextLease:
         if len(held) + n > ctx.n_ctx_seq:
             raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
-        width = self.n_embd_out()
+        base = len(held)
+        ctx._exact_cut = 0
+        try:
+            rc = self._process_states([0] * n, range(base, base + n), run, states, [n - 1] if output_last else [])
+        except BaseException:  # interrupted: the cache state is uncertain
+            self.clear()
+            raise
+        if rc != 0:
+            self.clear()
+            check_decode(rc, "llama_process", n)
+        held.extend(run)
+        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
+
+    def decode_states(self, seq_ids: Sequence[int], positions: Sequence[int], tokens: Sequence[int],
+                      states: Sequence[int], outputs: Sequence[int]) -> int:
+        """One ``llama_process`` decode of tokens of any sequences, token ``i`` of ``seq_ids[i]`` at
+        ``positions[i]`` with the state row at address ``states[i]`` (``n_embd_out`` float32s, copied
+        during the call); ``outputs``: the batch indices with logits and hidden rows. Returns llama.cpp's
+        code. Sequence bookkeeping is the caller's (a multi-sequence MTP context of a server): the
+        tokens of sequence 0 (:attr:`tokens`) are forgotten.
+        """
+        self._check()
+        ctx = self.ctx
+        run = ctx.vocab.check_tokens(tokens).tolist()
+        n = len(run)
+        if not (len(seq_ids) == len(positions) == len(states) == n) or not 0 < n <= ctx.n_batch:
+            raise InvalidArgumentError(f"{n} tokens with {len(seq_ids)} sequence ids, {len(positions)} positions "
+                                       f"and {len(states)} state rows: expected as many, 1..n_batch={ctx.n_batch}")
+        if len(outputs) > self._max_outputs or any(not 0 <= i < n for i in outputs):
+            raise InvalidArgumentError(f"outputs {list(outputs)[:8]}: expected at most {self._max_outputs} "
+                                       f"batch indices in 0..{n - 1}")
+        for s in seq_ids:
+            self._check_seq(s)
+        del ctx._tokens[:]
+        ctx._exact_cut = 0
+        return self._process_states(seq_ids, positions, run, states, outputs)
+
+    def _process_states(self, seq_ids, positions, run: list[int], states, outputs) -> int:
+        lib, ptr, width = self._lib, self._ptr, self.n_embd_out()
         batch = lib.llama_batch_ext_init(ptr)
         if not batch:
             raise LlamaError("llama_batch_ext_init failed")
@@ -605,27 +643,16 @@ class ContextLease:
             set_embd, embd = lib.llama_batch_ext_set_embd_token, L.llama_embd
             pos = ctypes.c_int32()
             pos_ref = ctypes.byref(pos)
-            base = len(held)
-            for i in range(n):
-                idx = add(batch, 0, run[i])
-                pos.value = base + i
-                if idx != i or not set_pos(batch, idx, pos_ref) or not set_embd(batch, idx, embd(states[i], 1, width)):
+            for i, (seq, p, tok, state) in enumerate(zip(seq_ids, positions, run, states)):
+                idx = add(batch, int(seq), tok)
+                pos.value = int(p)
+                if idx != i or not set_pos(batch, idx, pos_ref) or not set_embd(batch, idx, embd(state, 1, width)):
                     raise InvalidArgumentError(f"llama.cpp refused token {i} of a batch with state rows (code {idx})")
-            if output_last:
-                lib.llama_batch_ext_set_output_logits(batch, n - 1, True)
-            ctx._exact_cut = 0
-            try:
-                rc = int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
-            except BaseException:  # interrupted: the cache state is uncertain
-                self.clear()
-                raise
-            if rc != 0:
-                self.clear()
-                check_decode(rc, "llama_process", n)
+            for i in outputs:
+                lib.llama_batch_ext_set_output_logits(batch, int(i), True)
+            return int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
         finally:
             lib.llama_batch_ext_free(batch)
-        held.extend(run)
-        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
 
     def truncate(self, n: int) -> bool:
         """Cut sequence 0 back to its first ``n`` tokens, KV and ``tokens`` together (a rollback).

@@ -178,6 +178,8 @@ def _add_serve_parser(sub) -> None:
     spec.add_argument("--model-draft", "-md", metavar="DRAFT.gguf",
                       help="speculative decoding with this draft model (same vocabulary; docs/speculative.md)")
     spec.add_argument("--spec-ngram", action="store_true", help="speculative decoding with n-gram (prompt lookup) drafts")
+    spec.add_argument("--spec-mtp", action="store_true",
+                      help="speculative decoding with the model's own MTP head (an MTP GGUF, e.g. Qwen 3.6 MTP)")
     p.add_argument("--draft-max", type=int, help="most tokens drafted per step (default 4)")
     p.set_defaults(func=cmd_serve)
 

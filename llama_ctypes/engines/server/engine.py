@@ -41,19 +41,30 @@ __all__ = ["Engine", "ContextKV", "QueueFullError", "ServerClosedError"]
 logger = logging.getLogger(__name__)
 
 class ContextKV:
-    """The slot pool's KV operations, over the server's leased context (scheduler thread only)."""
+    """The slot pool's KV operations, over the server's leased context (scheduler thread only).
 
-    def __init__(self, lease: ContextLease):
+    ``mirror``: a drafter whose own sequences follow the slots' (an MTP head's cache), told of every
+    forget, cut, copy and restore."""
+
+    def __init__(self, lease: ContextLease, mirror: Any = None):
         self._lease = lease
+        self._mirror = mirror
 
     def forget(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)
+        if self._mirror is not None:
+            self._mirror.kv_forget(seq)
 
     def truncate(self, seq: int, keep: int) -> bool:
-        return self._lease.seq_rm(seq, keep, -1)
+        ok = self._lease.seq_rm(seq, keep, -1)
+        if ok and self._mirror is not None:
+            self._mirror.kv_truncate(seq, keep)
+        return ok
 
     def copy(self, src: int, dst: int, n: int) -> None:
         self._lease.seq_cp(src, dst, 0, n)
+        if self._mirror is not None:
+            self._mirror.kv_copy(src, dst, n)
 
     def complete(self, seq: int, n: int) -> bool:
         return self._lease.prefix_complete(seq, n)
@@ -62,6 +73,8 @@ class ContextKV:
         return self._lease.state_seq_get(seq)
 
     def restore(self, seq: int, state: Any) -> bool:
+        if self._mirror is not None:
+            self._mirror.kv_restore(seq)
         return self._lease.state_seq_set(seq, state)
 
 
@@ -107,7 +120,9 @@ class Engine:
         self._pieces: tuple[Callable[[int], bytes], Callable[[int], bytes]] = (
             lambda t: token_bytes(t, False), lambda t: token_bytes(t, True))
         model = ctx.model
-        self.pool = SlotPool(ctx.n_seq_max, ContextKV(lease), unified=ctx.params.kv_unified,
+        # A drafter that mirrors the slots' sequences (MTP) follows every tick and KV operation.
+        self._observer = drafter if getattr(drafter, "needs_observe", False) else None
+        self.pool = SlotPool(ctx.n_seq_max, ContextKV(lease, self._observer), unified=ctx.params.kv_unified,
                              partial_reuse=not (model.is_recurrent or model.is_hybrid),
                              ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
         self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
@@ -304,6 +319,12 @@ class Engine:
                         row_errors = {}
                     row_errors[len(outputs)] = error
                     outputs.append(-1)
+        if self._observer is not None:
+            try:
+                self._observer.observe(plan, outputs, self.lease, batch.n_tokens)
+            except Exception:  # drafts get worse (none until the slots start over), outputs do not change
+                logger.exception("the drafter could not follow this tick")
+                self._observer.reset()
         # One attribute test per step when no request asked: ticks without logprobs keep their speed.
         logprobs = self._logprobs(plan, outputs) \
             if any(step.request.logprobs is not None for step in plan.steps) else None

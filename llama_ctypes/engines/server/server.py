@@ -33,6 +33,7 @@ from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
 from ...core.tokenizer import StreamDecoder
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
+from ..speculative.mtp import MTPDraft
 from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
@@ -64,8 +65,9 @@ class Server:
         prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
-        speculative: a drafter (:class:`NgramDraft`, :class:`DraftModel`, or a stateless
-            :class:`Drafter` of your own; or ``"ngram"``, or a draft GGUF path) to draft up to ``n_draft``
+        speculative: a drafter (:class:`NgramDraft`, :class:`DraftModel`, :class:`MTPDraft` (the model's
+            own MTP head; load it with ``load_mtp=True``), or a stateless :class:`Drafter` of your own;
+            or ``"ngram"``, ``"mtp"``, or a draft GGUF path) to draft up to ``n_draft``
             tokens (1..32, default 4) per running request and tick; the server owns it from then on
             (closes it). Drafts are verified by the
             request's own sampler in the tick's batch, so every request's output is what it would be
@@ -140,10 +142,11 @@ class Server:
             if speculative is not None:
                 n_draft = self._rollback_depth(ctx, n_draft)
                 if isinstance(speculative, (str, os.PathLike)):
-                    speculative = NgramDraft() if speculative == "ngram" else DraftModel(speculative)
+                    speculative = NgramDraft() if speculative == "ngram" else MTPDraft() \
+                        if speculative == "mtp" else DraftModel(speculative)
                 dopts = {"n_ctx": n_ctx * n_parallel, "n_batch": n_batch, "n_ubatch": min(n_batch, 512),
                          "kv_unified": kv_unified, **ctx_opts}
-                self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts)
+                self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts, ctx)
             lease = self._lease = ctx.lease()  # the scheduler thread is its only user from now on
             self.n_parallel = n_parallel
             self.n_ctx = min(n_ctx, ctx.n_ctx_seq)

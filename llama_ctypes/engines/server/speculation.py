@@ -11,6 +11,10 @@ scheduler thread.
 * :class:`DraftModelSlots` — a :class:`DraftModel` with one draft sequence per slot: the
   sequences are brought up to date in shared batches, then drafted together, one batch per
   draft step.
+* :class:`MTPSlots` — the model's own MTP head (:class:`MTPDraft`): an MTP context with one
+  sequence per slot that mirrors every tick's batch (``observe``: each token with the target's
+  hidden row of the position before it) and follows the pool's KV operations (``KVMirror``);
+  drafting runs all slots' heads together, one batch per draft step.
 """
 
 from __future__ import annotations
@@ -21,15 +25,18 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import numpy as np
 
 from ...core.batch import Batch
+from ...core.context import Context, ContextLease
 from ...core.generation import common_prefix
+from ...core.params import ContextParams
 from ...core.model import Model
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel
+from ..speculative.mtp import MTPDraft, check_mtp_model, head_top_prob
 
 if TYPE_CHECKING:
-    from .scheduler import DraftAsk
+    from .scheduler import DraftAsk, TickPlan
 
-__all__ = ["SlotDrafter", "PerSlotDrafts", "DraftModelSlots", "slot_drafter"]
+__all__ = ["SlotDrafter", "PerSlotDrafts", "DraftModelSlots", "MTPSlots", "slot_drafter"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +52,14 @@ class SlotDrafter(Protocol):
         """Free what the drafter holds (after the scheduler thread has ended)."""
 
 
-def slot_drafter(drafter: Drafter, model: Model, n_seq: int, n_draft: int, ctx_opts: dict[str, Any]) -> SlotDrafter:
-    """The server-side form of ``drafter`` for ``n_seq`` slots (checks it against ``model``)."""
+def slot_drafter(drafter: Drafter, model: Model, n_seq: int, n_draft: int, ctx_opts: dict[str, Any],
+                 target: Context) -> SlotDrafter:
+    """The server-side form of ``drafter`` for ``n_seq`` slots (checks it against ``model`` and the
+    server's ``target`` context)."""
     if isinstance(drafter, DraftModel):
         return DraftModelSlots(drafter, model, n_seq, n_draft, ctx_opts)
+    if isinstance(drafter, MTPDraft):
+        return MTPSlots(drafter, model, n_seq, ctx_opts, target)
     if getattr(drafter, "observes_target", False):
         raise InvalidArgumentError(f"{type(drafter).__name__} drafts from the target's own decodes: a Server "
                                    "cannot serve it yet (use it with a single-sequence session)")
@@ -185,3 +196,187 @@ class DraftModelSlots:
     def close(self) -> None:
         self._lease.release()
         self._drafter.close()
+
+
+class MTPSlots:
+    """The target model's MTP head drafting for every slot (see :class:`MTPDraft` for one sequence).
+
+    The MTP context holds one sequence per slot, kept equal to the slot's KV: after every tick
+    (:meth:`observe`) it decodes what each slot's sequence kept, token ``p`` paired with the
+    target's hidden row of position ``p - 1`` (the first of a step with the row kept from the
+    slot's previous step); the pool's KV operations reach it through :meth:`kv_mirror`. Where a
+    row is unknown (a prefix reused from an earlier request, copied from another slot) one position
+    pairs with zeros: weaker drafts, the same output. A sequence whose mirror misses positions (a
+    prefix restored from the RAM cache) drafts nothing until its slot is reset.
+    """
+
+    needs_observe = True
+
+    def __init__(self, drafter: MTPDraft, model: Model, n_seq: int, ctx_opts: dict[str, Any],
+                 target: Context) -> None:
+        check_mtp_model(model)
+        opts = {**ctx_opts, "n_ctx": target.n_ctx, "n_seq_max": n_seq, "n_rs_seq": 0, "n_outputs_max": n_seq}
+        opts.pop("swa_full", None)
+        self._drafter = drafter
+        self._target = target
+        ctx = Context(model, ContextParams(**opts), mtp_of=target)
+        try:
+            with target.lease() as tl:
+                tl.set_embeddings_nextn(True, False)  # a hidden row per decoded token, prompt chunks too
+            self._lease: ContextLease = ctx.lease()
+            self._lease.set_embeddings_nextn(True, True)
+        except BaseException:
+            ctx.close()
+            raise
+        self._ctx = ctx
+        self._hold = target.hold()  # the MTP context was made beside the target: keep it until this goes
+        self._width = model.n_embd_out
+        self._zeros = np.zeros(self._width, dtype=np.float32)
+        self._held = [0] * n_seq  # positions each MTP sequence holds (-1: incomplete, no drafts)
+        self._rows: list[np.ndarray | None] = [None] * n_seq  # target row of each sequence's last position
+        self._logits_of = self._lease.logits_view_fn()
+        self._is_eog = ctx.vocab.is_eog
+        self._p_min = drafter.p_min
+
+    # ---- the pool's KV operations, mirrored -----------------------------------------------------
+    def kv_forget(self, seq: int) -> None:
+        self._lease.seq_rm(seq, -1, -1)
+        self._held[seq], self._rows[seq] = 0, None
+
+    def kv_truncate(self, seq: int, keep: int) -> None:
+        if self._held[seq] > keep:
+            if not self._lease.seq_rm(seq, keep, -1):
+                self.kv_forget(seq)
+                self._held[seq] = -1
+                return
+            self._held[seq], self._rows[seq] = keep, None
+
+    def kv_copy(self, src: int, dst: int, n: int) -> None:
+        self._lease.seq_rm(dst, -1, -1)
+        held = self._held[src]
+        if held < 0:
+            self._held[dst], self._rows[dst] = -1, None
+            return
+        self._lease.seq_cp(src, dst, 0, n)
+        self._held[dst] = min(held, n)
+        self._rows[dst] = self._rows[src] if held == n else None
+
+    def kv_restore(self, seq: int) -> None:
+        self._lease.seq_rm(seq, -1, -1)
+        self._held[seq], self._rows[seq] = -1, None  # the restored positions have no MTP entries
+
+    # ---- the tick ---------------------------------------------------------------------------------
+    def observe(self, plan: "TickPlan", outputs, target: ContextLease, n_tokens: int) -> None:
+        """Mirror what each step of the decoded ``plan`` left in its slot's sequence (``outputs``: the
+        sampled tokens in plan order; a speculative step keeps its agreeing drafts only)."""
+        rows = target.nextn_rows(n_tokens)
+        base, stride = rows.ctypes.data, rows.strides[0]
+        seq_ids, positions, tokens, states = [], [], [], []
+        last: list[tuple[int, int]] = []
+        k = 0
+        for step in plan.steps:
+            n_out = len(step.sample)
+            kept = step.tokens
+            if step.n_draft:
+                m = 0
+                while m < step.n_draft and outputs[k + m] == step.tokens[1 + m]:
+                    m += 1
+                kept = step.tokens[:1 + m]
+            k += n_out
+            seq, start = step.slot.seq_id, step.slot.n_past
+            held = self._held[seq]
+            if held < 0:
+                continue
+            if held > start:  # (the pool cuts the slot first; a mirror ahead of it is cut here)
+                self.kv_truncate(seq, start)
+                held = self._held[seq]
+            if held != start:
+                self.kv_forget(seq)
+                self._held[seq] = -1
+                continue
+            first = self._rows[seq]
+            for i, tok in enumerate(kept):
+                seq_ids.append(seq)
+                positions.append(start + i)
+                tokens.append(tok)
+                if i == 0:
+                    states.append((first if first is not None else self._zeros).ctypes.data)
+                else:
+                    states.append(base + (step.row + i - 1) * stride)
+            last.append((seq, step.row + len(kept) - 1))
+            self._held[seq] = start + len(kept)
+        if tokens:
+            rc = self._decode(seq_ids, positions, tokens, states, [])
+            if rc != 0:
+                logger.debug("MTP mirror decode failed (%d): every MTP sequence starts over", rc)
+                self._reset_all()
+                return
+        for seq, row in last:
+            self._rows[seq] = rows[row].copy()  # the target's next decode overwrites its buffer
+
+    def _decode(self, seq_ids, positions, tokens, states, outputs) -> int:
+        n_batch = self._ctx.n_batch
+        for i in range(0, len(tokens), n_batch):
+            j = i + n_batch
+            out = [o - i for o in outputs if i <= o < j]
+            rc = self._lease.decode_states(seq_ids[i:j], positions[i:j], tokens[i:j], states[i:j], out)
+            if rc != 0:
+                return rc
+        return 0
+
+    def reset(self) -> None:
+        """Forget every MTP sequence (after a failure): no drafts until each slot starts over."""
+        self._reset_all()
+
+    def _reset_all(self) -> None:
+        self._lease.clear()
+        self._held = [-1] * len(self._held)  # until each slot's sequence is forgotten and rebuilt
+        self._rows = [None] * len(self._rows)
+
+    def propose(self, asks: Sequence["DraftAsk"]) -> None:
+        live = []
+        for ask in asks:
+            pos0 = len(ask.context) - 1  # where the pending token goes
+            k = min(ask.k, self._ctx.n_ctx_seq - pos0)
+            if k > 0 and self._held[ask.seq_id] == pos0:
+                live.append([ask, k, pos0, self._rows[ask.seq_id], int(ask.context[-1])])
+        if not live:
+            return
+        try:
+            step = 0
+            while live:
+                states = [(st if st is not None else self._zeros).ctypes.data for _, _, _, st, _ in live]
+                rc = self._decode([a.seq_id for a, *_ in live], [p + step for _, _, p, _, _ in live],
+                                  [t for *_, t in live], states, list(range(len(live))))
+                if rc != 0:
+                    logger.debug("MTP draft decode failed (%d)", rc)
+                    return
+                nxt = []
+                for j, entry in enumerate(live):
+                    ask, k = entry[0], entry[1]
+                    row = self._logits_of(j)
+                    tok = int(row.argmax())
+                    if self._p_min > 0.0 and head_top_prob(row) < self._p_min:
+                        continue
+                    ask.draft.append(tok)
+                    if len(ask.draft) < k and not self._is_eog(tok):
+                        entry[3] = self._lease.nextn_row(j).copy()  # the head's own row feeds its next step
+                        entry[4] = tok
+                        nxt.append(entry)
+                live = nxt
+                step += 1
+        finally:
+            # The drafts leave the MTP cache: the tick's verification is mirrored with the target's rows.
+            for ask in asks:
+                if self._held[ask.seq_id] >= 0:
+                    self._lease.seq_rm(ask.seq_id, self._held[ask.seq_id], -1)
+
+    def abort(self) -> None:
+        self._ctx.abort()
+
+    def close(self) -> None:
+        self._lease.release()
+        self._ctx.close()
+        self._hold.release()
+        self._drafter.close()
+

@@ -228,7 +228,7 @@ class MTPDraft(Drafter):
                 lease.decode_with_states([tok], [state.ctypes.data], output_last=True)
                 row = logits_of(-1)
                 tok = int(row.argmax())
-                if p_min > 0.0 and _top_prob(row) < p_min:
+                if p_min > 0.0 and head_top_prob(row) < p_min:
                     break
                 out.append(tok)
                 if i == k - 1 or is_eog(tok):  # nothing worth drafting after an end of generation
@@ -268,7 +268,7 @@ class MTPDraft(Drafter):
             self._target_hold.release()
 
 
-def _top_prob(row: np.ndarray) -> float:
+def head_top_prob(row: np.ndarray) -> float:
     """Probability of the top token among the top ``_TOP_K`` (llama.cpp's MTP candidates)."""
     top = np.partition(row, -_TOP_K)[-_TOP_K:].astype(np.float64) if row.size > _TOP_K else row.astype(np.float64)
     return 1.0 / float(np.exp(top - top.max()).sum())

@@ -125,9 +125,12 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         cli_opts["speculative"] = str(Path(args.model_draft).expanduser())
     elif getattr(args, "spec_ngram", False):
         cli_opts["speculative"] = "ngram"
+    elif getattr(args, "spec_mtp", False):
+        cli_opts["speculative"] = "mtp"
+        cli_opts["load_mtp"] = True  # (the MTP layers are skipped at load otherwise)
     if getattr(args, "draft_max", None) is not None:
         if "speculative" not in cli_opts:
-            raise ArgumentTypeError("--draft-max needs --model-draft or --spec-ngram")
+            raise ArgumentTypeError("--draft-max needs --model-draft, --spec-ngram or --spec-mtp")
         cli_opts["n_draft"] = args.draft_max
     if getattr(args, "rpc", None):
         cli_opts["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
