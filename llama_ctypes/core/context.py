@@ -162,6 +162,8 @@ class Context(NativeHandle):
         # many trailing tokens of sequence 0 a cut may drop exactly (see ContextLease._can_cut).
         self.n_rs_seq = int(self._lib.llama_n_rs_seq(ptr))
         self._exact_cut = 0
+        self._nextn_all = False  # hidden rows of every decoded token kept (set_embeddings_nextn)
+        self._last_decoded = 0  # tokens of the last decode (rows nextn_rows may read)
         self._batch = Batch(self.n_batch, 1)
         # Cancellation: ggml asks the C callback before each graph node whether to stop; the
         # callback reads this flag, which abort() sets from any thread.
@@ -400,6 +402,7 @@ class ContextLease:
         """
         self._check_batch(batch)
         self.ctx._exact_cut = 0  # the snapshots now describe this batch (the caller sets the bound)
+        self.ctx._last_decoded = batch.n_tokens
         rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
         self._check_workers()
         return rc
@@ -496,6 +499,7 @@ class ContextLease:
             out_arr[0] = 1
             native_batch.n_tokens = 1
             batch.n_tokens = 1
+            ctx._last_decoded = 1
             try:
                 rc = decode(ptr, native_batch)
                 if lost is not None and (error := lost()) is not None:
@@ -551,6 +555,7 @@ class ContextLease:
         decoded token (``masked=False``: a target) or of the output rows only (``masked=True``: an MTP context)."""
         self._check()
         self._lib.lcx_set_embeddings_nextn(self._ptr, bool(value), bool(masked))
+        self.ctx._nextn_all = bool(value) and not masked
 
     def n_embd_out(self) -> int:
         """Width of a hidden row (and of a state row), in floats."""
@@ -562,8 +567,11 @@ class ContextLease:
         """A float32 view ``(n, n_embd_out)`` of the hidden rows of the last decode's first ``n`` tokens
         (unmasked, see :meth:`set_embeddings_nextn`); valid until the next decode."""
         self._check()
-        if not 0 < n <= self.ctx.n_batch:
-            raise InvalidArgumentError(f"nextn_rows({n}): expected 1..n_batch={self.ctx.n_batch}")
+        ctx = self.ctx
+        if not ctx._nextn_all:
+            raise InvalidArgumentError("nextn_rows needs a row per token: set_embeddings_nextn(True, masked=False)")
+        if not 0 < n <= ctx._last_decoded:
+            raise InvalidArgumentError(f"nextn_rows({n}): expected 1..{ctx._last_decoded} (the last decode's tokens)")
         ptr = self._lib.lcx_get_embeddings_nextn(self._ptr)
         if not ptr:
             raise IndexOutOfRangeError("no nextn hidden rows: set_embeddings_nextn(True, ...) before the decode")
@@ -650,6 +658,7 @@ class ContextLease:
                     raise InvalidArgumentError(f"llama.cpp refused token {i} of a batch with state rows (code {idx})")
             for i in outputs:
                 lib.llama_batch_ext_set_output_logits(batch, int(i), True)
+            self.ctx._last_decoded = len(run)
             return int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
         finally:
             lib.llama_batch_ext_free(batch)

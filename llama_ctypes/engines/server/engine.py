@@ -67,7 +67,7 @@ class ContextKV:
             self._mirror.kv_copy(src, dst, n)
 
     def complete(self, seq: int, n: int) -> bool:
-        return self._lease.prefix_complete(seq, n)
+        return self._lease.prefix_complete(seq, n) and (self._mirror is None or self._mirror.kv_complete(seq, n))
 
     def save(self, seq: int) -> np.ndarray:
         return self._lease.state_seq_get(seq)

@@ -81,7 +81,7 @@ class Server:
                  cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
                  speculative: Drafter | str | os.PathLike | None = None, n_draft: int = 4, **opts: Any):
         self._drafter: SlotDrafter | None = None
-        if isinstance(speculative, DraftModel) and speculative.context is not None:
+        if isinstance(speculative, (DraftModel, MTPDraft)) and speculative.context is not None:
             # (before taking it over: it is someone else's, and must stay open)
             raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
         try:
@@ -124,6 +124,8 @@ class Server:
         self._defaults = {"cache_prompt": bool(cache_prompt), **sampling_opts, **gen_opts}
         strategy = resolve(batch_strategy)
         if model is None:
+            if speculative == "mtp" or isinstance(speculative, MTPDraft):
+                model_opts.setdefault("load_mtp", True)  # (llama.cpp skips the MTP layers otherwise)
             model = load_model(model_path, **model_opts)
             self._owns_model = True
         else:

@@ -27,11 +27,10 @@ import numpy as np
 from ...core.batch import Batch
 from ...core.context import Context, ContextLease
 from ...core.generation import common_prefix
-from ...core.params import ContextParams
 from ...core.model import Model
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel
-from ..speculative.mtp import MTPDraft, check_mtp_model, head_top_prob
+from ..speculative.mtp import MTPDraft, head_top_prob
 
 if TYPE_CHECKING:
     from .scheduler import DraftAsk, TickPlan
@@ -206,30 +205,23 @@ class MTPSlots:
     target's hidden row of position ``p - 1`` (the first of a step with the row kept from the
     slot's previous step); the pool's KV operations reach it through :meth:`kv_mirror`. Where a
     row is unknown (a prefix reused from an earlier request, copied from another slot) one position
-    pairs with zeros: weaker drafts, the same output. A sequence whose mirror misses positions (a
-    prefix restored from the RAM cache) drafts nothing until its slot is reset.
+    pairs with zeros: weaker drafts, the same output. A prefix the mirror lacks (after a failed
+    mirror decode, or restored from the RAM cache) is not reused (``kv_complete``): the slot
+    recomputes it, and the mirror with it.
     """
 
     needs_observe = True
 
     def __init__(self, drafter: MTPDraft, model: Model, n_seq: int, ctx_opts: dict[str, Any],
                  target: Context) -> None:
-        check_mtp_model(model)
-        opts = {**ctx_opts, "n_ctx": target.n_ctx, "n_seq_max": n_seq, "n_rs_seq": 0, "n_outputs_max": n_seq}
-        opts.pop("swa_full", None)
         self._drafter = drafter
-        self._target = target
-        ctx = Context(model, ContextParams(**opts), mtp_of=target)
+        ctx = drafter.attach_server(model, n_seq, ctx_opts, target)  # (closed with the drafter)
         try:
-            with target.lease() as tl:
-                tl.set_embeddings_nextn(True, False)  # a hidden row per decoded token, prompt chunks too
             self._lease: ContextLease = ctx.lease()
-            self._lease.set_embeddings_nextn(True, True)
         except BaseException:
-            ctx.close()
+            drafter.close()
             raise
         self._ctx = ctx
-        self._hold = target.hold()  # the MTP context was made beside the target: keep it until this goes
         self._width = model.n_embd_out
         self._zeros = np.zeros(self._width, dtype=np.float32)
         self._held = [0] * n_seq  # positions each MTP sequence holds (-1: incomplete, no drafts)
@@ -260,6 +252,11 @@ class MTPSlots:
         self._lease.seq_cp(src, dst, 0, n)
         self._held[dst] = min(held, n)
         self._rows[dst] = self._rows[src] if held == n else None
+
+    def kv_complete(self, seq: int, n: int) -> bool:
+        """Whether the MTP sequence holds the first ``n`` positions: a prefix it lacks (a failed
+        mirror decode, a RAM-cache restore) is recomputed rather than reused, so drafting resumes."""
+        return self._held[seq] >= n
 
     def kv_restore(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)
@@ -376,7 +373,5 @@ class MTPSlots:
 
     def close(self) -> None:
         self._lease.release()
-        self._ctx.close()
-        self._hold.release()
-        self._drafter.close()
+        self._drafter.close()  # the MTP context, and the hold on the target
 

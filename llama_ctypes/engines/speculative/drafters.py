@@ -88,6 +88,11 @@ class Drafter(Closeable):
         of the target (prompt chunks and verification runs); that decode's outputs are readable through
         ``target`` until its next decode."""
 
+    def follows(self, target_tokens: Sequence[int]) -> bool:
+        """Whether the drafter's state can continue from a target that holds ``target_tokens`` (a
+        prefix reuse, ``cache_prompt``); False makes the session start both cold."""
+        return True
+
     def reset(self) -> None:
         """Forget the current sequence."""
 

@@ -124,11 +124,28 @@ class MTPDraft(Drafter):
         if target is None or target.model is not model:
             raise InvalidArgumentError("MTPDraft drafts from its session's target context "
                                        "(a SpeculativeSession attaches it)")
-        check_mtp_model(model)
-        opts = dict(ctx_opts)
         # The MTP cache mirrors the target's positions (llama.cpp gives it the target's n_ctx); it is
         # a plain attention cache (no rollback snapshots) and a draft step reads one logits row.
-        opts.update(n_ctx=target.n_ctx, n_rs_seq=0, n_outputs_max=1)
+        self._make_context(model, dict(ctx_opts, n_outputs_max=1), target)
+        self._keep_rows = n_draft + 1
+
+    def attach_server(self, model: Model, n_seq: int, ctx_opts: dict[str, Any], target: Context) -> Context:
+        """Bind to a batching server's ``target`` context: an MTP context with one sequence per slot
+        (``n_seq``), owned by the drafter like a session's; the server drives it."""
+        if self._closed:
+            raise ClosedError("MTPDraft is closed")
+        if self._ctx is not None:
+            raise InvalidArgumentError("this MTPDraft already serves a session or server; create one per user")
+        return self._make_context(model, dict(ctx_opts, n_seq_max=n_seq, n_outputs_max=n_seq), target)
+
+    def _make_context(self, model: Model, opts: dict[str, Any], target: Context) -> Context:
+        check_mtp_model(model)
+        if target.params.pooling not in ("none", "unspecified"):
+            # llama.cpp writes the hidden rows an MTP head reads only without pooling.
+            raise InvalidArgumentError(f"pooling={target.params.pooling!r}: MTP drafting needs a context "
+                                       "without pooling (the head reads the per-token hidden rows)")
+        opts.update(n_ctx=target.n_ctx, n_rs_seq=0, pooling="none")
+        opts.pop("swa_full", None)
         hold = target.hold()  # the MTP context is made beside the target: keep the target until it goes
         try:
             ctx = Context(model, ContextParams(**opts), mtp_of=target)
@@ -145,7 +162,7 @@ class MTPDraft(Drafter):
             raise
         self._ctx, self._target_hold = ctx, hold
         self._zeros = np.zeros(model.n_embd_out, dtype=np.float32)
-        self._keep_rows = n_draft + 1
+        return ctx
 
     def hold(self) -> Hold:
         if self._ctx is None:
@@ -159,6 +176,12 @@ class MTPDraft(Drafter):
         self._lease = self._ctx.lease(held=True)
         self._logits_of = self._lease.logits_view_fn()
         self._is_eog = self._ctx.vocab.is_eog
+
+    def follows(self, target_tokens: Sequence[int]) -> bool:
+        """Whether the MTP cache holds exactly what the target holds (it can fall behind when an
+        aborted or failed MTP decode cleared it; only a cold start brings it back)."""
+        lease = self._lease
+        return lease is None or lease.tokens == list(target_tokens)
 
     def reset(self) -> None:
         """Forget the sequence: the MTP cache and the kept rows (a cold start, as the target's)."""

@@ -221,6 +221,11 @@ class _Generation:
                     # A cold draft context, as the target's: the draft distributions of a seeded call
                     # then do not depend on what earlier calls left there (batch shapes round apart).
                     self.drafter.reset()
+                elif not self.drafter.follows(lease.tokens):
+                    # The drafter lost track of the target (an MTP cache cleared by an aborted decode):
+                    # both start cold, so it follows the prompt's recomputation again.
+                    lease.clear()
+                    self.drafter.reset()
                 with self._lock:
                     self.running = not self.cancelled
                 if not self.running:
