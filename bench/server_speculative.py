@@ -72,7 +72,7 @@ def bench_llama_server(exe: Path, model: Path, mode: str, draft: Path, levels, n
     if mode == "ngram":
         cmd += ["--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]
     elif mode == "draft":
-        cmd += ["-md", str(draft), "--spec-draft-n-max", "4", "-td", str(threads)]
+        cmd += ["--spec-type", "draft-simple", "-md", str(draft), "--spec-draft-n-max", "4", "-td", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
