@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -363,6 +364,170 @@ def test_a_server_whose_worker_dies_fails_its_requests_and_stops(tiny_model_path
         assert lc.generate(tiny_model, PROMPT, max_tokens=8, temp=0, ignore_eos=True).tokens == expected
     finally:
         worker.stop()
+
+
+# ---- a connection lost at a chosen message (a proxy between this process and a worker) ---------
+_CMDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+         "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+         "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR")
+
+
+class Proxy:
+    """A TCP proxy to a worker that reads the client's ggml RPC requests and can cut every connection.
+
+    ``cut_at(cmd, nth, delay)``: at the ``nth`` request ``cmd`` from now, wait ``delay`` seconds, then
+    close both sides of every connection (as a worker that died would; the worker itself lives on and
+    serves the next connection, as one restarted would). ``cut()``: the same, now.
+    """
+
+    def __init__(self, port: int):
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.seen: list[str] = []
+        self._rule: tuple[str, int, float] | None = None
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_at(self, cmd: str, nth: int = 1, delay: float = 0.0) -> None:
+        with self._lock:
+            self._rule = (cmd, self.seen.count(cmd) + nth, delay)
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _recv(sock: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _answers(self, server: socket.socket, client: socket.socket) -> None:
+        try:
+            while data := server.recv(65536):
+                client.sendall(data)
+            client.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _requests(self, client: socket.socket, server: socket.socket) -> None:
+        try:
+            while True:
+                head = self._recv(client, 9)
+                body = self._recv(client, struct.unpack("<Q", head[1:])[0])
+                cmd = _CMDS[head[0]] if head[0] < len(_CMDS) else str(head[0])
+                with self._lock:
+                    self.seen.append(cmd)
+                    rule = self._rule
+                    hit = rule is not None and rule[0] == cmd and rule[1] == self.seen.count(cmd)
+                    if hit:
+                        self._rule = None
+                if hit:
+                    time.sleep(rule[2])
+                    self.cut()
+                    return
+                server.sendall(head + body)
+        except (OSError, EOFError):
+            pass
+        try:
+            server.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def spare_worker(tmp_path_factory):
+    """A worker of its own for the proxy tests (the proxy cuts connections; the worker lives on)."""
+    worker = Worker(tmp_path_factory.mktemp("rpc-spare")).wait_ready()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def proxy(spare_worker):
+    p = Proxy(spare_worker.port)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+ON_WORKER = dict(n_gpu_layers=99, tensor_split=[1])  # every layer and the output on the worker
+
+
+@needs_connection_errors
+def test_a_worker_lost_while_a_decode_finishes_is_never_read_as_a_result(tiny_model_path, tiny_model, proxy):
+    # llama_decode returns before the worker has computed and sent back the outputs (ggml runs the
+    # graph and reads the outputs back asynchronously). The connection is cut after llama_decode
+    # returned: the outputs must not be read as a result (a failed connection answers zeros,
+    # token 0), the decode raises.
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        assert lc.generate(model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut_at("GET_TENSOR", delay=0.3)  # (the first decode's logits, read back)
+        with pytest.raises(lc.RPCConnectionError) as err:
+            lc.generate(model, PROMPT, max_tokens=1, temp=0)
+        assert_lost(err, proxy.endpoint)
+        assert "GET_TENSOR" in str(err.value)
+    # Through the lease: the decode itself raises, before any output is read.
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        ctx = lc.Context.create(model, n_ctx=256)
+        from llama_ctypes.core.batch import Batch
+        batch = Batch(64)
+        batch.add_sequence(model.tokenize(PROMPT), 0, 0)
+        with ctx.lease() as lease:
+            lease.decode(batch)
+            assert int(lease.logits(-1).argmax()) == expected[0]
+            proxy.cut_at("GET_TENSOR", delay=0.3)
+            lease.clear()
+            with pytest.raises(lc.RPCConnectionError, match="was lost"):
+                lease.decode(batch)
+        ctx.close()
+    # A Server: the tick's request fails with the error (it does not complete with token 0).
+    with lc.Server(model_path=str(tiny_model_path), rpc_servers=[proxy.endpoint], n_parallel=2, n_ctx=512,
+                   **ON_WORKER) as srv:
+        assert srv.generate(PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut_at("GET_TENSOR", delay=0.3)
+        with pytest.raises(lc.RPCConnectionError) as err:
+            srv.generate("The quick brown fox", max_tokens=1, temp=0)
+        assert_lost(err, proxy.endpoint)
+        with pytest.raises(lc.ServerClosedError, match="was lost"):
+            srv.generate(PROMPT, max_tokens=1)
+
 
 
 # ---- the worker command --------------------------------------------------------------------------
