@@ -529,6 +529,48 @@ def test_a_worker_lost_while_a_decode_finishes_is_never_read_as_a_result(tiny_mo
             srv.generate(PROMPT, max_tokens=1)
 
 
+@needs_connection_errors
+@pytest.mark.parametrize("cmd, nth", [("HELLO", 2), ("GET_ALIGNMENT", 1), ("GET_MAX_SIZE", 1)])
+def test_a_connection_lost_once_during_a_load_fails_that_load_only(tiny_model_path, tiny_model, proxy, cmd, nth):
+    # The load's connection fails while llama.cpp asks for the worker's buffer type (its handshake,
+    # alignment, largest buffer) and the worker is reachable again right after. The load fails
+    # with RPCConnectionError (nothing reconnects behind it, nothing is allocated from the failed
+    # connection's stand-in answers: that aborted the process in ggml-alloc), the next load works.
+    lc.add_rpc_servers([proxy.endpoint])
+    proxy.cut_at(cmd, nth)  # HELLO: the 1st is the load's probe, the 2nd the load's own connection
+    with pytest.raises(lc.RPCConnectionError) as err:
+        lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER)
+    assert_lost(err, proxy.endpoint)
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        assert lc.generate(model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+
+
+@needs_connection_errors
+def test_a_new_load_after_an_idle_models_worker_came_back(tiny_model_path, tiny_model, proxy):
+    # Model A sits idle while its worker goes away and comes back on the same address (the proxy
+    # closes every connection: the worker serves the next one). Nothing noticed yet: A's connection
+    # is not failed. A new load must find that connection dead and connect afresh, not fail with
+    # "was lost" on it; A learns it at its next use.
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    a = lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER)
+    try:
+        assert lc.generate(a, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut()
+        time.sleep(0.2)  # (the connection's end reaches this side)
+        with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as b:
+            assert lc.generate(b, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+            with pytest.raises(lc.RPCConnectionError) as err:
+                lc.generate(a, PROMPT, max_tokens=4, temp=0)
+            assert_lost(err, proxy.endpoint)
+            with pytest.raises(lc.RPCConnectionError, match="was lost"):
+                a.check_workers()
+            a.close()
+            assert lc.generate(b, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+    finally:
+        a.close()
+
+
 
 # ---- the worker command --------------------------------------------------------------------------
 def test_worker_warns_when_listening_beyond_localhost(tmp_path):
