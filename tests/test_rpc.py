@@ -571,6 +571,36 @@ def test_a_new_load_after_an_idle_models_worker_came_back(tiny_model_path, tiny_
         a.close()
 
 
+@needs_connection_errors
+def test_a_manager_model_that_lost_its_worker_is_failed_and_can_be_loaded_again(tiny_model_path, tiny_model,
+                                                                                proxy):
+    from starlette.testclient import TestClient
+
+    from llama_ctypes.interfaces.http import create_app
+
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    opts = dict(rpc_servers=[proxy.endpoint], n_parallel=1, n_ctx=256, **ON_WORKER)
+    with lc.ModelManager() as mm, TestClient(create_app(mm)) as http:
+        mm.load("m", str(tiny_model_path), **opts)
+        used = mm.used()
+        assert mm.generate("m", PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        assert http.get("/health").status_code == 200
+        proxy.cut()
+        # the request that notices: 503 with the reason (not an internal error)
+        answer = http.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
+        assert answer.status_code == 503 and "was lost" in answer.json()["error"]["message"], answer.text
+        (info,) = mm.list()
+        assert info.status == "failed" and "was lost" in info.error
+        assert not mm.loaded("m") and mm.used() == used  # still held until unloaded or loaded again
+        with pytest.raises(lc.ModelNotReadyError, match="was lost"):
+            mm.generate("m", PROMPT, max_tokens=4)
+        health = http.get("/health")
+        assert health.status_code == 503 and "m" in health.json()["error"]["message"]
+        mm.load("m", str(tiny_model_path), **opts)  # frees the lost one first
+        assert mm.loaded("m") and mm.used() == used
+        assert mm.generate("m", PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        assert http.get("/health").status_code == 200
+
 
 # ---- the worker command --------------------------------------------------------------------------
 def test_worker_warns_when_listening_beyond_localhost(tmp_path):
