@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -363,6 +364,242 @@ def test_a_server_whose_worker_dies_fails_its_requests_and_stops(tiny_model_path
         assert lc.generate(tiny_model, PROMPT, max_tokens=8, temp=0, ignore_eos=True).tokens == expected
     finally:
         worker.stop()
+
+
+# ---- a connection lost at a chosen message (a proxy between this process and a worker) ---------
+_CMDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+         "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+         "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR")
+
+
+class Proxy:
+    """A TCP proxy to a worker that reads the client's ggml RPC requests and can cut every connection.
+
+    ``cut_at(cmd, nth, delay)``: at the ``nth`` request ``cmd`` from now, wait ``delay`` seconds, then
+    close both sides of every connection (as a worker that died would; the worker itself lives on and
+    serves the next connection, as one restarted would). ``cut()``: the same, now.
+    """
+
+    def __init__(self, port: int):
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.seen: list[str] = []
+        self._rule: tuple[str, int, float] | None = None
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_at(self, cmd: str, nth: int = 1, delay: float = 0.0) -> None:
+        with self._lock:
+            self._rule = (cmd, self.seen.count(cmd) + nth, delay)
+
+    def cut(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            threading.Thread(target=self._requests, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _recv(sock: socket.socket, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _answers(self, server: socket.socket, client: socket.socket) -> None:
+        try:
+            while data := server.recv(65536):
+                client.sendall(data)
+            client.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _requests(self, client: socket.socket, server: socket.socket) -> None:
+        try:
+            while True:
+                head = self._recv(client, 9)
+                body = self._recv(client, struct.unpack("<Q", head[1:])[0])
+                cmd = _CMDS[head[0]] if head[0] < len(_CMDS) else str(head[0])
+                with self._lock:
+                    self.seen.append(cmd)
+                    rule = self._rule
+                    hit = rule is not None and rule[0] == cmd and rule[1] == self.seen.count(cmd)
+                    if hit:
+                        self._rule = None
+                if hit:
+                    time.sleep(rule[2])
+                    self.cut()
+                    return
+                server.sendall(head + body)
+        except (OSError, EOFError):
+            pass
+        try:
+            server.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def spare_worker(tmp_path_factory):
+    """A worker of its own for the proxy tests (the proxy cuts connections; the worker lives on)."""
+    worker = Worker(tmp_path_factory.mktemp("rpc-spare")).wait_ready()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def proxy(spare_worker):
+    p = Proxy(spare_worker.port)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+ON_WORKER = dict(n_gpu_layers=99, tensor_split=[1])  # every layer and the output on the worker
+
+
+@needs_connection_errors
+def test_a_worker_lost_while_a_decode_finishes_is_never_read_as_a_result(tiny_model_path, tiny_model, proxy):
+    # llama_decode returns before the worker has computed and sent back the outputs (ggml runs the
+    # graph and reads the outputs back asynchronously). The connection is cut after llama_decode
+    # returned: the outputs must not be read as a result (a failed connection answers zeros,
+    # token 0), the decode raises.
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        assert lc.generate(model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut_at("GET_TENSOR", delay=0.3)  # (the first decode's logits, read back)
+        with pytest.raises(lc.RPCConnectionError) as err:
+            lc.generate(model, PROMPT, max_tokens=1, temp=0)
+        assert_lost(err, proxy.endpoint)
+        assert "GET_TENSOR" in str(err.value)
+    # Through the lease: the decode itself raises, before any output is read.
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        ctx = lc.Context.create(model, n_ctx=256)
+        from llama_ctypes.core.batch import Batch
+        batch = Batch(64)
+        batch.add_sequence(model.tokenize(PROMPT), 0, 0)
+        with ctx.lease() as lease:
+            lease.decode(batch)
+            assert int(lease.logits(-1).argmax()) == expected[0]
+            proxy.cut_at("GET_TENSOR", delay=0.3)
+            lease.clear()
+            with pytest.raises(lc.RPCConnectionError, match="was lost"):
+                lease.decode(batch)
+        ctx.close()
+    # A Server: the tick's request fails with the error (it does not complete with token 0).
+    with lc.Server(model_path=str(tiny_model_path), rpc_servers=[proxy.endpoint], n_parallel=2, n_ctx=512,
+                   **ON_WORKER) as srv:
+        assert srv.generate(PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut_at("GET_TENSOR", delay=0.3)
+        with pytest.raises(lc.RPCConnectionError) as err:
+            srv.generate("The quick brown fox", max_tokens=1, temp=0)
+        assert_lost(err, proxy.endpoint)
+        with pytest.raises(lc.ServerClosedError, match="was lost"):
+            srv.generate(PROMPT, max_tokens=1)
+
+
+@needs_connection_errors
+@pytest.mark.parametrize("cmd, nth", [("HELLO", 2), ("GET_ALIGNMENT", 1), ("GET_MAX_SIZE", 1)])
+def test_a_connection_lost_once_during_a_load_fails_that_load_only(tiny_model_path, tiny_model, proxy, cmd, nth):
+    # The load's connection fails while llama.cpp asks for the worker's buffer type (its handshake,
+    # alignment, largest buffer) and the worker is reachable again right after. The load fails
+    # with RPCConnectionError (nothing reconnects behind it, nothing is allocated from the failed
+    # connection's stand-in answers: that aborted the process in ggml-alloc), the next load works.
+    lc.add_rpc_servers([proxy.endpoint])
+    proxy.cut_at(cmd, nth)  # HELLO: the 1st is the load's probe, the 2nd the load's own connection
+    with pytest.raises(lc.RPCConnectionError) as err:
+        lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER)
+    assert_lost(err, proxy.endpoint)
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as model:
+        assert lc.generate(model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+
+
+@needs_connection_errors
+def test_a_new_load_after_an_idle_models_worker_came_back(tiny_model_path, tiny_model, proxy):
+    # Model A sits idle while its worker goes away and comes back on the same address (the proxy
+    # closes every connection: the worker serves the next one). Nothing noticed yet: A's connection
+    # is not failed. A new load must find that connection dead and connect afresh, not fail with
+    # "was lost" on it; A learns it at its next use.
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    a = lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER)
+    try:
+        assert lc.generate(a, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        proxy.cut()
+        time.sleep(0.2)  # (the connection's end reaches this side)
+        with lc.load_model(tiny_model_path, rpc_servers=[proxy.endpoint], **ON_WORKER) as b:
+            assert lc.generate(b, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+            with pytest.raises(lc.RPCConnectionError) as err:
+                lc.generate(a, PROMPT, max_tokens=4, temp=0)
+            assert_lost(err, proxy.endpoint)
+            with pytest.raises(lc.RPCConnectionError, match="was lost"):
+                a.check_workers()
+            a.close()
+            assert lc.generate(b, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+    finally:
+        a.close()
+
+
+@needs_connection_errors
+def test_a_manager_model_that_lost_its_worker_is_failed_and_can_be_loaded_again(tiny_model_path, tiny_model,
+                                                                                proxy):
+    from starlette.testclient import TestClient
+
+    from llama_ctypes.interfaces.http import create_app
+
+    expected = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens
+    opts = dict(rpc_servers=[proxy.endpoint], n_parallel=1, n_ctx=256, **ON_WORKER)
+    with lc.ModelManager() as mm, TestClient(create_app(mm)) as http:
+        mm.load("m", str(tiny_model_path), **opts)
+        used = mm.used()
+        assert mm.generate("m", PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        assert http.get("/health").status_code == 200
+        proxy.cut()
+        # the request that notices: 503 with the reason (not an internal error)
+        answer = http.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
+        assert answer.status_code == 503 and "was lost" in answer.json()["error"]["message"], answer.text
+        (info,) = mm.list()
+        assert info.status == "failed" and "was lost" in info.error
+        assert not mm.loaded("m") and mm.used() == used  # still held until unloaded or loaded again
+        with pytest.raises(lc.ModelNotReadyError, match="was lost"):
+            mm.generate("m", PROMPT, max_tokens=4)
+        health = http.get("/health")
+        assert health.status_code == 503 and "m" in health.json()["error"]["message"]
+        mm.load("m", str(tiny_model_path), **opts)  # frees the lost one first
+        assert mm.loaded("m") and mm.used() == used
+        assert mm.generate("m", PROMPT, max_tokens=4, temp=0, ignore_eos=True).tokens == expected
+        assert http.get("/health").status_code == 200
 
 
 # ---- the worker command --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from ..errors import (ArgumentTypeError, ClosedError, ContextCreationError, ContextOverflowError, DecodeError,
-                      IndexOutOfRangeError, InvalidArgumentError, LlamaError)
+                      IndexOutOfRangeError, InvalidArgumentError, LlamaError, RPCConnectionError)
 from ..native import ggml_h
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
@@ -314,6 +314,24 @@ def _abort_callback(lib):
     return ggml_h.ggml_abort_callback(ctypes.cast(fn, ctypes.c_void_p).value)
 
 
+def _synchronized_check(lib, ptr, watch: ConnectionWatch) -> Callable[[], RPCConnectionError | None]:
+    """The check after a decode of a context whose model uses RPC workers: the error of a lost one, else None.
+
+    ``llama_decode`` returns before its work is done: the graph runs, and its outputs come
+    back from the workers, asynchronously (llama.cpp synchronizes only when the outputs are
+    read). A worker lost meanwhile would go unnoticed by a check made right away, and the
+    outputs then read as the zeros a failed connection answers. So wait for the decode to
+    finish (``llama_synchronize``) before asking. (Contexts of local models skip all of this.)
+    """
+    synchronize, failure = lib.llama_synchronize, watch.failure
+
+    def lost() -> RPCConnectionError | None:
+        synchronize(ptr)
+        return failure()
+
+    return lost
+
+
 class ContextLease:
     """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
 
@@ -334,7 +352,7 @@ class ContextLease:
         self._mem = ctx._mem
         self._held = True
         # Checked after every decode when the model uses RPC workers (None: nothing to watch).
-        self._lost = ctx._rpc.failure if ctx._rpc.active else None
+        self._lost = _synchronized_check(self._lib, ctx._ptr, ctx._rpc) if ctx._rpc.active else None
         self._max_outputs = ctx.n_outputs_max
         # Called as ``after_decode(lease, tokens, pos)`` after each decode of prefill() and decode_run()
         # (``tokens`` now sit at positions pos.. of sequence 0; the decode's outputs are readable): a
@@ -410,7 +428,8 @@ class ContextLease:
     def _check_workers(self) -> None:
         """After a native call that may have used RPC workers: raise if one was lost meanwhile.
 
-        (A lost worker's results read as zeros and its work is skipped: what the call computed is void.)
+        Waits for the call's asynchronous work first (see _synchronized_check). (A lost worker's
+        results read as zeros and its work is skipped: what the call computed is void.)
         """
         if self._lost is not None and (error := self._lost()) is not None:
             raise error
@@ -591,7 +610,8 @@ class ContextLease:
         (``n_embd_out`` float32s, copied during the call), through ``llama_process``: the input of an MTP
         context. ``output_last``: logits (and the hidden row) of the last token.
 
-        Unknown ids or too many tokens raise with nothing changed; if the decode fails, the sequence is cleared.
+        Unknown ids or too many tokens raise with nothing changed; if the decode fails, the sequence is cleared
+        (RPCConnectionError when an RPC worker was lost during it).
         """
         self._check()
         ctx, lib, ptr = self.ctx, self._lib, self._ptr
@@ -623,7 +643,8 @@ class ContextLease:
         ``positions[i]`` with the state row at address ``states[i]`` (``n_embd_out`` float32s, copied
         during the call); ``outputs``: the batch indices with logits and hidden rows. Returns llama.cpp's
         code. Sequence bookkeeping is the caller's (a multi-sequence MTP context of a server): the
-        tokens of sequence 0 (:attr:`tokens`) are forgotten.
+        tokens of sequence 0 (:attr:`tokens`) are forgotten. Raises RPCConnectionError (whatever the
+        code) when an RPC worker was lost during it.
         """
         self._check()
         ctx = self.ctx
@@ -659,9 +680,11 @@ class ContextLease:
             for i in outputs:
                 lib.llama_batch_ext_set_output_logits(batch, int(i), True)
             self.ctx._last_decoded = len(run)
-            return int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
+            rc = int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
         finally:
             lib.llama_batch_ext_free(batch)
+        self._check_workers()
+        return rc
 
     def truncate(self, n: int) -> bool:
         """Cut sequence 0 back to its first ``n`` tokens, KV and ``tokens`` together (a rollback).

@@ -196,10 +196,14 @@ def _check(lib: NativeLibrary, endpoint: str, timeout: float) -> None:
     """Probe ``endpoint`` before ggml uses it. Caller holds registry_lock.
 
     While this process holds a live connection to the worker, only the TCP connection is
-    checked (the worker serves one client: us). A failed connection is then dropped, so
-    that ggml connects again (those holding it keep it, failed).
+    probed (the worker serves one client: us), and the connection itself is exercised with
+    a cheap command: one whose worker died or was restarted while it sat idle fails now
+    (the models holding it learn it at their next use) instead of during the load. A failed
+    connection is then dropped, so that ggml connects again (those holding it keep it, failed).
     """
     api = _connection_api(lib)
+    if api is not None and _in_use[endpoint]:
+        api.exercise(endpoint)
     failed = api is not None and api.current_failed(endpoint)
     probe(endpoint, timeout, handshake=_in_use[endpoint] == 0 or failed)
     if failed:
@@ -347,6 +351,10 @@ class _ConnectionAPI:
         self._failed = _proc(lib, "ggml_backend_rpc_connection_failed")
         self._last_failure = _proc(lib, "ggml_backend_rpc_last_failure")
         self._reset = _proc(lib, "ggml_backend_rpc_reset_connection")
+        # (newer than the others: libraries built with an older version of the patch lack it)
+        reg = _rpc_reg(lib)
+        self._exercise = (_proc(lib, "ggml_backend_rpc_check_connection")
+                          if lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_check_connection") else None)
 
     def failed(self, conn_id: int) -> str | None:
         """The reason connection ``conn_id`` failed, or None while it has not."""
@@ -368,6 +376,17 @@ class _ConnectionAPI:
 
     def reset(self, endpoint: str) -> bool:
         return bool(self._reset(endpoint.encode()))
+
+    def exercise(self, endpoint: str) -> bool:
+        """Send a cheap command over ``endpoint``'s open connection, if any (connects nothing).
+
+        Returns whether that connection is a failed one now; a connection whose worker went
+        away while it sat idle (nothing noticed yet) fails here. The command waits behind
+        whatever the connection is doing.
+        """
+        if self._exercise is None:
+            return self.current_failed(endpoint)
+        return bool(self._exercise(endpoint.encode()))
 
 
 _apis: dict[int, _ConnectionAPI | None] = {}

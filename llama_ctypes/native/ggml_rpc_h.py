@@ -64,6 +64,11 @@ ggml_backend_rpc_last_failure_t = CFUNCTYPE(c_uint64, c_char_p, c_char_p, c_size
 #   Drops endpoint's connection if it failed, so that the next use connects again (whoever holds
 #   the failed one keeps it, failed). A failed connection otherwise stays the endpoint's one.
 ggml_backend_rpc_reset_connection_t = CFUNCTYPE(c_bool, c_char_p)
+# static bool ggml_backend_rpc_check_connection(const char * endpoint);
+#   Exercises endpoint's open connection, if any, with a cheap command (GET_ALIGNMENT of device 0), so
+#   that one whose worker went away while it sat idle fails now; connects nothing. Returns whether
+#   endpoint's connection is a failed one (now or before); false when none is open.
+ggml_backend_rpc_check_connection_t = CFUNCTYPE(c_bool, c_char_p)
 
 # The functions ggml_backend_rpc_get_proc_address hands out, by name.
 PROC_PROTOTYPES = {
@@ -74,6 +79,7 @@ PROC_PROTOTYPES = {
     "ggml_backend_rpc_connection_failed": ggml_backend_rpc_connection_failed_t,
     "ggml_backend_rpc_last_failure": ggml_backend_rpc_last_failure_t,
     "ggml_backend_rpc_reset_connection": ggml_backend_rpc_reset_connection_t,
+    "ggml_backend_rpc_check_connection": ggml_backend_rpc_check_connection_t,
 }
 
 # ---- the wire protocol (ggml-rpc.cpp, transport.h) ------------------------------------------

@@ -22,6 +22,11 @@ from any thread.
 Unloading is deterministic: the server is closed (requests in flight end with
 ``ServerClosedError``), then the model; a caller still holding the
 :class:`Model` gets ``ClosedError`` from it, never a dangling pointer.
+
+A model that lost an RPC worker (a use raised RPCConnectionError) becomes ``failed``
+with that error (``info(id).error``; ``loaded(id)`` is False, routing raises
+ModelNotReadyError). It keeps its memory until it is unloaded or loaded again under
+the same id, which frees it first.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from ...core.handle import Closeable
 from ...core.memory import MemoryUsage, estimate_memory
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
-from ...errors import AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError
+from ...errors import (AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError,
+                       RPCConnectionError)
 from ...features import chat as _chat
 from ...features import embeddings as _emb
 from ...features import hub
@@ -70,7 +76,7 @@ _DIRECT_CONTEXT = {"n_ctx": 2048, "n_batch": 2048, "n_ubatch": 2048, "n_seq_max"
 
 
 class ModelNotReadyError(LlamaError, RuntimeError):
-    """The model id exists but failed to load (``info(id).error`` says why)."""
+    """The model id exists but failed to load, or lost an RPC worker since (``info(id).error`` says why)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ class ModelInfo:
     estimated: Mapping[Pool, int]  # llama.cpp's dry-run figures, what the budget counts
     actual: Mapping[Pool, int] | None  # measured after loading (None while loading, or direct mode)
     default: bool
-    error: str | None = None  # why a failed load failed
+    error: str | None = None  # why a failed load failed (or the RPC worker a loaded model lost)
 
     def __hash__(self) -> int:  # (the memory mappings are compared by value, so hashed by value)
         return hash((self.id, self.source, self.status, self.mode, self.capabilities, self.placement,
@@ -188,11 +194,18 @@ class ModelManager(Closeable):
         with self._lock:
             self._check_open()
             old = self._entries.get(id)
+            if old is not None:
+                self._note_lost(old)
             if old is not None and old.status != "failed":
                 raise AlreadyLoadedError(f"a model with id {id!r} is already {old.status}", model_id=id)
             self._entries[id] = entry
+            stale = old if old is not None and self._holds(old) else None
+            if stale is not None:  # a model that lost an RPC worker: freed first (its memory counted till then)
+                self._releasing.append(stale)
             if default or self._default is None:
                 self._default = id
+        if stale is not None:
+            self._free_released(stale)
         try:
             future = self._executor.submit(self._load, entry, source, mode, server_opts, model_opts, ctx_opts,
                                            defaults)
@@ -353,6 +366,35 @@ class ModelManager(Closeable):
         if self._closed or self._entries.get(entry.id) is not entry:
             raise ClosedError(f"model {entry.id!r} was unloaded while it loaded")
 
+    @staticmethod
+    def _holds(entry: _Entry) -> bool:
+        """Whether a ready or failed entry still holds a model or a server (a failed one: it lost an RPC worker)."""
+        return entry.status != "loading" and (entry.model is not None or entry.server is not None)
+
+    def _note_lost(self, entry: _Entry) -> None:
+        """A ready model whose RPC worker was lost becomes failed, with that error. Caller holds the lock.
+
+        (Cheap: one native call for a model over RPC workers, nothing for a local one. It frees
+        nothing: that is for unload() or a new load under the id, off the caller's thread.)
+        """
+        model = entry.model
+        if entry.status != "ready" or model is None:
+            return
+        try:
+            model.check_workers()
+        except RPCConnectionError as exc:
+            entry.status = "failed"
+            entry.error = exc
+            logger.error("model %r is unusable: %s", entry.id, exc)
+
+    def _free_released(self, entry: _Entry) -> None:
+        """Free an entry put in ``_releasing`` (its memory stays counted until then)."""
+        try:
+            self._discard(entry, entry.model)
+        finally:
+            with self._lock:
+                self._releasing.remove(entry)
+
     def _first_usable(self) -> str | None:
         return next((k for k, e in self._entries.items() if e.status != "failed"), None)
 
@@ -395,29 +437,32 @@ class ModelManager(Closeable):
             if entry.status == "loading":
                 self._releasing.append(entry)  # its worker frees it and drops it from here
                 return
-            if entry.status != "ready":
+            if not self._holds(entry):  # a failed load freed what it made
                 return
             self._releasing.append(entry)
-        try:
-            self._discard(entry, entry.model)
-        finally:
-            with self._lock:
-                self._releasing.remove(entry)
+        self._free_released(entry)
 
     def list(self) -> list[ModelInfo]:
         """Every managed model (loading, ready or failed), in load order."""
         with self._lock:
             entries = list(self._entries.values())
+            for e in entries:
+                self._note_lost(e)
         return [self._info(e) for e in entries]
 
     def info(self, id: str) -> ModelInfo:
         """The view of one model; KeyError if unknown."""
-        return self._info(self._entry(id, wait=False))
+        entry = self._entry(id, wait=False)
+        with self._lock:
+            self._note_lost(entry)
+        return self._info(entry)
 
     def loaded(self, id: str) -> bool:
-        """True when ``id`` is loaded and ready."""
+        """True when ``id`` is loaded and ready (False once it lost an RPC worker)."""
         with self._lock:
             entry = self._entries.get(id if id != "default" else (self._default or ""))
+            if entry is not None:
+                self._note_lost(entry)
         return entry is not None and entry.status == "ready"
 
     def set_default(self, id: str) -> None:
@@ -476,8 +521,12 @@ class ModelManager(Closeable):
 
     def _ready(self, id: str, capability: Capability | None) -> _Entry:
         entry = self._entry(id, wait=True)
+        with self._lock:
+            self._note_lost(entry)
         if isinstance(entry.error, ClosedError):
             raise ClosedError(f"model {entry.id!r} was unloaded")
+        if isinstance(entry.error, RPCConnectionError) and entry.status == "failed" and self._holds(entry):
+            raise ModelNotReadyError(f"model {entry.id!r} cannot be used: {entry.error}") from entry.error
         if entry.status != "ready":
             raise ModelNotReadyError(f"model {entry.id!r} failed to load: {entry.error}")
         if capability is not None and capability not in entry.capabilities:
@@ -622,7 +671,7 @@ class ModelManager(Closeable):
             self._entries.clear()
             self._default = None
         for entry in entries:
-            if entry.status == "ready":
+            if self._holds(entry):  # ready, or failed since (it lost an RPC worker)
                 self._discard(entry, entry.model)
         # From one of our own workers (a future's callback), waiting for the workers would deadlock.
         in_worker = threading.current_thread().name.startswith(_WORKER_PREFIX)

@@ -259,6 +259,12 @@ class Engine:
             return
         try:
             self.drafter.propose(asks)  # type: ignore[union-attr]
+        except RPCConnectionError:
+            # A worker of the server's model was lost (an MTP drafter shares them): the server stops.
+            # A draft model's own worker: it costs speed only, as below.
+            self.ctx.check_workers()
+            logger.exception("the server's drafter lost an RPC worker; this tick decodes without drafts")
+            return
         except Exception:  # a drafter's bug (or a draft decode aborted by close) costs speed only
             logger.exception("the server's drafter failed; this tick decodes without drafts")
             return
@@ -322,6 +328,10 @@ class Engine:
         if self._observer is not None:
             try:
                 self._observer.observe(plan, outputs, self.lease, batch.n_tokens)
+            except RPCConnectionError:
+                self.ctx.check_workers()  # a worker of the server's model was lost: the server stops
+                logger.exception("the drafter could not follow this tick")
+                self._observer.reset()
             except Exception:  # drafts get worse (none until the slots start over), outputs do not change
                 logger.exception("the drafter could not follow this tick")
                 self._observer.reset()

@@ -21,6 +21,7 @@ from ...errors import (
     InsufficientMemoryError,
     InvalidArgumentError,
     LlamaError,
+    RPCConnectionError,
     SchemaError,
 )
 
@@ -93,7 +94,7 @@ def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
         return exc
     if isinstance(exc, QueueFullError):
         return TooManyRequests(str(exc))
-    if isinstance(exc, (ServerClosedError, ClosedError)):
+    if isinstance(exc, (ServerClosedError, ClosedError, RPCConnectionError)):  # (RPC: the model lost a worker)
         return Unavailable(f"the model is not available: {exc}")
     if isinstance(exc, ContextOverflowError):
         return BadRequest(str(exc), param=param, code="context_length_exceeded")

@@ -51,7 +51,7 @@ class Router:
         if info.status == "loading":
             raise Unavailable(f"the model {info.id!r} is loading")
         if info.status == "failed":
-            raise Unavailable(f"the model {info.id!r} failed to load: {info.error}", code="model_failed")
+            raise Unavailable(f"the model {info.id!r} failed: {info.error}", code="model_failed")
         return info
 
     def settings_of(self, model_id: str) -> ModelSettings:

@@ -37,8 +37,8 @@ async def health(request: Request, app: AppContext) -> Response:
     if loading:
         raise Unavailable(f"loading model(s): {', '.join(loading)}", code="loading")
     failed = [i.id for i in infos if i.status == "failed"]
-    if failed:
-        raise Unavailable(f"model(s) failed to load: {', '.join(failed)}", code="model_failed")
+    if failed:  # (a load failed, or a loaded model lost an RPC worker)
+        raise Unavailable(f"model(s) failed: {', '.join(failed)}", code="model_failed")
     stats = await anyio.to_thread.run_sync(app.router.server_stats)
     detail: dict[str, Any] = {}
     for info in infos:
