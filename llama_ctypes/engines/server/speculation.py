@@ -203,7 +203,8 @@ class MTPSlots:
     The MTP context holds one sequence per slot, kept equal to the slot's KV: after every tick
     (:meth:`observe`) it decodes what each slot's sequence kept, token ``p`` paired with the
     target's hidden row of position ``p - 1`` (the first of a step with the row kept from the
-    slot's previous step); the pool's KV operations reach it through :meth:`kv_mirror`. Where a
+    slot's previous step); the pool's KV operations reach it through ``ContextKV(mirror=)``
+    (``kv_forget``, ``kv_truncate``, ``kv_copy``, ``kv_restore``, ``kv_complete``). Where a
     row is unknown (a prefix reused from an earlier request, copied from another slot) one position
     pairs with zeros: weaker drafts, the same output. A prefix the mirror lacks (after a failed
     mirror decode, or restored from the RAM cache) is not reused (``kv_complete``): the slot
