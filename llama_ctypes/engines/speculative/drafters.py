@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ...core.context import ContextLease
     from ...core.sampler import SamplingParams
 
-__all__ = ["Drafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup", "rollback_snapshots"]
+__all__ = ["Drafter", "ContextDrafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup", "rollback_snapshots"]
 
 _PIECE_BUF = 256
 
@@ -195,7 +195,57 @@ def check_same_vocab(target: Model, draft: Model) -> None:
             hold.release()
 
 
-class DraftModel(Drafter):
+class ContextDrafter(Drafter):
+    """Base of drafters that own a context, made when a session (``attach``) or a server
+    (``attach_server``) binds them: one user each, and ``close()`` frees the context once a running
+    stream lets go of it."""
+
+    _ctx: Context | None = None
+    _lease: "ContextLease | None" = None
+    _closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def context(self) -> Context | None:
+        """The drafter's context (None until a session or server attaches the drafter)."""
+        return self._ctx
+
+    def _check_unbound(self) -> None:
+        """Raise unless the drafter is open and serves nobody yet."""
+        name = type(self).__name__
+        if self._closed:
+            raise ClosedError(f"{name} is closed")
+        if self._ctx is not None:
+            raise InvalidArgumentError(f"this {name} already serves a session or server; create one per user")
+
+    def _attached(self) -> Context:
+        if self._ctx is None:
+            raise InvalidArgumentError(f"{type(self).__name__} is not attached to a session")
+        return self._ctx
+
+    def hold(self) -> Hold:
+        return self._attached().hold()
+
+    def start(self) -> None:
+        # held=True: the running stream holds the context, so a session closed meanwhile
+        # lets this sequence finish (the context is freed when it ends).
+        self._lease = self._attached().lease(held=True)
+
+    def finish(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+
+    def abort(self) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            ctx.abort()
+
+
+class DraftModel(ContextDrafter):
     """Drafting with a second, smaller model that shares the target's vocabulary.
 
     ``model``: a :class:`Model` (not owned: close it yourself) or a GGUF path (loaded
@@ -233,23 +283,11 @@ class DraftModel(Drafter):
     def model(self) -> Model:
         return self._model
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def context(self) -> Context | None:
-        """The draft context (None until a session attaches the drafter)."""
-        return self._ctx
-
     def __repr__(self) -> str:
         return f"DraftModel({self._model.path.name!r}{', closed' if self._closed else ''})"
 
     def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any], target: Context | None = None) -> None:
-        if self._closed:
-            raise ClosedError("DraftModel is closed")
-        if self._ctx is not None:
-            raise InvalidArgumentError("this DraftModel already serves a session; create one per session")
+        self._check_unbound()
         check_same_vocab(model, self._model)
         opts = {**ctx_opts, **self._ctx_opts}
         # Drafting decodes one token at a time and reads one logits row.
@@ -264,10 +302,7 @@ class DraftModel(Drafter):
     def attach_server(self, model: Model, n_seq: int, n_draft: int, ctx_opts: dict[str, Any]) -> Context:
         """Bind to a batching server's ``model``: a draft context with one sequence per slot (``n_seq``),
         owned by the drafter like a session's. ``ctx_opts``: the server's context options."""
-        if self._closed:
-            raise ClosedError("DraftModel is closed")
-        if self._ctx is not None:
-            raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
+        self._check_unbound()
         check_same_vocab(model, self._model)
         opts = {**ctx_opts, **self._ctx_opts}
         opts["n_seq_max"] = n_seq
@@ -279,29 +314,12 @@ class DraftModel(Drafter):
         self._ctx = Context.create(self._model, **opts)
         return self._ctx
 
-    def hold(self) -> Hold | _NoHold:
-        if self._ctx is None:
-            raise InvalidArgumentError("DraftModel is not attached to a session")
-        return self._ctx.hold()
-
-    def start(self) -> None:
-        # held=True: the running stream holds the context, so a session closed meanwhile
-        # lets this sequence finish (the context is freed when it ends).
-        if self._ctx is None:
-            raise InvalidArgumentError("DraftModel is not attached to a session")
-        self._lease = self._ctx.lease(held=True)
-
     def reset(self) -> None:
         """Forget what the draft context holds: the next draft starts cold (the session calls this
         at the start of every call without ``cache_prompt``, so that a seeded call reproduces)."""
         lease = self._lease
         if lease is not None:
             lease.clear()
-
-    def finish(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
 
     def _sync(self, context_tokens: Sequence[int], k: int) -> tuple["ContextLease | None", int]:
         """The draft context brought to ``context_tokens`` (reusing the prefix it holds, and
@@ -350,11 +368,6 @@ class DraftModel(Drafter):
                 break
             append(tok)
         return out, q_rows
-
-    def abort(self) -> None:
-        ctx = self._ctx
-        if ctx is not None:
-            ctx.abort()
 
     def close(self) -> None:
         """Close the draft context (after a running stream ends) and a model loaded from a path."""

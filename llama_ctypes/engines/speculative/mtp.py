@@ -33,8 +33,8 @@ from ...core.context import Context
 from ...core.handle import Hold
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
-from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
-from .drafters import Drafter
+from ...errors import ArgumentTypeError, InvalidArgumentError
+from .drafters import ContextDrafter
 from .session import MAX_DRAFT, SpeculativeSession
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def check_mtp_model(model: Model) -> None:
                                    "lc.load_model(path, load_mtp=True), or give lc.MTP the path")
 
 
-class MTPDraft(Drafter):
+class MTPDraft(ContextDrafter):
     """Drafting with the target model's own MTP head (a second context over the same weights).
 
     ``p_min`` (0..1, default 0): end a draft before a token the head gives less than this
@@ -108,19 +108,11 @@ class MTPDraft(Drafter):
         self._last_draft = (-1, 0)  # (pos0, n) of the last draft
         self._closed = False
 
-    @property
-    def context(self) -> Context | None:
-        """The MTP context (None until a session attaches the drafter)."""
-        return self._ctx
-
     def __repr__(self) -> str:
         return f"MTPDraft(p_min={self.p_min}{', closed' if self._closed else ''})"
 
     def attach(self, model: Model, n_draft: int, ctx_opts: dict[str, Any], target: Context | None = None) -> None:
-        if self._closed:
-            raise ClosedError("MTPDraft is closed")
-        if self._ctx is not None:
-            raise InvalidArgumentError("this MTPDraft already serves a session; create one per session")
+        self._check_unbound()
         if target is None or target.model is not model:
             raise InvalidArgumentError("MTPDraft drafts from its session's target context "
                                        "(a SpeculativeSession attaches it)")
@@ -132,10 +124,7 @@ class MTPDraft(Drafter):
     def attach_server(self, model: Model, n_seq: int, ctx_opts: dict[str, Any], target: Context) -> Context:
         """Bind to a batching server's ``target`` context: an MTP context with one sequence per slot
         (``n_seq``), owned by the drafter like a session's; the server drives it."""
-        if self._closed:
-            raise ClosedError("MTPDraft is closed")
-        if self._ctx is not None:
-            raise InvalidArgumentError("this MTPDraft already serves a session or server; create one per user")
+        self._check_unbound()
         return self._make_context(model, dict(ctx_opts, n_seq_max=n_seq, n_outputs_max=n_seq), target)
 
     def _make_context(self, model: Model, opts: dict[str, Any], target: Context) -> Context:
@@ -164,16 +153,8 @@ class MTPDraft(Drafter):
         self._zeros = np.zeros(model.n_embd_out, dtype=np.float32)
         return ctx
 
-    def hold(self) -> Hold:
-        if self._ctx is None:
-            raise InvalidArgumentError("MTPDraft is not attached to a session")
-        return self._ctx.hold()
-
     def start(self) -> None:
-        # held=True: the running stream holds the context (see DraftModel.start).
-        if self._ctx is None:
-            raise InvalidArgumentError("MTPDraft is not attached to a session")
-        self._lease = self._ctx.lease(held=True)
+        super().start()
         self._logits_of = self._lease.logits_view_fn()
         self._is_eog = self._ctx.vocab.is_eog
 
@@ -190,11 +171,6 @@ class MTPDraft(Drafter):
             lease.clear()
         self._rows = None
         self._last_batch = self._last_draft = (-1, 0)
-
-    def finish(self) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            lease.release()
 
     def _state_before(self, pos: int) -> np.ndarray:
         """The target's hidden row of position ``pos - 1`` (zeros when there is none to pair with)."""
@@ -274,11 +250,6 @@ class MTPDraft(Drafter):
         keep = pos0 + 1 + min(n_accepted, n)
         if len(lease.tokens) > keep and not lease.truncate(keep):
             lease.clear()
-
-    def abort(self) -> None:
-        ctx = self._ctx
-        if ctx is not None:
-            ctx.abort()
 
     def close(self) -> None:
         """Close the MTP context (after a running stream ends) and let the target context go."""
