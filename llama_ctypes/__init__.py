@@ -89,6 +89,7 @@ from .errors import (
     RPCConnectionError,
     RPCError,
     SchemaError,
+    SchemaTooLargeError,
     TokenizationError,
 )
 
@@ -122,7 +123,7 @@ __all__ = [
     # errors
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
     "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
-    "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
+    "SchemaTooLargeError", "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
     "IndexOutOfRangeError", "ModelNotFoundError", "InsufficientMemoryError", "AlreadyLoadedError",
     "RPCError", "RPCConnectionError",
 ]

@@ -79,6 +79,11 @@ class SchemaError(LlamaError, ValueError):
     """A JSON schema is invalid or uses a feature that cannot be converted to a grammar."""
 
 
+class SchemaTooLargeError(SchemaError):
+    """A JSON schema (or a request's tool schemas together) exceeds a size bound (``SchemaLimits``), checked
+    before it is compiled."""
+
+
 class ClosedError(LlamaError, RuntimeError):
     """An operation was attempted on a closed Model, Context or Sampler."""
 

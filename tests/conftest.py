@@ -7,7 +7,11 @@ from vocabularies in the llama.cpp tree, and Gemma comes from the
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,69 @@ import llama_ctypes as lc
 from tiny_models import write_tiny_llama, write_tiny_qwen35
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: ``pytest --cpu-variant NAME`` can also come from the environment (CI sets it for its second pass).
+CPU_VARIANT_ENV = "LLAMA_CTYPES_TEST_CPU_VARIANT"
+#: What ``--cpu-variant other`` tries, in order: the first this CPU runs that is not its best one.
+#: An AVX-512 machine gets AVX2 kernels, an AVX2 machine AVX ones (no FMA): other rounding either way.
+OTHER_VARIANTS = ("haswell", "sandybridge", "sse42", "x64", "armv8.0_1")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-variant", default=os.environ.get(CPU_VARIANT_ENV) or None, metavar="NAME",
+        help="run the suite on the run-time-dispatched build (what wheels carry; built into the cache on "
+             "first use) with this CPU variant forced (haswell, sandybridge, sse42, x64, ...), or 'other': "
+             f"one this CPU runs other than its best. Also ${CPU_VARIANT_ENV}.")
+
+
+def pytest_configure(config):
+    variant = config.getoption("--cpu-variant")
+    if not variant:
+        return
+    lib_dir = _portable_lib_dir()
+    from llama_ctypes.native.backends import cpu_variant_files, variant_score
+
+    files = cpu_variant_files(lib_dir)
+    if variant == "other":
+        scores = {name: variant_score(path) for name, path in files.items()}
+        best = max(scores, key=lambda n: scores[n])
+        runnable = [v for v in OTHER_VARIANTS if v != best and scores.get(v, 0) > 0]
+        if not runnable:
+            raise pytest.UsageError(f"--cpu-variant other: no variant but {best} runs here (scores {scores})")
+        variant = runnable[0]
+    elif variant not in files:
+        raise pytest.UsageError(f"--cpu-variant {variant}: not in {lib_dir} (it has {', '.join(files)})")
+    # Before anything loads the libraries; subprocesses (serve, workers) inherit both.
+    os.environ["LLAMA_CTYPES_LIB_DIR"] = str(lib_dir)
+    os.environ["LLAMA_CTYPES_CPU_VARIANT"] = variant
+    config.cpu_variant = variant
+
+
+def pytest_report_header(config):
+    variant = getattr(config, "cpu_variant", None)
+    if variant:
+        return f"llama_ctypes: CPU variant {variant} forced, libraries from {os.environ['LLAMA_CTYPES_LIB_DIR']}"
+    return None
+
+
+def _portable_lib_dir() -> Path:
+    """The run-time-dispatched libraries (one CPU module per instruction-set level, as a wheel installs
+    them, with build_info.json), in a folder of their own for this session."""
+    sys.path.insert(0, str(ROOT / "build_scripts"))
+    try:
+        import build_llama
+        import build_wheel
+    finally:
+        sys.path.pop(0)
+    cached = build_wheel.portable_build()
+    folder = Path(tempfile.mkdtemp(prefix="llama_ctypes-variant-lib-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    build_llama.install_into(cached, folder)
+    for lib in (cached / "lib").iterdir():  # the RPC module (its plugin's, in a wheel install) too
+        if build_llama.is_plugin_module(lib) and "rpc" in lib.name:
+            shutil.copy2(lib, folder / lib.name)
+    return folder
 
 
 def llama_cpp_dir() -> Path:

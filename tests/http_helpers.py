@@ -91,3 +91,28 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def metrics_text(server: ServeProcess) -> str:
+    """The server's /metrics page (Prometheus text)."""
+    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return r.text
+
+
+def busy(server: ServeProcess, model: str) -> tuple[float, float]:
+    """(slots in use, requests waiting) of one model, from /metrics."""
+    text = metrics_text(server)
+    label = (("model", model),)
+    return (metric_samples(text, "llama_ctypes_slots_in_use")[label],
+            metric_samples(text, "llama_ctypes_queue_depth")[label])
+
+
+def api_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The OpenAI-shaped error of ``r``, checked to have ``status`` (and ``param``)."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error

@@ -14,3 +14,14 @@ def wait_idle(server, timeout: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"server still busy: {server.stats()}")
+
+
+def slow_decode(monkeypatch, server, delay: float) -> None:
+    """Every decode of the server's engine takes at least ``delay`` seconds (GIL released)."""
+    real = server._engine._decode
+
+    def slow(batch):
+        time.sleep(delay)
+        return real(batch)
+
+    monkeypatch.setattr(server._engine, "_decode", slow)

@@ -149,11 +149,15 @@ def test_patches_change_copies_of_the_pinned_tree_and_the_cache_key():
     if not (tree / ".llama_ctypes_source").exists():
         pytest.skip("no extracted pinned tree")
     rel = "ggml/src/ggml-rpc/ggml-rpc.cpp"
+    vocab = "src/llama-vocab.cpp"
     files, applied = llama_source.patched_files(tree, pinned=True)
-    assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors"]
-    assert list(files) == [rel]
+    assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors",
+                                                                  "llama-vocab-linear-partition"]
+    assert sorted(files) == [rel, vocab]
     assert b"ggml_backend_rpc_connection_failed" in files[rel]
     assert b"ggml_backend_rpc_connection_failed" not in (tree / rel).read_bytes()  # the tree stays as released
+    assert b"std::distance(buffer.begin(), it)" in (tree / vocab).read_bytes()
+    assert b"std::distance(buffer.begin(), it)" not in files[vocab] and b"prev = it++;" in files[vocab]
     assert any(p.parent.name == "patches" for p in llama_source.patches())
 
 

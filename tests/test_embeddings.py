@@ -179,6 +179,27 @@ def test_rerank_scores_in_document_order(reranker, bert):
         lc.rerank(bert, "q", ["d"])
 
 
+def test_long_lists_are_embedded_a_run_at_a_time_in_order(bert, reranker, monkeypatch):
+    """A list of any length is tokenized and packed a bounded run of texts at a time (memory beyond the
+    output stays bounded); the results keep the list's order and equal one run of everything."""
+    from llama_ctypes.features import embeddings
+
+    texts = [f"text number {i} " * (1 + i % 5) for i in range(40)]
+    whole = lc.embed(bert, texts)
+    runs = []
+    real = embeddings._Embedder.run
+    monkeypatch.setattr(embeddings, "CHUNK_CHARS", 100)
+    monkeypatch.setattr(embeddings._Embedder, "run", lambda self, lists: runs.append(len(lists)) or real(self, lists))
+    chunked = lc.embed(bert, texts)
+    assert len(runs) > 5 and sum(runs) == len(texts)
+    assert np.abs(chunked - whole).max() < 1e-5
+    runs.clear()
+    scores = lc.rerank(reranker, "which number", texts)
+    assert len(runs) > 5 and sum(runs) == len(texts)
+    monkeypatch.setattr(embeddings, "CHUNK_CHARS", 1 << 20)
+    assert np.allclose(scores, lc.rerank(reranker, "which number", texts), atol=1e-4)
+
+
 def test_encoder_only_model_embeds_through_llama_encode(t5_encoder, monkeypatch):
     assert t5_encoder.has_encoder and not t5_encoder.has_decoder
     lib = lc.init()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import llama_ctypes as lc
+from margins import assert_greedy_equivalent
 
 MODELS = ["tiny_model", pytest.param("gemma", marks=pytest.mark.gemma)]
 
@@ -104,7 +105,7 @@ def test_prefix_cache_hit_equals_cold_run(model):
     prompt = COUNTING
     cold_ctx = lc.Context.create(model)
     with lc.Sampler.create(model, temp=0) as smp:
-        cold = cold_ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16)
+        cold = cold_ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16, logprobs=2)
     cold_ctx.close()
     with lc.Context.create(model) as ctx:
         with lc.Sampler.create(model, temp=0) as smp:
@@ -114,7 +115,9 @@ def test_prefix_cache_hit_equals_cold_run(model):
         with lc.Sampler.create(model, temp=0) as smp:
             again = ctx.generate(smp, lc.Tokenizer.encode(model, prompt), max_tokens=16)
     assert warm.timings.cached_tokens > 0 and again.timings.cached_tokens == 0
-    assert warm.tokens == cold.tokens == again.tokens
+    # a cache hit decodes the prompt in other shapes: equal up to a near tie (margins.py)
+    assert_greedy_equivalent(warm, cold, what="cache hit vs cold")
+    assert again.tokens == cold.tokens  # (the same shapes as the cold run: the same rounding)
 
 
 def test_prompt_longer_than_context_raises_overflow(tiny_model):

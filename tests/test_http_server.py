@@ -25,7 +25,8 @@ import pytest
 
 import llama_ctypes as lc
 from conftest import llama_cpp_dir
-from http_helpers import ServeProcess, metric_samples, wait_for
+from http_helpers import ServeProcess, api_error, busy, metric_samples, metrics_text, wait_for
+from margins import assert_same_greedy, http_tops
 from tiny_models import write_tiny_bert
 
 KEY = "test-key"
@@ -113,17 +114,7 @@ def gemma_server(tmp_path_factory, gemma_path):
         server.stop()
 
 
-def _metrics(server: ServeProcess) -> str:
-    r = httpx.get(f"{server.base_url}/metrics", headers=server.headers, timeout=10)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return r.text
-
-
-def _busy(server: ServeProcess, model: str) -> tuple[float, float]:
-    text = _metrics(server)
-    label = (("model", model),)
-    return (metric_samples(text, "llama_ctypes_slots_in_use")[label],
-            metric_samples(text, "llama_ctypes_queue_depth")[label])
+_metrics, _busy, _error = metrics_text, busy, api_error
 
 
 # ---- the basics ------------------------------------------------------------------------------
@@ -244,15 +235,6 @@ def test_rerank_and_tokens(tiny, bert_paths):
 
 # ---- errors --------------------------------------------------------------------------------
 
-def _error(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
-
-
 def test_errors_in_openai_shape(tiny):
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": 4}
     with tiny.client() as http:
@@ -352,19 +334,21 @@ def test_loading_closing_and_internal_errors_in_process():
 # ---- concurrency ---------------------------------------------------------------------------
 
 def test_concurrent_streams_equal_single_answers(tiny, client):
-    opts = dict(model="tiny", max_tokens=24, temperature=0)
-    alone = {p: client.chat.completions.create(messages=[{"role": "user", "content": p}], **opts)
-             .choices[0].message.content for p in PROMPTS}
+    opts = dict(model="tiny", max_tokens=24, temperature=0, logprobs=True, top_logprobs=2)
+    alone = {p: client.chat.completions.create(messages=[{"role": "user", "content": p}], **opts).choices[0]
+             for p in PROMPTS}
 
     async def one(aclient, prompt):
         stream = await aclient.chat.completions.create(messages=[{"role": "user", "content": prompt}], stream=True,
                                                        **opts)
-        pieces, finish = [], None
+        pieces, tokens, finish = [], [], None
         async for chunk in stream:
             if chunk.choices:
                 pieces.append(chunk.choices[0].delta.content or "")
+                tokens += [t.token for t in (chunk.choices[0].logprobs.content or [])] \
+                    if chunk.choices[0].logprobs else []
                 finish = chunk.choices[0].finish_reason or finish
-        return prompt, "".join(pieces), finish
+        return prompt, "".join(pieces), tokens, finish
 
     async def main():
         aclient = openai.AsyncOpenAI(base_url=f"{tiny.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -375,8 +359,12 @@ def test_concurrent_streams_equal_single_answers(tiny, client):
 
     results = asyncio.run(main())
     assert len(results) == 16
-    for prompt, text, finish in results:
-        assert finish == "length" and text == alone[prompt]
+    for prompt, text, tokens, finish in results:
+        assert finish == "length" and text == "".join(tokens)
+        # 4 in a batch vs alone: the same greedy tokens up to a near tie (margins.py)
+        ref_tokens, ref_top = http_tops(alone[prompt].logprobs.content)
+        if assert_same_greedy(tokens, ref_tokens, ref_top, what=prompt) == len(ref_tokens):
+            assert text == alone[prompt].message.content
     assert wait_for(lambda: _busy(tiny, "tiny") == (0, 0), 5)
 
 
@@ -491,13 +479,22 @@ def test_gemma_json_schema_output_validates(gemma_server):
 
 @pytest.mark.gemma
 def test_gemma_stream_equals_reply(gemma_server):
+    """The streamed answer is the reply's, token for token, up to a near tie: the second request reuses the
+    first's cached prompt (other batch shapes), and on another CPU a near tie may break the other way."""
     client = openai.OpenAI(base_url=f"{gemma_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     opts = dict(model="gemma", messages=[{"role": "user", "content": "What is the capital of France?"}],
-                max_tokens=32, temperature=0)
+                max_tokens=32, temperature=0, logprobs=True, top_logprobs=2)
     reply = client.chat.completions.create(**opts)
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**opts, stream=True)
-                       if c.choices)
-    assert streamed == reply.choices[0].message.content
+    chunks = list(client.chat.completions.create(**opts, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                       for t in c.choices[0].logprobs.content]
+    assert streamed == "".join(streamed_tokens)  # each path's text is its own tokens
+    ref_tokens, ref_top = http_tops(reply.choices[0].logprobs.content)
+    assert reply.choices[0].message.content == "".join(ref_tokens)
+    n = assert_same_greedy(streamed_tokens, ref_tokens, ref_top, what="streamed vs reply")
+    if n == len(ref_tokens):
+        assert streamed == reply.choices[0].message.content
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 

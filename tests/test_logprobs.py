@@ -19,6 +19,7 @@ import pytest
 import llama_ctypes as lc
 from llama_ctypes.core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, log_softmax_top, token_logprob
 from llama_ctypes.engines.server.request import Status
+from margins import assert_greedy_equivalent, assert_same_greedy, tops
 from server_helpers import wait_idle
 
 MODELS = ["tiny_model", pytest.param("gemma", marks=pytest.mark.gemma)]
@@ -52,9 +53,47 @@ def check_entries(done, k: int) -> None:
 
 
 def close_entries(a, b, tol: float) -> bool:
-    return all(x.token == y.token and abs(x.logprob - y.logprob) <= tol
-               and [t.token for t in x.top] == [t.token for t in y.top]
-               and all(abs(s.logprob - t.logprob) <= tol for s, t in zip(x.top, y.top)) for x, y in zip(a, b))
+    """Entries of two runs agree to ``tol``: the same tokens with close logprobs, and top alternatives whose
+    values agree; their order (and which token makes the top-k cut) may differ only between alternatives
+    within ``tol`` of each other, as two paths' rounding can order a near tie either way."""
+    return len(a) == len(b) and all(x.token == y.token and abs(x.logprob - y.logprob) <= tol
+                                    and _close_tops(x.top, y.top, tol) for x, y in zip(a, b))
+
+
+def _close_tops(x, y, tol: float) -> bool:
+    if len(x) != len(y):
+        return False
+    xv, yv = {t.token: t.logprob for t in x}, {t.token: t.logprob for t in y}
+    for mine, theirs, other in ((xv, yv, y), (yv, xv, x)):
+        for tok, value in mine.items():
+            if tok in theirs:
+                if abs(value - theirs[tok]) > tol:
+                    return False
+            elif abs(value - other[-1].logprob) > tol:
+                return False  # missing from the other's top-k though not at its cut
+    # the ranks agree except among values within tol of each other
+    return all(abs(s.logprob - t.logprob) <= tol for s, t in zip(x, y))
+
+
+def _cut(entry, k: int):
+    """``entry`` with its top alternatives cut to ``k``."""
+    return lc.TokenLogprob(entry.token, entry.bytes, entry.logprob, entry.top[:k])
+
+
+#: How far the tiny model's logprobs may move between a batch of rows and one row (2e-3 seen on AVX2).
+TINY_BATCH_TOLERANCE = 1e-2
+#: How far Gemma's probabilities may move between a batch of rows and one row (other kernels, other
+#: rounding): as probabilities, since an unlikely alternative's logprob moves far more (0.2 nats at
+#: p = 0.02 with AVX kernels) than the distribution does (0.005).
+GEMMA_BATCH_TOLERANCE = 0.03
+
+
+def close_distributions(a, b, tol: float) -> bool:
+    """Like :func:`close_entries`, comparing probabilities (``exp(logprob)``) to ``tol``."""
+    def prob(entry):
+        return lc.TokenLogprob(entry.token, entry.bytes, math.exp(entry.logprob),
+                               tuple(prob(t) for t in entry.top))
+    return close_entries([prob(e) for e in a], [prob(e) for e in b], tol)
 
 
 # ---- the pure function --------------------------------------------------------------------------------
@@ -234,9 +273,9 @@ def test_stop_strings_keep_entries_aligned(model):
 def test_server_matches_single_sequence(tiny_model, server):
     solo = lc.generate(tiny_model, PROMPT, max_tokens=16, temp=0, ignore_eos=True, logprobs=5)
     got = server.generate(PROMPT, max_tokens=16, temp=0, ignore_eos=True, logprobs=5, cache_prompt=False)
-    assert got.tokens == solo.tokens
     check_entries(got, 5)
-    assert close_entries(got.logprobs, solo.logprobs, 1e-3)
+    n = assert_greedy_equivalent(got, solo, what="server vs solo")
+    assert close_entries(got.logprobs[:n], solo.logprobs[:n], TINY_BATCH_TOLERANCE)
 
 
 @pytest.mark.gemma
@@ -246,10 +285,12 @@ def test_gemma_server_matches_single_sequence(gemma):
         streams = [srv.stream(COUNTING, max_tokens=12, temp=0, ignore_eos=True, logprobs=3) for _ in range(2)]
         got = [s.completion() for s in streams]  # two in one batch: batched kernels
     for done in got:
-        assert done.tokens == solo.tokens
         check_entries(done, 3)
-        # values agree to kernel noise; the top-3 order only where it is not a near-tie
-        assert all(abs(a.logprob - b.logprob) <= 1e-3 for a, b in zip(done.logprobs, solo.logprobs))
+        # the same greedy tokens up to a near tie, whose rounding batched kernels may break the other way;
+        # the values agree to kernel noise up to there (the top-3 order only where it is not a near tie)
+        n = assert_greedy_equivalent(done, solo, what="2 in a batch vs solo")
+        assert n >= 4, f"diverged at {n}: the counting prompt has clear margins for its first tokens"
+        assert close_distributions(done.logprobs[:n], solo.logprobs[:n], GEMMA_BATCH_TOLERANCE)
 
 
 def test_server_stream_entries_keep_step_with_its_text(server):
@@ -271,8 +312,10 @@ def test_server_logprobs_per_request_among_others(tiny_model, server):
     for i, d in enumerate(done):
         if i % 2:
             check_entries(d, i)
-            solo = lc.generate(tiny_model, f"mixed {i}", max_tokens=10, temp=0, ignore_eos=True, logprobs=i)
-            assert close_entries(d.logprobs, solo.logprobs, 1e-3)
+            solo = lc.generate(tiny_model, f"mixed {i}", max_tokens=10, temp=0, ignore_eos=True,
+                               logprobs=max(i, 2))
+            n = assert_same_greedy(d.tokens, solo.tokens, tops(solo.logprobs), what=f"mixed {i}")
+            assert close_entries(d.logprobs[:n], [_cut(e, i) for e in solo.logprobs[:n]], TINY_BATCH_TOLERANCE)
         else:
             assert d.logprobs is None
     check_entries(sampled.completion(), 4)
@@ -335,7 +378,7 @@ def test_async_token_prompt_and_astream_agenerate_still_work(tiny_model, server)
 
 def test_eight_concurrent_tasks_equal_sync_generate(server):
     prompts = [f"Request number {i} says" for i in range(8)]
-    opts = dict(max_tokens=10, temp=0, ignore_eos=True, logprobs=1, cache_prompt=False)
+    opts = dict(max_tokens=10, temp=0, ignore_eos=True, logprobs=2, cache_prompt=False)
     sync = [server.generate(p, **opts) for p in prompts]
 
     async def one(p):
@@ -347,8 +390,12 @@ def test_eight_concurrent_tasks_equal_sync_generate(server):
         return await asyncio.gather(*[one(p) for p in prompts])
 
     for (text, done), want in zip(asyncio.run(main()), sync):
-        assert text == done.text == want.text and done.tokens == want.tokens
-        assert close_entries(done.logprobs, want.logprobs, 1e-3)
+        assert text == done.text
+        # 8 in a batch vs one at a time: the same greedy tokens up to a near tie, values to rounding
+        n = assert_greedy_equivalent(done, want, what="8 concurrent vs alone")
+        assert close_entries(done.logprobs[:n], want.logprobs[:n], TINY_BATCH_TOLERANCE)
+        if n == len(want.tokens):
+            assert done.text == want.text
     wait_idle(server)
 
 

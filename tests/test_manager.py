@@ -273,6 +273,63 @@ def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
     assert track_models and all(m.freed for m in track_models)
 
 
+def test_closed_under_load_by_eight_threads(tiny_model_path, track_models):
+    """close() while 8 threads load, unload, generate and stream: it returns, every thread ends with the
+    API's own errors only, and every model loaded is freed."""
+    ids = ["m0", "m1", "m2"]
+    errors: list[BaseException] = []
+    ops: dict[str, int] = {}
+    mm = lc.ModelManager(workers=3)
+    closed = threading.Event()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        while True:
+            id_ = rng.choice(ids)
+            action = rng.choice(["load", "load", "unload", "generate", "stream", "list"])
+            try:
+                if action == "load":
+                    mm.load(id_, tiny_model_path, n_parallel=2, n_ctx=128)
+                elif action == "unload":
+                    mm.unload(id_)
+                elif action == "generate":
+                    mm.generate(id_, "Hi", max_tokens=3, temp=0)
+                elif action == "stream":
+                    for i, _ in enumerate(mm.stream(id_, "Tell", max_tokens=12, ignore_eos=True)):
+                        if i == 2:
+                            break
+                else:
+                    mm.list()
+                ops[action] = ops.get(action, 0) + 1
+            except lc.ClosedError:
+                if closed.is_set():
+                    return
+            except (KeyError, lc.AlreadyLoadedError, lc.ModelNotReadyError):
+                pass
+            except BaseException as exc:  # anything else is a defect
+                errors.append(exc)
+                return
+            if closed.is_set() and rng.random() < 0.2:
+                return  # (some threads keep calling into the closed manager a while)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    t0 = time.monotonic()
+    mm.close()  # under load
+    closed.set()
+    assert time.monotonic() - t0 < 30
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert errors == [], errors
+    assert ops.get("load", 0) > 1 and ops.get("generate", 0) + ops.get("stream", 0) > 1, ops
+    assert track_models and all(m.freed for m in track_models)
+    with pytest.raises(lc.ClosedError):
+        mm.load("late", tiny_model_path)
+
+
 def test_direct_mode_generative_model_fixes_its_contexts(tiny_model_path):
     with lc.ModelManager() as mm:
         info = mm.load("d", tiny_model_path, mode="direct", n_ctx=256, n_batch=64)

@@ -12,6 +12,7 @@ from llama_ctypes.engines.server.request import Channel, Request
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.core.generation import GenerationParams
 from fake_kv import FakeKV
+from margins import assert_greedy_equivalent
 
 SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. " * 3
 
@@ -41,11 +42,13 @@ def test_cached_continuation_equals_cold_run(tiny_model):
 def test_gemma_cached_turn_equals_cold(gemma):
     prompt = "The days of the week are Monday, Tuesday,"
     with lc.Server(model=gemma, n_parallel=2, n_ctx=512, cache_prompt=False) as cold_srv:
-        cold = _greedy(cold_srv, prompt + " Wednesday,").tokens
+        cold = _greedy(cold_srv, prompt + " Wednesday,", logprobs=2)
     with lc.Server(model=gemma, n_parallel=2, n_ctx=512) as srv:
         _greedy(srv, prompt)
         warm = _greedy(srv, prompt + " Wednesday,")
-    assert warm.timings.cached_tokens > 5 and warm.tokens[:6] == cold[:6]
+    assert warm.timings.cached_tokens > 5
+    # the cached prefix was computed in other batch shapes: equal up to a near tie (margins.py)
+    assert_greedy_equivalent(warm, cold, what="cached vs cold")
 
 
 def test_shared_system_prompt_is_evaluated_once(tiny_model):

@@ -11,6 +11,7 @@ import pytest
 
 import llama_ctypes as lc
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
+from margins import assert_greedy_equivalent
 from server_helpers import wait_idle
 
 PROMPTS = [f"Request number {i} says" for i in range(8)]
@@ -53,12 +54,12 @@ def test_concurrent_greedy_equals_solo(tiny_model, strategy):
 def test_gemma_concurrent_greedy_equals_solo(gemma):
     prompts = ["1, 2, 3, 4, 5,", "Monday, Tuesday, Wednesday,", "a, b, c, d, e,", "January, February, March,",
                "10, 20, 30, 40,", "red, orange, yellow,", "one, two, three, four,", "A B C D E F"]
-    solo = [lc.generate(gemma, p, max_tokens=8, temp=0, ignore_eos=True).tokens for p in prompts]
+    solo = [lc.generate(gemma, p, max_tokens=8, temp=0, ignore_eos=True, logprobs=2) for p in prompts]
     with lc.Server(model=gemma, n_parallel=4, n_ctx=256) as srv:
-        got = _concurrently(lambda p: srv.generate(p, max_tokens=8, temp=0, ignore_eos=True).tokens, prompts)
-    # batching changes kernel paths; prompts are chosen so the top-1 margin is clear
-    matches = sum(g == s for g, s in zip(got, solo))
-    assert matches >= 7, list(zip(got, solo))
+        got = _concurrently(lambda p: srv.generate(p, max_tokens=8, temp=0, ignore_eos=True), prompts)
+    # batching changes kernel paths: equal up to a near tie of the two best tokens (margins.py)
+    for g, s, p in zip(got, solo, prompts):
+        assert_greedy_equivalent(g, s, what=p)
 
 
 def test_per_request_seed_and_options(server):

@@ -17,7 +17,7 @@ import llama_ctypes as lc
 from llama_ctypes.core.generation import GenerationParams
 from llama_ctypes.engines.server.prompt_cache import PromptCache
 from llama_ctypes.engines.server.request import Channel, Request
-from server_helpers import wait_idle
+from server_helpers import slow_decode, wait_idle
 
 SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. "
 
@@ -25,15 +25,7 @@ SYSTEM = "You are a careful assistant who answers questions about geography and 
 
 
 
-def _slow_decode(monkeypatch, server, delay):
-    """Every decode of the server's engine takes at least ``delay`` seconds (GIL released)."""
-    real = server._engine._decode
-
-    def slow(batch):
-        time.sleep(delay)
-        return real(batch)
-
-    monkeypatch.setattr(server._engine, "_decode", slow)
+_slow_decode = slow_decode
 
 
 class _Events:
@@ -247,6 +239,9 @@ def test_a_closed_event_loop_cancels_its_pending_stream(server, monkeypatch):
         loop.run_until_complete(agen.__anext__())
         loop.close()  # the async generator is never closed; nobody can receive its pieces
         wait_idle(server, timeout=1.0)
+        deadline = time.monotonic() + 2.0  # (the slot is freed just before the event is emitted)
+        while not events.of("server.request.cancelled") and time.monotonic() < deadline:
+            time.sleep(0.01)
     assert len(events.of("server.request.cancelled")) == 1 and not events.of("server.request.stop")
     del agen
 

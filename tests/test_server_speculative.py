@@ -19,7 +19,8 @@ from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import DecodeMaximal
 from fake_kv import FakeKV
 from test_scheduler import EOG, FakeSampler, Letters, items, plan
-from test_speculative import GEMMA_GROUNDED, assert_greedy_equivalent
+from margins import assert_greedy_equivalent
+from test_speculative import GEMMA_GROUNDED
 from tiny_models import write_perturbed_copy, write_tiny_llama
 
 SRV = dict(n_ctx=256, n_threads=1, kv_unified=False)

@@ -13,6 +13,7 @@ import llama_ctypes as lc
 from llama_ctypes.engines.speculative.drafters import ngram_lookup
 from llama_ctypes.engines.speculative.verify import (numpy_supported, speculative_accept, target_distribution,
                                                      verify_by_sampling)
+from margins import assert_greedy_equivalent, assert_same_greedy, tops
 from tiny_models import write_perturbed_copy, write_tiny_llama
 
 # One thread: the test machine's cores are shared, and spinning ggml threads then crawl.
@@ -233,32 +234,6 @@ def gemma_exact(gemma_path):
 
 GEMMA_GROUNDED = ("<start_of_turn>user\nCopy this list exactly, then stop: apple, banana, cherry, date, "
                   "elderberry, fig, grape, honeydew, kiwi, lemon, mango<end_of_turn>\n<start_of_turn>model\n")
-#: Largest top-2 logprob gap (nats) of the plain run at which a quantized model's speculative greedy
-#: output may take the other branch: a 5-row decode may round apart from a 1-row one.
-NEAR_TIE = 0.1
-
-
-def assert_greedy_equivalent(out, ref, margin: float = NEAR_TIE) -> None:
-    """Speculative greedy ``out`` is plain greedy ``ref`` (run with ``logprobs >= 2``), token for
-    token, except after a position where ``out`` took an alternative that plain decoding nearly tied
-    with its pick (logprob within ``margin``): only the suffix after that first divergence may differ.
-    Both runs use ``ignore_eos=True`` and the same ``max_tokens``, so every position has a plain entry."""
-    assert len(ref.logprobs) == len(ref.tokens)
-    n = 0
-    while n < min(len(out.tokens), len(ref.tokens)) and out.tokens[n] == ref.tokens[n]:
-        n += 1
-    if n == len(out.tokens) == len(ref.tokens):
-        assert out.finish_reason == ref.finish_reason
-        return
-    assert n < len(out.tokens) and n < len(ref.tokens), (
-        f"one output is a prefix of the other (at {n}: {len(out.tokens)} vs {len(ref.tokens)} tokens)")
-    top = ref.logprobs[n].top
-    assert len(top) >= 2 and top[0].token == ref.tokens[n]
-    near = [t.token for t in top[1:] if top[0].logprob - t.logprob < margin]
-    assert out.tokens[n] in near, (
-        f"speculative greedy diverged at token {n}: {out.tokens[n]} instead of {ref.tokens[n]}, where plain "
-        f"decoding's top alternatives were {[(t.token, round(t.logprob, 4)) for t in top[:3]]} (a tie within "
-        f"{margin} nats: {near})")
 
 
 def test_assert_greedy_equivalent_rejects_real_divergence():
@@ -438,18 +413,24 @@ def test_stream_events_and_text(tiny_model, tiny_drafter):
 
 
 def test_stop_logprobs_and_prompt_cache(tiny_model, tiny_drafter):
-    full = plain(tiny_model, PROMPTS[0], temp=0, max_tokens=30, ignore_eos=True)
+    # Verification batches round apart from one-row decodes: outputs agree up to a near tie (margins.py).
+    full = plain(tiny_model, PROMPTS[0], temp=0, max_tokens=30, ignore_eos=True, logprobs=2)
     stop = str(full).split()[len(str(full).split()) // 2]
     with lc.SpeculativeSession(tiny_model, lc.DraftModel(tiny_drafter), n_draft=4, **CTX) as s:
         stopped = s.generate(PROMPTS[0], temp=0, max_tokens=30, ignore_eos=True, stop=[stop])
-        assert stopped.finish_reason == "stop" and str(stopped) == str(full)[:str(full).index(stop)]
+        n = assert_same_greedy(stopped.tokens, full.tokens, tops(full.logprobs), allow_prefix=True)
+        upto = len(lc.Tokenizer.decode(tiny_model, full.tokens[:n]))
+        if upto > str(full).index(stop):  # (no near tie before the stop string)
+            assert stopped.finish_reason == "stop" and str(stopped) == str(full)[:str(full).index(stop)]
         lp = s.generate(PROMPTS[0], temp=0, max_tokens=12, logprobs=2)
         ref_lp = plain(tiny_model, PROMPTS[0], temp=0, max_tokens=12, logprobs=2)
-        assert [e.token for e in lp.logprobs] == lp.tokens == ref_lp.tokens
-        assert np.allclose([e.logprob for e in lp.logprobs], [e.logprob for e in ref_lp.logprobs], atol=1e-4)
-        first = s.generate(PROMPTS[2], temp=0, max_tokens=20, cache_prompt=True)
+        assert [e.token for e in lp.logprobs] == lp.tokens
+        n = assert_greedy_equivalent(lp, ref_lp)
+        assert np.allclose([e.logprob for e in lp.logprobs[:n]], [e.logprob for e in ref_lp.logprobs[:n]], atol=1e-3)
+        first = s.generate(PROMPTS[2], temp=0, max_tokens=20, cache_prompt=True, logprobs=2)
         again = s.generate(PROMPTS[2], temp=0, max_tokens=20, cache_prompt=True)
-    assert again.timings.cached_tokens > 0 and again.tokens == first.tokens
+    assert again.timings.cached_tokens > 0
+    assert_greedy_equivalent(again, first, what="cached vs cold")
 
 
 def test_context_limit_ends_like_plain(tiny_model, tiny_drafter):

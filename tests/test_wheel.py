@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "build_scripts"))
 
 import build_wheel  # noqa: E402
+from margins import assert_same_greedy  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the wheel test builds Linux wheels"),
@@ -190,8 +191,9 @@ GENERATE = """
                "backends": [b.__dict__ for b in lc.loaded_backends()], "info": lc.system_info()}
     for name, path in json.loads(sys.argv[1] if len(sys.argv) > 1 else MODELS).items():
         with lc.load_model(path) as model:
-            out = lc.generate(model, PROMPT, max_tokens=MAX_TOKENS, temp=0.0)
-            results[name] = {"text": str(out), "tokens": list(out.tokens), "finish": out.finish_reason}
+            out = lc.generate(model, PROMPT, max_tokens=MAX_TOKENS, temp=0.0, logprobs=2)
+            results[name] = {"text": str(out), "tokens": list(out.tokens), "finish": out.finish_reason,
+                             "top": [[(t.token, t.logprob) for t in e.top] for e in out.logprobs]}
     # llama.cpp names the buffer types it puts weights in ("AMX model buffer size = ...").
     results["buffer_lines"] = [line for line in native_lines if "model buffer size" in line]
     results["amx_lines"] = [line for line in native_lines if "AMX" in line]
@@ -269,7 +271,10 @@ def test_lower_cpu_variant_gives_the_same_greedy_text(venv, gemma_path):
     lower = next(v for v in ("haswell", "sse42", "x64", "armv8.0_1") if v != _variant_of(best))
     forced = _generate(venv, {"gemma": gemma_path}, max_tokens=32, LLAMA_CTYPES_CPU_VARIANT=lower)
     assert _variant_of(forced) == lower != _variant_of(best)
-    assert forced["gemma"]["tokens"] == best["gemma"]["tokens"]
+    # other kernels, other rounding: the same greedy tokens up to a near tie (margins.py)
+    n = assert_same_greedy(forced["gemma"]["tokens"], best["gemma"]["tokens"], best["gemma"]["top"],
+                           what=f"{lower} vs {_variant_of(best)}")
+    assert n >= 4, f"diverged at token {n}: 'The capital of France is' starts with clear margins"
 
 
 def _cpu_flags() -> set[str]:

@@ -31,22 +31,27 @@ with ``minLength``, overlapping ``oneOf`` ...), :class:`SchemaError` says so.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import json
+import re
+import threading
 from collections.abc import Iterator, Mapping
-from functools import lru_cache
 from typing import Any
 
 import jsonschema
 
-from ..errors import SchemaError
+from ..errors import SchemaError, SchemaTooLargeError
 from .backend import init
+from .deep_stack import DeepStackThreads
 from .gbnf_numbers import NUMBER_DIGITS
 from .gbnf_text import SUPPORTED_FORMATS, _chars_gbnf, _subtract
+from .schema_limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits, check_schema_size
 from .schema_normalize import _Normalizer
 
-__all__ = ["NUMBER_DIGITS", "SUPPORTED_FORMATS", "UNSUPPORTED_KEYWORDS", "check_schema", "json_schema_to_gbnf"]
+__all__ = ["NUMBER_DIGITS", "SUPPORTED_FORMATS", "UNSUPPORTED_KEYWORDS", "DEFAULT_SCHEMA_LIMITS", "SchemaLimits",
+           "SchemaTooLargeError", "check_schema", "json_schema_to_gbnf"]
 
 #: Constraint keywords no grammar here enforces; a schema using one is refused.
 UNSUPPORTED_KEYWORDS = frozenset({
@@ -84,12 +89,20 @@ def _walk(schema: Any, path: str = "#") -> Iterator[tuple[str, Mapping[str, Any]
                 yield from _walk(sub, f"{path}/{key}/{name}")
 
 
-def check_schema(schema: Mapping[str, Any] | bool) -> None:
-    """Raise SchemaError if ``schema`` is not a valid JSON Schema or uses an unenforceable keyword."""
+#: How a Python caller raises the bounds (the HTTP server says its own).
+_LIMITS_HINT = ("convert it with lc.grammar.from_json_schema(schema, limits=lc.grammar.SchemaLimits(...)) "
+                "and pass grammar= to allow it")
+
+
+def check_schema(schema: Mapping[str, Any] | bool, limits: SchemaLimits | None = None) -> None:
+    """Raise SchemaError if ``schema`` is not a valid JSON Schema or uses an unenforceable keyword, and
+    :class:`SchemaTooLargeError` (a SchemaError) if it exceeds ``limits`` (default :data:`DEFAULT_SCHEMA_LIMITS`),
+    which is checked first."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, Mapping):
         raise SchemaError(f"a JSON schema must be a dict (or a bool), not {type(schema).__name__}")
+    check_schema_size([schema], limits, hint=_LIMITS_HINT)
     cls = jsonschema.validators.validator_for(schema)
     if cls is jsonschema.Draft3Validator:
         raise SchemaError("draft 3 JSON schemas are not supported; use draft 4 or later")
@@ -98,6 +111,8 @@ def check_schema(schema: Mapping[str, Any] | bool) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
         raise SchemaError(f"invalid JSON schema at {where}: {exc.message}") from exc
+    except RecursionError:  # (only with a raised SchemaLimits.max_depth: the default stays far from it)
+        raise SchemaTooLargeError("the JSON schema is nested too deeply to check") from None
     for path, node in _walk(schema):
         bad = sorted(UNSUPPORTED_KEYWORDS & set(node))
         if bad:
@@ -110,28 +125,77 @@ def check_schema(schema: Mapping[str, Any] | bool) -> None:
                               f"(supported: {', '.join(sorted(SUPPORTED_FORMATS))}); use 'pattern' instead")
 
 
-def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool) -> str:
-    """GBNF grammar text generating only JSON documents ``schema`` accepts."""
+def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLimits | None = None) -> str:
+    """GBNF grammar text generating only JSON documents ``schema`` accepts (within ``limits``, see
+    :mod:`.schema_limits`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise SchemaError(f"the JSON schema is not valid JSON: {exc}") from exc
-    check_schema(schema)
-    return _schema_to_gbnf(json.dumps(schema))  # property order matters: the grammar keeps it
+    check_schema(schema, limits)
+    limits = DEFAULT_SCHEMA_LIMITS if limits is None else limits
+    key = (json.dumps(schema), limits.max_nodes)  # property order matters: the grammar keeps it
+    cached = _GRAMMARS.get(key)
+    if cached is not None:
+        return cached
+    try:
+        prepared = _Normalizer(json.loads(key[0]), max_steps=limits.max_nodes).document()
+    except RecursionError:
+        raise SchemaTooLargeError("the JSON schema is nested too deeply to convert") from None
+    gbnf = _link(_convert(json.dumps(prepared.schema)), prepared.rules, prepared.key_sets)
+    _GRAMMARS.put(key, gbnf)
+    return gbnf
 
 
-@lru_cache(maxsize=256)
-def _schema_to_gbnf(schema_json: str) -> str:
-    prepared = _Normalizer(json.loads(schema_json)).document()
-    return _link(_convert(json.dumps(prepared.schema)), prepared.rules, prepared.key_sets)
+class _GrammarCache:
+    """Recently converted schemas' grammars, bounded in bytes as well as in entries (a grammar can be
+    megabytes): the least recently used go first."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 32 << 20):
+        self._items: collections.OrderedDict[Any, str] = collections.OrderedDict()
+        self._bytes = 0
+        self._max_entries, self._max_bytes = max_entries, max_bytes
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> str | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: str) -> None:
+        size = len(key[0]) + len(value)
+        if size > self._max_bytes // 8:
+            return  # (one entry may not crowd out the rest)
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self._bytes += size
+            while len(self._items) > self._max_entries or self._bytes > self._max_bytes:
+                old_key, old = self._items.popitem(last=False)
+                self._bytes -= len(old_key[0]) + len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
 
 
-@lru_cache(maxsize=256)
+_GRAMMARS = _GrammarCache()
+#: Threads with a large stack of the converter's own (so that conversions never wait behind chat parses).
+_CONVERTER = DeepStackThreads(size=2, name="schema")
+
+
 def _convert(schema_json: str) -> str:
     lib = init()
     error = ctypes.c_void_p()
-    out = lib.lcx_json_schema_to_grammar(schema_json.encode(), False, ctypes.byref(error))
+    # (on a thread with a large stack: the converter recurses once per nesting level and per optional
+    # property of an object, and 20,000 of them overflowed an 8 MiB stack: the process died)
+    out = _CONVERTER.submit(lib.lcx_json_schema_to_grammar, schema_json.encode(), False,
+                            ctypes.byref(error)).result()
     if not out:
         message = ctypes.string_at(error.value).decode("utf-8", "replace") if error.value else "unknown error"
         if error.value:
@@ -166,19 +230,28 @@ def _link(gbnf: str, rules: dict[str, tuple[str, str]], key_sets: list[list[str]
             raise SchemaError(f"internal error: unexpected rule for the keys of additional properties: {line}")
     taken = {line.split(" ::= ", 1)[0] for line in lines}
     text = "\n".join(lines)
+    if not rules:
+        return text + "\n"
     extra = []
-    for marker, (base, body) in rules.items():
-        literal = '"\\"' + marker + '\\""'
-        if literal not in text:
-            continue  # in an unused definition
-        name = base
-        for i in itertools.count():
-            if name not in taken:
-                break
-            name = f"{base}{i}"
-        taken.add(name)
-        text = text.replace(literal, name)
-        extra.append(f"{name} ::= {body}")
+    names: dict[str, str] = {}
+
+    def name_of(match: re.Match) -> str:
+        marker = match.group(1)
+        if marker not in names:  # (a marker only in an unused definition gets no rule)
+            base, body = rules[marker]
+            name = base
+            for i in itertools.count():
+                if name not in taken:
+                    break
+                name = f"{base}{i}"
+            taken.add(name)
+            names[marker] = name
+            extra.append(f"{name} ::= {body}")
+        return names[marker]
+
+    # (one pass over the text: a replace() per rule was quadratic for schemas with many bounded fields)
+    alternatives = "|".join(re.escape(m) for m in sorted(rules, key=len, reverse=True))
+    text = re.sub('"\\\\"(' + alternatives + ')\\\\""', name_of, text)
     return "\n".join([text, *extra]) + "\n"
 
 

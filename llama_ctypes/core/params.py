@@ -50,6 +50,16 @@ def _non_negative(obj: Any, *names: str) -> None:
             raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 0")
 
 
+def check_positive(obj: Any, *names: str, integer: bool = True) -> None:
+    """Each named field of ``obj`` is a number > 0 (an integer with ``integer``); InvalidArgumentError naming
+    ``Class.field`` otherwise. For the small limit dataclasses (SchemaLimits, the HTTP server's limits)."""
+    kind = "an integer" if integer else "a number"
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)) or not value > 0:
+            raise InvalidArgumentError(f"{type(obj).__name__}.{name}={value!r}: expected {kind} > 0")
+
+
 @dataclass(frozen=True)
 class ModelParams:
     """How a GGUF file is loaded (``llama_model_params``)."""

@@ -21,7 +21,7 @@ from urllib.parse import unquote
 
 import jsonschema
 
-from ..errors import SchemaError
+from ..errors import SchemaError, SchemaTooLargeError
 from .gbnf_numbers import NUMBER_DIGITS, _OPEN_INTEGER_DIGITS, _decimal_magnitudes, _int_range
 from .gbnf_text import _FORMAT_CHECKER, _FORMAT_LENGTHS, _FORMAT_RULES, _Regex
 
@@ -76,8 +76,13 @@ def _canon(value: Any) -> str:
 
 
 class _Normalizer:
-    def __init__(self, root: Any):
+    def __init__(self, root: Any, max_steps: int = 0):
         self.root = root
+        # Subschemas normalized so far, and the most allowed (0: no bound). A $ref with keywords beside it
+        # is inlined at each use, so a schema of a few dozen nodes can expand exponentially (a 2.6 KB one
+        # took 17 s and 337 MB): its size as written (schema_limits) does not bound the work.
+        self.steps = 0
+        self.max_steps = max_steps
         cls = jsonschema.validators.validator_for(root if isinstance(root, Mapping) else {})
         self.draft4 = cls is jsonschema.Draft4Validator
         self.legacy_items = cls is not jsonschema.Draft202012Validator  # items: [...] is a tuple
@@ -163,6 +168,11 @@ class _Normalizer:
     # ---- the walk ----------------------------------------------------------------------------------
     def norm(self, node: Any, path: str) -> dict:
         """An equivalent schema (or a stricter one, never looser) in forms the converter enforces."""
+        self.steps += 1
+        if self.max_steps and self.steps > self.max_steps:
+            raise SchemaTooLargeError(
+                f"the JSON schema expands to more than {self.max_steps} subschemas once its $refs are inlined "
+                f"(at {path}; SchemaLimits.max_nodes={self.max_steps})")
         node = _essential(node)
         if node is True:
             return {}

@@ -22,7 +22,7 @@ from ..core.params import ContextParams, split_options
 from ..core.sampler import SamplingParams
 from ..core.tokenizer import Tokenizer
 from ..native import llama_h as L
-from .chat_template import ChatTemplate, ChatTemplateError
+from .chat_template import ChatTemplate, ChatTemplateError, check_template_kwargs
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 from .structured import constrain_to, parse_completion
 
@@ -51,15 +51,15 @@ class ChatParams:
     add_generation_prompt: bool = True
     """End the prompt with the assistant turn's opening."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """More variables for the template (``reasoning_effort="low"``, ...)."""
+    """More variables for the template (``reasoning_effort="low"``, ...); not the renderer's own
+    (``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ``eos_token``): InvalidArgumentError."""
     parse_reasoning: bool = True
     """Separate thinking from the answer for templates that think."""
 
     def __post_init__(self) -> None:
         if self.tools is not None and not all(isinstance(t, Mapping) for t in self.tools):
             raise InvalidArgumentError("tools must be a list of tool definitions (dicts)")
-        if not isinstance(self.template_kwargs, Mapping):
-            raise InvalidArgumentError("template_kwargs must be a mapping")
+        check_template_kwargs(self.template_kwargs)
 
 
 class BuiltinChatTemplate:

@@ -11,16 +11,14 @@ threads with a large stack (a stack overflow cannot be caught).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
-import os
-import queue
 import threading
 from ctypes import byref, c_void_p, string_at
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..core.backend import init
+from ..core.deep_stack import DEEP_STACK
 from ..core.handle import NativeHandle
 from ..core.model import Model
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
@@ -170,89 +168,11 @@ class ChatFormatter(NativeHandle):
 #
 # A model's output with arguments nested a few thousand levels deep ('[[[[...') overflows an
 # 8 MiB stack (300 levels overflow a 512 KiB one, macOS's thread default) and the process dies.
-# So the parses run on threads of their own with a large stack, and an output with more opening
-# brackets than that stack can take (the nesting can be no deeper) is not given to llama.cpp at
-# all: it does not parse (ToolCallError), so its text becomes the answer.
+# So the parses run on threads with a large stack (core/deep_stack.py), and an output with more
+# opening brackets than that stack can take (the nesting can be no deeper) is not given to
+# llama.cpp at all: it does not parse (ToolCallError), so its text becomes the answer.
 
-_PARSE_STACK = 256 * 2**20
-#: Stack bytes per nesting level allowed for (llama.cpp's PEG parser takes about 2 KiB).
-_STACK_PER_LEVEL = 4096
-#: Where no thread with a large stack can be started: the limit for the caller's own thread.
-_FALLBACK_MAX_OPENERS = 64
-
-
-class _ParseThreads:
-    """A few daemon threads with a large stack that run the native output parses."""
-
-    def __init__(self, size: int = 2):
-        self._size = size
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue | None = None
-        self._pid: int | None = None
-        self._max_openers = _FALLBACK_MAX_OPENERS
-
-    def _started(self) -> queue.SimpleQueue | None:
-        if self._pid == os.getpid():
-            return self._queue
-        with self._lock:
-            if self._pid != os.getpid():  # (first use, or a forked child: the threads are not here)
-                self._queue, self._max_openers = self._start()
-                self._pid = os.getpid()
-            return self._queue
-
-    def _start(self) -> tuple[queue.SimpleQueue | None, int]:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        try:
-            old = threading.stack_size(_PARSE_STACK)
-        except (ValueError, RuntimeError):  # a platform without settable thread stacks
-            return None, _FALLBACK_MAX_OPENERS
-        started = 0
-        try:
-            for i in range(self._size):
-                threading.Thread(target=_serve_parses, args=(q,), name=f"llama_ctypes-chat-parse-{i}",
-                                 daemon=True).start()
-                started += 1
-        except RuntimeError:  # (the large stack could not be mapped)
-            pass
-        finally:
-            threading.stack_size(old)
-        if not started:
-            return None, _FALLBACK_MAX_OPENERS
-        return q, _PARSE_STACK // _STACK_PER_LEVEL
-
-    @property
-    def max_openers(self) -> int:
-        """Most opening brackets an output may hold to be parsed."""
-        self._started()
-        return self._max_openers
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        q = self._started()
-        if q is None:
-            _run(future, fn, args)
-        else:
-            q.put((future, fn, args))
-        return future
-
-
-def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        future.set_result(fn(*args))
-    except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-        future.set_exception(e)
-
-
-def _serve_parses(q: queue.SimpleQueue) -> None:
-    while True:
-        future, fn, args = q.get()
-        _run(future, fn, args)
-        del future, fn, args
-
-
-_PARSE_THREADS = _ParseThreads()
+_PARSE_THREADS = DEEP_STACK
 
 
 #: Deepest JSON nesting a chat request may hand to llama.cpp's chat code. It recurses through what it

@@ -30,7 +30,7 @@ from jinja2.runtime import Context
 from jinja2.ext import Extension
 from jinja2.sandbox import SandboxedEnvironment
 
-from ..errors import LlamaError
+from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 
 #: Most characters a rendered prompt may have.
 MAX_OUTPUT_CHARS = 4_000_000
@@ -161,6 +161,27 @@ def _safe(value: Any) -> Any:
 # Template variables llama.cpp's ``preserve_reasoning`` sets (keep or drop past turns' thinking).
 _PRESERVE_REASONING_VARIABLES = (("preserve_thinking", True), ("clear_thinking", False),
                                  ("truncate_history_thinking", False), ("drop_thinking", False))
+
+
+#: Template variables the renderer sets itself; a request's own template variables may not name them
+#: (a ``messages`` or ``tools`` variable would bypass their validation and the output parser that goes
+#: with them; ``timeout`` is the render budget). llama-server lets ``chat_template_kwargs`` override
+#: them; we refuse instead.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "timeout"})
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """``kwargs`` as a dict of template variables; InvalidArgumentError naming a reserved or non-string key."""
+    if not isinstance(kwargs, Mapping):
+        raise ArgumentTypeError("template_kwargs must be a mapping of template variables")
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"template_kwargs key {key!r}: template variable names are strings")
+        if key in RESERVED_VARIABLES:
+            raise InvalidArgumentError(
+                f"template_kwargs[{key!r}]: {key!r} is set by the chat renderer itself and cannot be passed as a "
+                f"template variable (reserved: {', '.join(sorted(RESERVED_VARIABLES))})")
+    return dict(kwargs)
 
 
 def default_variables(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -391,8 +412,10 @@ class ChatTemplate:
         ``kwargs`` become template variables (``enable_thinking=False``,
         ``reasoning_effort="low"``, ...), over the defaults of :func:`default_variables`
         (today's date, ...). Errors from the template, and budget overruns, raise
-        :class:`ChatTemplateError`.
+        :class:`ChatTemplateError`. A variable the renderer sets itself (:data:`RESERVED_VARIABLES`)
+        raises InvalidArgumentError.
         """
+        kwargs = check_template_kwargs(kwargs)
         msgs = _normalise_tool_arguments(copy.deepcopy(list(messages)), self.tool_arguments_as_object)
         msgs = _adapt_reasoning(msgs, self.reads_thinking_blocks)
         try:

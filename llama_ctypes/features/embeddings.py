@@ -9,7 +9,7 @@ unless overridden; a decoder model without one (e.g. Gemma) is mean-pooled.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping, Sequence, overload
+from typing import Any, Iterator, Literal, Mapping, Sequence, overload
 
 import numpy as np
 
@@ -160,6 +160,27 @@ def _tokenize_all(model: Model, texts: Sequence[str], max_tokens: int, truncate:
     return out
 
 
+#: Characters of text tokenized and packed at a time: a list of any length is embedded in bounded memory
+#: besides the output (token lists take ~36 bytes per token as Python lists; 1 MiB of text ~ 9 MB).
+CHUNK_CHARS = 1 << 20
+
+
+def _chunks(items: Sequence[Any], weight, limit: int | None = None) -> Iterator[list[Any]]:
+    """``items`` in consecutive runs whose ``weight`` sums stay near ``limit`` (one item at least)."""
+    limit = CHUNK_CHARS if limit is None else limit
+    run: list[Any] = []
+    total = 0
+    for item in items:
+        w = weight(item)
+        if run and total + w > limit:
+            yield run
+            run, total = [], 0
+        run.append(item)
+        total += w
+    if run:
+        yield run
+
+
 def _normalize(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
     return vectors / np.where(norms > 0, norms, 1.0)
@@ -180,7 +201,9 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
     Vectors are L2-normalised unless ``normalize=False``. Texts longer than
     what one embedding can take are cut (``truncate=True``) or raise
     :class:`ContextOverflowError`. Other options are :class:`ContextParams`
-    fields (n_threads, type_k, ...).
+    fields (n_threads, type_k, ...). A list of any length is tokenized and packed
+    a run of texts at a time (:data:`CHUNK_CHARS`), so memory beyond the output
+    stays bounded.
     """
     single = isinstance(texts, str)
     items = [texts] if single else list(texts)
@@ -193,7 +216,9 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
         if reserved in ctx_opts:
             raise ArgumentTypeError(f"embed sets {reserved} itself")
     embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts)
-    vectors = embedder.run(_tokenize_all(model, items, embedder.max_tokens, truncate))
+    vectors: list[np.ndarray] = []
+    for chunk in _chunks(items, lambda t: len(t) if isinstance(t, str) else 0):
+        vectors += embedder.run(_tokenize_all(model, chunk, embedder.max_tokens, truncate))
     if embedder.pooling == "none":
         out = [_normalize(v) if normalize else v for v in vectors]
         return out[0] if single else out
@@ -209,20 +234,25 @@ def rerank(model: Model, query: str, documents: Sequence[str], *, normalize: boo
 
     Scores are the model's raw outputs; ``normalize=True`` maps them through a
     sigmoid into (0, 1). A model without a ranking head raises EmbeddingError.
+    Documents are processed a run at a time, as in :func:`embed`.
     """
     if model_pooling(model) != "rank":
         raise EmbeddingError(f"{model.path.name} is not a reranking model (its pooling is "
                              f"{model_pooling(model)!r}, not 'rank')")
     embedder = _Embedder(model, "rank", n_batch, ctx_opts)
-    pairs = [_rerank_tokens(model, query, doc) for doc in documents]
     limit = embedder.max_tokens
-    for i, ids in enumerate(pairs):
-        if len(ids) > limit:
-            if not truncate:
-                raise ContextOverflowError(f"query + document {i} is {len(ids)} tokens, over {limit}",
-                                           n_tokens=len(ids), n_ctx=limit)
-            pairs[i] = ids[:limit]
-    scores = [float(v[0]) for v in embedder.run(pairs)]
+    scores: list[float] = []
+    start = 0  # index of the chunk's first document
+    for chunk in _chunks(documents, lambda d: len(query) + (len(d) if isinstance(d, str) else 0)):
+        pairs = [_rerank_tokens(model, query, doc) for doc in chunk]
+        for i, ids in enumerate(pairs):
+            if len(ids) > limit:
+                if not truncate:
+                    raise ContextOverflowError(f"query + document {start + i} is {len(ids)} tokens, over {limit}",
+                                               n_tokens=len(ids), n_ctx=limit)
+                pairs[i] = ids[:limit]
+        scores += [float(v[0]) for v in embedder.run(pairs)]
+        start += len(chunk)
     return [1.0 / (1.0 + math.exp(-s)) for s in scores] if normalize else scores
 
 

@@ -30,8 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ..core.model import Model
+from ..core.schema_limits import SchemaLimits, check_schema_size
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from .chat import ChatParams, prompt_tokens, render_prompt
+from .chat_template import check_template_kwargs
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 
@@ -218,13 +220,19 @@ class ChatPlan:
 
 
 _TOOL_CHOICES = ("auto", "none", "required")
+#: Most tools one request may offer (OpenAI's limit too): each becomes part of the output's grammar.
+MAX_TOOLS = 128
 
 
-def _check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | None, str, str | None]:
-    """Validated tools, the tool_choice mode and the forced function name (if any)."""
+def _check_tools(tools: Any, tool_choice: Any,
+                 limits: SchemaLimits | None = None) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+    """Validated tools, the tool_choice mode and the forced function name (if any). The tools' parameter
+    schemas together must keep within ``limits`` (they become one grammar)."""
     if tools is not None:
         if not isinstance(tools, Sequence) or isinstance(tools, (str, bytes)):
             raise ArgumentTypeError("tools must be a list of {'type': 'function', 'function': {...}} objects")
+        if len(tools) > MAX_TOOLS:
+            raise InvalidArgumentError(f"{len(tools)} tools: at most {MAX_TOOLS} may be offered at once")
         for i, t in enumerate(tools):
             if not isinstance(t, Mapping) or t.get("type", "function") != "function" \
                     or not isinstance(t.get("function"), Mapping):
@@ -235,6 +243,9 @@ def _check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict[str, Any]] | N
             params = fn.get("parameters")
             if params is not None and not isinstance(params, Mapping):
                 raise InvalidArgumentError(f"tools[{i}].function.parameters must be a JSON Schema object")
+        # (before llama.cpp's chat code converts them: its cost grows faster than their size)
+        check_schema_size([t["function"].get("parameters") or {} for t in tools], limits,
+                          what="the tools' parameter schemas together")
         tools = [dict(t) for t in tools] or None
     forced = None
     if isinstance(tool_choice, Mapping):
@@ -268,19 +279,18 @@ def formatter_for(model: Model, template: str | None = None) -> ChatFormatter:
 def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
               tool_choice: Any = "auto", parallel_tool_calls: bool | None = None, chat_template: str | None = None,
               enable_thinking: bool | None = None, template_kwargs: Mapping[str, Any] | None = None,
-              json_schema: Mapping[str, Any] | None = None) -> ChatPlan:
+              json_schema: Mapping[str, Any] | None = None, schema_limits: SchemaLimits | None = None) -> ChatPlan:
     """Prepare a chat request (OpenAI fields) for generation on ``model``.
 
     With tools (and ``tool_choice`` other than ``"none"``), llama.cpp's chat code renders
     the prompt and provides the tool-call grammar and parser; otherwise the library's
     chat path does (``json_schema`` then constrains the answer with the library's own
     schema converter). ``parallel_tool_calls`` defaults to False. ``enable_thinking``:
-    None = the template's default.
+    None = the template's default. ``schema_limits`` bounds the tools' schemas (default
+    :data:`~llama_ctypes.core.schema_limits.DEFAULT_SCHEMA_LIMITS`).
     """
-    tools, mode, _ = _check_tools(tools, tool_choice)
-    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
-        raise ArgumentTypeError("template_kwargs must be a mapping")
-    kwargs = dict(template_kwargs or {})
+    tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
+    kwargs = check_template_kwargs(template_kwargs or {})
     if enable_thinking is None and isinstance(kwargs.get("enable_thinking"), bool):
         enable_thinking = kwargs["enable_thinking"]
     if not tools or mode == "none":

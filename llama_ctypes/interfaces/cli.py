@@ -165,13 +165,34 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="layers on the GPU (default -1: all)")
     p.add_argument("--threads", "-t", type=int, help="CPU threads")
     p.add_argument("--flash-attn", "-fa", choices=["auto", "enabled", "disabled"])
-    p.add_argument("--max-queue", type=int, help="most requests waiting for a slot; beyond it 429 (0: no limit)")
+    p.add_argument("--max-queue", type=int,
+                   help="most requests waiting for a slot, per model (default 256); beyond it 429 (0: no limit)")
     p.add_argument("--max-tokens", "-n", type=int,
                    help="default max_tokens of a request (default -1: until the answer or the context ends)")
     p.add_argument("--no-kv-unified", action="store_true",
                    help="a KV buffer per slot: output independent of batch-mates (no cross-slot prefix reuse)")
     p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
+    # What one request may ask for (a 400 beyond), and what clients may take (docs/http_server.md: Limits).
+    limits = p.add_argument_group("limits")
+    limits.add_argument("--max-choices", type=int, default=64,
+                        help="requests one completion may submit, prompts x n (default 64)")
+    limits.add_argument("--max-inputs", type=int, default=2048,
+                        help="embedding inputs or rerank documents per request (default 2048)")
+    limits.add_argument("--max-input-tokens", type=int, default=300_000,
+                        help="tokens of one embedding or rerank request (default 300000)")
+    limits.add_argument("--max-tokenize-bytes", type=int, default=256 << 10,
+                        help="bytes of one /tokenize content (default 256 KiB)")
+    limits.add_argument("--timeout", "-to", type=float, default=600.0,
+                        help="seconds a response may wait for a client that does not read (default 600)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds for a request's headers to arrive (default 10)")
+    limits.add_argument("--body-timeout", type=float, default=60.0,
+                        help="seconds for a request's body to arrive, after its headers (default 60)")
+    limits.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle connection is kept open (default 5)")
+    limits.add_argument("--max-connections", type=int, default=512,
+                        help="open connections; the next one gets a 503 (default 512)")
     p.add_argument("--rpc", help="RPC workers HOST:PORT,... holding layers of the model(s) (see docs/scaling.md)")
     p.add_argument("--tensor-split", "-ts", help="share of the layers per device, e.g. 1,1 (with --rpc: one per worker)")
     spec = p.add_mutually_exclusive_group()

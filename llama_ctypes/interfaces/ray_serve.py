@@ -139,10 +139,11 @@ class LlamaReplica:
         from ..engines.manager import ModelManager
         from .http import ModelSettings, create_app
         from .http.common import MAX_BODY_BYTES
-        from .http.serve import DEFAULT_MAX_TOKENS
+        from .http.serve import DEFAULT_MAX_TOKENS, pin_mmap_threshold
 
         model_id = model_id or os.path.splitext(os.path.basename(model_path))[0]
         self.replica = replica_name()
+        pin_mmap_threshold()  # (a replica is a long-running server process too)
         self.manager = ModelManager()
         try:
             # (loaded before the constructor returns: Ray routes to a replica only once it is ready)

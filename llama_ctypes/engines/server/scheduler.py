@@ -156,23 +156,43 @@ class Scheduler:
     # ---- client side (any thread) ----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue ``request``; raises ServerClosedError or QueueFullError (closing its sampler) if refused."""
+        self.submit_all([request])
+
+    def submit_all(self, requests: Sequence[Request], abort: Callable[[], bool] | None = None) -> None:
+        """Queue ``requests`` as one unit: all of them, or none (closing every sampler) with
+        ServerClosedError, QueueFullError when they do not all fit in the queue, or CancelledError when
+        ``abort()`` (asked under the queue's lock, so nothing is queued after it turns true) says so."""
         full_at = None
         with self.cond:
             if self.closing or self.failure is not None:
                 error: LlamaError = ServerClosedError(
                     "the server is closed" if self.failure is None else f"the server failed: {self.failure!r}")
-            elif self.max_queue and len(self._waiting) >= self.max_queue:
+            elif abort is not None and abort():
+                error = CancelledError("the submission was cancelled before it was queued")
+            elif self.max_queue and len(self._waiting) + len(requests) > self.max_queue:
                 full_at = len(self._waiting)
-                error = QueueFullError(f"the server queue is full ({self.max_queue} waiting requests)")
+                error = QueueFullError(self.queue_full_message(len(requests), full_at))
             else:
-                request.queued = True
-                self._waiting.append(request)
+                for request in requests:
+                    request.queued = True
+                self._waiting.extend(requests)
                 self.cond.notify()
                 return
-        request.sampler.close()
+        for request in requests:
+            request.sampler.close()
         if full_at is not None:  # outside the lock: a handler may call back into the server
             telemetry.emit("server.queue_full", {"queue_length": full_at}, {"max_queue": self.max_queue})
         raise error
+
+    def queue_full_message(self, n: int, waiting: int) -> str:
+        if n == 1:
+            return f"the server queue is full ({self.max_queue} waiting requests, max_queue)"
+        return (f"{n} requests do not fit in the server queue ({waiting} of max_queue={self.max_queue} places "
+                f"taken); they are queued together or not at all")
+
+    def room(self) -> int | None:
+        """Places left in the wait queue (None: unbounded); a hint, the queue may change at once."""
+        return None if not self.max_queue else max(0, self.max_queue - len(self._waiting))
 
     def cancel(self, request: Request) -> None:
         """End ``request``: at once if it still waits (it leaves the queue), else at the next tick."""

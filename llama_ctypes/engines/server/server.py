@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any, AsyncIterator, Mapping, Sequence
 
-from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from ...core.context import Context
 from ...core.generation import Completion, GenerationParams, check_prompt, prompt_tokens
 from ...core.model import Model, load_model
@@ -41,11 +41,15 @@ from .speculation import SlotDrafter, slot_drafter
 from .strategies import DecodeMaximal, resolve
 from .streams import AsyncServerStream, ServerStream
 
-__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError"]
+__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "DEFAULT_MAX_QUEUE"]
 
 logger = logging.getLogger(__name__)
 
 _RESERVED = ("n_seq_max", "embeddings")
+#: Requests that may wait for a slot by default: a flood fails fast (QueueFullError) instead of growing the
+#: queue (~20 KB each) without bound. ``max_queue=0`` lifts the bound.
+DEFAULT_MAX_QUEUE = 256
+_SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
 
 class Server:
@@ -58,8 +62,9 @@ class Server:
         n_ctx: context tokens per slot (default 4096); the context holds ``n_ctx * n_parallel``.
         n_batch: most tokens per tick (decode tokens + prompt chunks), default 512.
         batch_strategy: :class:`DecodeMaximal` (default), :class:`PrefillPriority` or :class:`Balanced`.
-        max_queue: most requests waiting for a slot (0 = unbounded); beyond it, submitting raises
-            :class:`QueueFullError` at once.
+        max_queue: most requests waiting for a slot (default :data:`DEFAULT_MAX_QUEUE`; 0 = unbounded);
+            beyond it, submitting raises :class:`QueueFullError` at once. A group (:meth:`submit_many`)
+            is queued whole or not at all.
         cache_prompt: keep finished requests' KV and reuse the longest common prefix (default True;
             per-request override with ``cache_prompt=``).
         prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
@@ -77,7 +82,8 @@ class Server:
     """
 
     def __init__(self, model_path: str | None = None, *, model: Model | None = None, n_parallel: int = 4,
-                 n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal, max_queue: int = 0,
+                 n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal,
+                 max_queue: int = DEFAULT_MAX_QUEUE,
                  cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
                  speculative: Drafter | str | os.PathLike | None = None, n_draft: int = 4, **opts: Any):
         self._drafter: SlotDrafter | None = None
@@ -224,6 +230,49 @@ class Server:
     # ---- submission ------------------------------------------------------------------------
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
                  loop: asyncio.AbstractEventLoop | None) -> Request:
+        request = self._build_request(prompt, opts, loop)
+        self._engine.submit(request)  # closes the sampler when it refuses the request
+        return request
+
+    def _requests(self, prompts: Sequence[str | Sequence[int]], n: int, opts: Mapping[str, Any],
+                  loop: asyncio.AbstractEventLoop | None, abort: threading.Event | None) -> list[Request]:
+        """Build ``len(prompts) * n`` requests and queue them as one unit (see :meth:`submit_many`)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ArgumentTypeError("prompts must be a list of prompts (texts or token id lists)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgumentError(f"n={n!r}: expected an integer >= 1")
+        if abort is not None and not isinstance(abort, threading.Event):
+            raise ArgumentTypeError(f"abort={abort!r}: expected a threading.Event")
+        total = len(prompts) * n
+        scheduler = self._engine.scheduler
+        if scheduler.max_queue and total > scheduler.max_queue:  # (waiting would never help: not a QueueFullError)
+            raise InvalidArgumentError(f"a group of {total} requests is larger than the whole queue "
+                                       f"(max_queue={scheduler.max_queue}): it could never be queued; submit it "
+                                       f"in parts, or raise max_queue (0: no bound)")
+        room = scheduler.room()
+        if room is not None and total > room:  # before building anything (samplers, grammars)
+            raise QueueFullError(scheduler.queue_full_message(total, self._engine.queue_length()))
+        seed = opts.get("seed")
+        built: list[Request] = []
+        try:
+            for prompt in prompts:
+                for i in range(n):
+                    if abort is not None and abort.is_set():
+                        raise CancelledError("the submission was cancelled before it was queued")
+                    # (choice 0 keeps the seed as given, so an invalid one is refused as for n=1)
+                    choice = opts if i == 0 or not isinstance(seed, int) or isinstance(seed, bool) \
+                        else {**opts, "seed": (seed + i) % _SEED_MOD}
+                    built.append(self._build_request(prompt, choice, loop))
+        except BaseException:
+            for request in built:
+                request.sampler.close()
+            raise
+        self._engine.scheduler.submit_all(built, abort.is_set if abort is not None else None)
+        return built
+
+    def _build_request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
+                       loop: asyncio.AbstractEventLoop | None) -> Request:
+        """A request, validated, tokenized and with its sampler, not yet queued."""
         if self._closed:
             raise ServerClosedError("the server is closed")
         if threading.current_thread() is self._engine.thread:
@@ -255,7 +304,6 @@ class Server:
         except BaseException:
             sampler.close()
             raise
-        self._engine.submit(request)  # closes the sampler when it refuses the request
         return request
 
     def stream(self, prompt: str, **opts: Any) -> ServerStream:
@@ -286,15 +334,50 @@ class Server:
         will iterate the stream (default: the running one), so a worker thread can submit for it
         (validation and grammar compilation then stay off the loop). Without either, RuntimeError.
         """
+        return AsyncServerStream(self, self._request(prompt, opts, self._loop_for(loop)))
+
+    @staticmethod
+    def _loop_for(loop: asyncio.AbstractEventLoop | None) -> asyncio.AbstractEventLoop:
         if loop is None:
             try:
-                loop = asyncio.get_running_loop()
+                return asyncio.get_running_loop()
             except RuntimeError:
                 raise RuntimeError("Server.asubmit needs a running asyncio event loop or loop= (use stream() "
                                    "from synchronous code)") from None
-        elif not isinstance(loop, asyncio.AbstractEventLoop):
+        if not isinstance(loop, asyncio.AbstractEventLoop):
             raise ArgumentTypeError(f"loop={loop!r}: expected an asyncio event loop")
-        return AsyncServerStream(self, self._request(prompt, opts, loop))
+        return loop
+
+    def submit_many(self, prompts: Sequence[str | Sequence[int]], *, n: int = 1,
+                    abort: threading.Event | None = None, **opts: Any) -> list[ServerStream]:
+        """Submit ``n`` requests per prompt as one unit; returns their streams, prompt by prompt
+        (choice ``j`` of prompt ``p`` at ``p * n + j``).
+
+        All or none: the group must fit in the queue (else :class:`QueueFullError` before any work; a
+        group larger than ``max_queue`` itself is an InvalidArgumentError, since it never could),
+        every request is validated and built (tokenizing, samplers, grammars) before any is queued,
+        and a failure queues none. With a ``seed``, choice ``j`` uses ``seed + j``. ``abort``: set
+        it from another thread to stop a submission still being built; nothing is queued after it
+        is set (CancelledError). Cancel the group with ``for s in streams: s.cancel()``.
+        """
+        return [ServerStream(self, r) for r in self._requests(prompts, n, opts, None, abort)]
+
+    def asubmit_many(self, prompts: Sequence[str | Sequence[int]], *, n: int = 1,
+                     loop: asyncio.AbstractEventLoop | None = None, abort: threading.Event | None = None,
+                     **opts: Any) -> list[AsyncServerStream]:
+        """:meth:`submit_many` for streams an asyncio event loop reads (``loop`` as in :meth:`asubmit`)."""
+        loop = self._loop_for(loop)
+        return [AsyncServerStream(self, r) for r in self._requests(prompts, n, opts, loop, abort)]
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, n: int = 1, **opts: Any) -> list[Completion]:
+        """Generate ``n`` completions per prompt, submitted as one unit (:meth:`submit_many`), decoded together
+        in the slots; returns them prompt by prompt. The first failure cancels the others and is raised."""
+        streams = self.submit_many(prompts, n=n, **opts)
+        try:
+            return [s.completion() for s in streams]
+        finally:
+            for s in streams:
+                s.cancel()  # (no-op for the finished ones)
 
     async def astream(self, prompt: str | Sequence[int], **opts: Any) -> AsyncIterator[str]:
         """Async iterator of text pieces; waiting never blocks the event loop.

@@ -5,6 +5,8 @@ prometheus-client, pydantic). See docs/http_server.md.
 """
 
 from .app import create_app
+from .connections import ConnectionLimits, guarded_protocol
+from .limits import RequestLimits
 from .routing import ModelSettings
 
-__all__ = ["create_app", "ModelSettings"]
+__all__ = ["create_app", "ModelSettings", "RequestLimits", "ConnectionLimits", "guarded_protocol"]

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from ...engines.manager import ModelManager
 from .common import MAX_BODY_BYTES, AppContext
 from .errors import APIError
+from .limits import RequestLimits
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
 from .routes.chat import chat_completions
@@ -66,7 +67,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(manager: ModelManager, *, api_key: str | None = None,
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               close_manager: bool = False) -> Starlette:
+               limits: RequestLimits | None = None, close_manager: bool = False) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -77,15 +78,21 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
             (or ``X-Api-Key``).
         models: per-model HTTP settings by id (chat template, aliases).
         max_body_bytes: larger request bodies are refused with 413 while they are read.
+        limits: what one request may ask for (:class:`RequestLimits`: choices, embedding inputs, tokenize
+            bytes, schema sizes); beyond them, a 400 naming the limit.
         close_manager: close the manager when the app shuts down.
     """
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None disables the check)")
+    if limits is None:
+        limits = RequestLimits()
+    elif not isinstance(limits, RequestLimits):
+        raise ValueError(f"limits={limits!r}: expected a RequestLimits")
     router = Router(manager, models)
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_key=api_key,
-                         max_body_bytes=max_body_bytes, close_manager=close_manager)
+                         max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -103,4 +110,4 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
     return app
 
 
-__all__ = ["create_app", "ModelSettings"]
+__all__ = ["create_app", "ModelSettings", "RequestLimits"]

@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from ... import __version__
 from .errors import BodyTooLarge, Unavailable, from_exception
+from .limits import RequestLimits
 from .metrics import Metrics
 from .routing import Router
 from .streaming import ClientGone
@@ -41,6 +42,7 @@ class AppContext:
     metrics: Metrics
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
     close_manager: bool = False
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))

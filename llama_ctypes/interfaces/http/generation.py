@@ -1,20 +1,24 @@
 """From OpenAI request fields to server requests, and from their results back to OpenAI fields.
 
 Shared by the chat and text completion endpoints: the sampling options, the
-submission of ``n`` requests (one per choice, cancelled together), how a
-finished request is counted, and the two logprobs shapes.
+submission of ``n`` requests per prompt (one per choice, queued and cancelled as
+one unit), how a finished request is counted, and the two logprobs shapes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from typing import Any, Awaitable, Sequence
 
 import anyio
+from starlette.requests import Request
 
 from ...engines.server import Server
+from ...errors import CancelledError
 from .schemas import SamplingFields
+from .streaming import until_disconnect
 
 _SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
@@ -56,33 +60,52 @@ def merge_options(user: dict[str, Any], required: dict[str, Any]) -> dict[str, A
     return out
 
 
-async def submit(server: Server, prompts: Sequence[Sequence[int]], opts: dict[str, Any], n: int) -> list[Any]:
-    """Submit ``n`` requests (one per choice) per prompt, in a worker thread; with a seed, choice ``i``
-    of a prompt uses ``seed + i``. Returns their async streams, prompt by prompt.
+class _Submission:
+    """A group being submitted from a worker thread, and the client that may leave meanwhile.
+
+    Whichever comes second cancels the group: a client that leaves after the group was queued
+    cancels its streams; a group queued after the client left is cancelled by the worker."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abort = threading.Event()  # stops the building (Server.asubmit_many)
+        self.streams: list[Any] = []
+
+    def client_left(self) -> None:
+        with self.lock:
+            self.abort.set()
+            streams = self.streams
+        cancel_all(streams)
+
+    def queued(self, streams: list[Any]) -> None:
+        with self.lock:
+            if not self.abort.is_set():
+                self.streams = streams
+                return
+        cancel_all(streams)
+        raise CancelledError("the client left while its requests were being submitted")
+
+
+async def submit(request: Request, server: Server, prompts: Sequence[Sequence[int]], opts: dict[str, Any],
+                 n: int) -> list[Any]:
+    """Submit ``n`` requests (one per choice) per prompt as one unit, in a worker thread; with a seed, choice
+    ``i`` of a prompt uses ``seed + i``. Returns their async streams, prompt by prompt.
 
     A submission validates the options, builds the request's sampler and compiles its grammar
     (tens of milliseconds for a large JSON schema, per choice): on the event loop that would stall
-    every other request. All or none: if one is refused (QueueFullError, a bad option), or the
-    caller is cancelled meanwhile, those already queued are cancelled.
+    every other request. All or none (:meth:`Server.asubmit_many`): QueueFullError when the group does
+    not fit in the queue, before any work. A client that leaves meanwhile stops the building, and
+    whatever was queued is cancelled (:class:`ClientGone`).
     """
     loop = asyncio.get_running_loop()
-    streams: list[Any] = []
+    job = _Submission()
 
-    def work() -> None:
-        for prompt in prompts:
-            for i in range(n):
-                choice_opts = dict(opts)
-                if n > 1 and "seed" in opts:
-                    choice_opts["seed"] = (opts["seed"] + i) % _SEED_MOD
-                # from a worker thread: the request's channel delivers to ``loop``
-                streams.append(server.asubmit(list(prompt), loop=loop, **choice_opts))
+    def work() -> list[Any]:
+        streams = server.asubmit_many(list(prompts), n=n, loop=loop, abort=job.abort, **opts)
+        job.queued(streams)
+        return streams
 
-    try:
-        await anyio.to_thread.run_sync(work)
-    except BaseException:
-        cancel_all(streams)
-        raise
-    return streams
+    return await until_disconnect(request.receive, anyio.to_thread.run_sync(work), job.client_left)
 
 
 def cancel_all(streams: Sequence[Any]) -> None:

@@ -123,8 +123,10 @@ async def until_disconnect(receive: Receive, work: Awaitable[T], on_disconnect: 
     """
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_next_disconnect(receive))
+    gone = True
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        gone = not task.done()
     finally:
         watcher.cancel()
         if not task.done():  # the client left (or this task is being cancelled)
@@ -132,7 +134,9 @@ async def until_disconnect(receive: Receive, work: Awaitable[T], on_disconnect: 
             task.cancel()
             with anyio.CancelScope(shield=True):
                 await asyncio.wait({task})  # let the work run its cleanup
-    if task.cancelled():
+    if gone:
+        if not task.cancelled():
+            task.exception()  # (retrieved: whatever the work raised once its client had gone is moot)
         raise ClientGone()
     return task.result()
 

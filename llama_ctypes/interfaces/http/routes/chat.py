@@ -18,12 +18,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....core.grammar import json_schema_to_gbnf
+from ....core.schema_limits import SchemaLimits, check_schema_size
 from ....errors import SchemaError
+from ....features.chat_template import RESERVED_VARIABLES
 from ....features.tool_calls import finish_reason, plan_chat
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
 from ..errors import BadRequest, from_exception
 from ..generation import (cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options,
                           submit)
+from ..limits import over_limit
 from ..schemas import ChatCompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
 
@@ -31,6 +34,11 @@ from ..streaming import EventStream, merge, until_disconnect
 def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[str, Any]]:
     """(enable_thinking, the other template variables) from ``chat_template_kwargs`` and ``reasoning_effort``."""
     kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(RESERVED_VARIABLES & set(kwargs))
+    if reserved:
+        raise BadRequest(f"invalid 'chat_template_kwargs.{reserved[0]}': {reserved[0]!r} is set by the server itself "
+                         f"(reserved: {', '.join(sorted(RESERVED_VARIABLES))})",
+                         param=f"chat_template_kwargs.{reserved[0]}")
     thinking = kwargs.pop("enable_thinking", None)
     if thinking is not None and not isinstance(thinking, bool):
         raise BadRequest("invalid 'chat_template_kwargs.enable_thinking': expected true or false",
@@ -40,20 +48,26 @@ def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[st
     return thinking, kwargs
 
 
-def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None) -> tuple[Any, dict[str, Any]]:
+def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None,
+          limits: SchemaLimits) -> tuple[Any, dict[str, Any]]:
     """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
     converts the JSON schema to a grammar)."""
     thinking, kwargs = _template_options(body)
     schema = body.response_format.schema() if body.response_format is not None else None
+    if schema is not None:  # (tools are measured by plan_chat, before llama.cpp's chat code converts them)
+        check_schema_size([schema], limits, what="the response_format schema", hint=_SCHEMA_HINT)
     plan = plan_chat(model, [m.for_template() for m in body.messages], tools=body.tools,
                      tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
                      parallel_tool_calls=body.parallel_tool_calls, chat_template=chat_template,
-                     enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema)
+                     enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema, schema_limits=limits)
     options = dict(plan.options)
     if options.get("json_schema") is not None:
         # converted here, off the event loop (the server's sampler would do it on submission)
-        options["grammar"] = json_schema_to_gbnf(options.pop("json_schema"))
+        options["grammar"] = json_schema_to_gbnf(options.pop("json_schema"), limits)
     return plan, options
+
+
+_SCHEMA_HINT = "the server's schema limits are set by create_app(limits=RequestLimits(schema=SchemaLimits(...)))"
 
 
 def _finish_reason(stream: Any, message: dict[str, Any]) -> str:
@@ -68,16 +82,19 @@ def _truncated(stream: Any) -> bool:
 @endpoint
 async def chat_completions(request: Request, app: AppContext) -> Response:
     body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
+    if body.n > app.limits.max_choices:
+        raise over_limit("n", body.n, app.limits.max_choices, "--max-choices", param="n")
     model_id, server = app.router.server(body.model)
     template = app.router.settings_of(model_id).chat_template
     try:
-        plan, required = await anyio.to_thread.run_sync(functools.partial(_plan, server.get_model(), body, template))
+        plan, required = await anyio.to_thread.run_sync(
+            functools.partial(_plan, server.get_model(), body, template, app.limits.schema))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
         raise from_exception(e, param="response_format" if body.response_format is not None else "tools") from None
     opts = merge_options(sampling_options(body, body.max_completion_tokens or body.max_tokens), required)
     if body.logprobs:
         opts["logprobs"] = body.top_logprobs or 0
-    streams = await submit(server, [plan.prompt], opts, body.n)
+    streams = await submit(request, server, [plan.prompt], opts, body.n)
     try:
         reply = _Reply(app, model_id, body, streams, [plan.output() for _ in streams], len(plan.prompt))
     except BaseException:

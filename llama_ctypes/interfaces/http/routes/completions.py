@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from ....core.generation import GenerationParams, prompt_tokens
 from ..common import FINISH_REASONS, SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
 from ..generation import cancel_all, completion_logprobs, gather_all, new_logprobs, sampling_options, submit
+from ..limits import over_limit
 from ..schemas import CompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
 
@@ -33,14 +34,17 @@ def _tokenize(model: Any, prompts: list, n_ctx: int, echo: bool) -> tuple[list[l
 @endpoint
 async def completions(request: Request, app: AppContext) -> Response:
     body = parse(CompletionRequest, await read_body(request, app.max_body_bytes))
-    model_id, server = app.router.server(body.model)
     prompts = body.prompts()
+    if len(prompts) * body.n > app.limits.max_choices:  # (before tokenizing anything)
+        raise over_limit(f"{len(prompts)} prompts × n={body.n} requests", len(prompts) * body.n,
+                         app.limits.max_choices, "--max-choices", param="prompt")
+    model_id, server = app.router.server(body.model)
     ids, echoed = await anyio.to_thread.run_sync(
         functools.partial(_tokenize, server.get_model(), prompts, server.n_ctx, body.echo))
     opts = sampling_options(body, body.max_tokens)
     if body.logprobs is not None:
         opts["logprobs"] = body.logprobs
-    streams = await submit(server, ids, opts, body.n)
+    streams = await submit(request, server, ids, opts, body.n)
     reply = _Reply(app, model_id, body, streams, [len(t) for t in ids], echoed)
     if body.stream:
         return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams))  # type: ignore[return-value]

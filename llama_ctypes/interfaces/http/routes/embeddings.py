@@ -18,25 +18,31 @@ from starlette.responses import JSONResponse, Response
 
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest
+from ..limits import RequestLimits, over_limit
 from ..schemas import EmbeddingRequest, RerankRequest, parse
 
 
-def _embed(manager: Any, model_id: str, texts: list[str]) -> tuple[np.ndarray, int]:
+def _embed(manager: Any, model_id: str, texts: list[str], limits: RequestLimits) -> tuple[np.ndarray, int]:
     """The vectors and the number of input tokens (a worker thread)."""
     vocab = manager.model(model_id).vocab
     n_tokens = sum(len(vocab.tokenize(t, add_special=True, parse_special=False)) for t in texts)
+    if n_tokens > limits.max_input_tokens:  # (tokenizing is linear and cheap; embedding is not)
+        raise over_limit("input tokens", n_tokens, limits.max_input_tokens, "--max-input-tokens", param="input")
     return np.asarray(manager.embed(model_id, texts), dtype=np.float32), n_tokens
 
 
 @endpoint
 async def embeddings(request: Request, app: AppContext) -> Response:
     body = parse(EmbeddingRequest, await read_body(request, app.max_body_bytes))
+    texts = body.texts()
+    if len(texts) > app.limits.max_inputs:
+        raise over_limit("inputs", len(texts), app.limits.max_inputs, "--max-inputs", param="input")
     info = app.router.resolve(body.model)
     if "embed" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} cannot embed (load it with mode='direct'; "
                          f"it can {', '.join(info.capabilities)})", param="model")
     vectors, n_tokens = await anyio.to_thread.run_sync(
-        functools.partial(_embed, app.router.manager, info.id, body.texts()))
+        functools.partial(_embed, app.router.manager, info.id, texts, app.limits))
     if body.dimensions is not None and body.dimensions != vectors.shape[-1]:
         raise BadRequest(f"the model {info.id!r} makes {vectors.shape[-1]}-dimensional embeddings; "
                          f"dimensions={body.dimensions} is not supported", param="dimensions")
@@ -51,22 +57,28 @@ async def embeddings(request: Request, app: AppContext) -> Response:
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
-def _rerank(manager: Any, model_id: str, query: str, documents: list[str]) -> tuple[list[float], int]:
+def _rerank(manager: Any, model_id: str, query: str, documents: list[str],
+            limits: RequestLimits) -> tuple[list[float], int]:
     vocab = manager.model(model_id).vocab
     n_query = len(vocab.tokenize(query, add_special=True, parse_special=False))
     n_tokens = sum(n_query + len(vocab.tokenize(d, add_special=False, parse_special=False)) for d in documents)
+    if n_tokens > limits.max_input_tokens:
+        raise over_limit("query and document tokens", n_tokens, limits.max_input_tokens, "--max-input-tokens",
+                         param="documents")
     return manager.rerank(model_id, query, documents), n_tokens
 
 
 @endpoint
 async def rerank(request: Request, app: AppContext) -> Response:
     body = parse(RerankRequest, await read_body(request, app.max_body_bytes))
+    if len(body.documents) > app.limits.max_inputs:
+        raise over_limit("documents", len(body.documents), app.limits.max_inputs, "--max-inputs", param="documents")
     info = app.router.resolve(body.model)
     if "rerank" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} is not a reranking model (it can {', '.join(info.capabilities)})",
                          param="model")
     scores, n_tokens = await anyio.to_thread.run_sync(
-        functools.partial(_rerank, app.router.manager, info.id, body.query, body.documents))
+        functools.partial(_rerank, app.router.manager, info.id, body.query, body.documents, app.limits))
     ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n is not None:
         ranked = ranked[:body.top_n]

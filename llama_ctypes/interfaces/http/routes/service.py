@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..common import AppContext, endpoint, read_body
 from ..errors import Unavailable
+from ..limits import over_limit
 from ..metrics import CONTENT_TYPE
 from ..schemas import DetokenizeRequest, TokenizeRequest, parse
 
@@ -77,6 +78,9 @@ def _tokenize(model: Any, body: TokenizeRequest) -> Any:
 @endpoint
 async def tokenize(request: Request, app: AppContext) -> Response:
     body = parse(TokenizeRequest, await read_body(request, app.max_body_bytes))
+    size = len(body.content.encode("utf-8", "surrogatepass"))
+    if size > app.limits.max_tokenize_bytes:
+        raise over_limit("content bytes", size, app.limits.max_tokenize_bytes, "--max-tokenize-bytes", param="content")
     _, model = app.router.model(body.model)
     tokens = await anyio.to_thread.run_sync(functools.partial(_tokenize, model, body))
     return JSONResponse({"tokens": tokens})
