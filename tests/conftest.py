@@ -8,6 +8,7 @@ from vocabularies in the llama.cpp tree, and Gemma comes from the
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import shutil
 import sys
@@ -57,6 +58,17 @@ def pytest_configure(config):
     os.environ["LLAMA_CTYPES_LIB_DIR"] = str(lib_dir)
     os.environ["LLAMA_CTYPES_CPU_VARIANT"] = variant
     config.cpu_variant = variant
+
+
+#: After the run, how long the interpreter may take to exit before its threads' stacks are dumped and
+#: the process ends with status 1 (s): a deadlocked non-daemon thread would otherwise hold it open
+#: forever after the summary (CI then runs out of time instead of going red with the stacks).
+EXIT_WATCHDOG_S = 120
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True, file=sys.__stderr__)
 
 
 def pytest_report_header(config):

@@ -262,7 +262,7 @@ def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
                 except BaseException as exc:  # anything else is a defect
                     errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(8)]  # (a deadlock fails)
         for t in threads:
             t.start()
         for t in threads:
@@ -312,7 +312,7 @@ def test_closed_under_load_by_eight_threads(tiny_model_path, track_models):
             if closed.is_set() and rng.random() < 0.2:
                 return  # (some threads keep calling into the closed manager a while)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(8)]  # (a deadlock fails)
     for t in threads:
         t.start()
     time.sleep(4)
@@ -481,6 +481,49 @@ def test_close_from_a_worker_wakes_every_waiter(tiny_model_path, gate):
     t.join(30)
     assert not t.is_alive() and outcome and isinstance(outcome[0], lc.ClosedError)
     assert queued.cancelled()
+
+
+def test_close_wakes_the_waiters_of_a_queued_load_that_was_unloaded(tiny_model_path, gate):
+    """A load queued behind a slow one, unloaded while queued, then cancelled by close(): whoever
+    waited for it (looked up before the unload) gets ClosedError instead of waiting forever."""
+    gate.install()
+    mm = lc.ModelManager(workers=1)
+    mm.load("a", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+    assert gate.entered.wait(30)
+    queued = mm.load("b", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+    outcome: list[BaseException] = []
+    looked_up = threading.Event()
+    real_entry = mm._entry
+
+    def entry_then_signal(id, wait):  # signals once the waiter holds the entry, before it waits
+        if not wait:
+            return real_entry(id, wait)
+        found = real_entry(id, False)
+        looked_up.set()
+        found.done.wait()
+        return found
+
+    mm._entry = entry_then_signal
+
+    def waiter():
+        try:
+            mm.generate("b", "Hi", max_tokens=1)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    assert looked_up.wait(30)
+    mm.unload("b")  # still queued: its worker would free it, but it will never run
+    closer = threading.Thread(target=mm.close, daemon=True)
+    closer.start()
+    gate.release.set()
+    closer.join(30)
+    t.join(30)
+    assert not closer.is_alive() and not t.is_alive(), "a waiter was never woken"
+    assert outcome and isinstance(outcome[0], lc.ClosedError), outcome
+    assert queued.cancelled()
+    assert mm.used().total() == 0
 
 
 def test_server_accessor_gives_the_batching_server_of_server_mode_models(tiny_model_path, bert_path):

@@ -51,6 +51,7 @@ from ...core.params import ContextParams, ModelParams, split_options
 from ...errors import (AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError,
                        RPCConnectionError)
 from ...features import chat as _chat
+from ...features.openai import chat as _openai_chat
 from ...features import embeddings as _emb
 from ...features import hub
 from ..server.server import Server
@@ -210,6 +211,7 @@ class ModelManager(Closeable):
             future = self._executor.submit(self._load, entry, source, mode, server_opts, model_opts, ctx_opts,
                                            defaults)
         except RuntimeError:  # the manager closed in between
+            self._abandon(entry)
             raise ClosedError("the ModelManager is closed") from None
         entry.future = future
         if not wait:
@@ -599,12 +601,12 @@ class ModelManager(Closeable):
     def chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """An OpenAI-shaped chat completion (see :func:`llama_ctypes.chat_completion`)."""
         target, opts = self._generation_target(id, "chat", opts)
-        return _chat.chat_completion(target, messages, **opts)
+        return _openai_chat.chat_completion(target, messages, **opts)
 
     def stream_chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any) -> Iterator:
         """OpenAI-shaped chat completion chunks (see :func:`llama_ctypes.stream_chat_completion`)."""
         target, opts = self._generation_target(id, "chat", opts)
-        return _chat.stream_chat_completion(target, messages, **opts)
+        return _openai_chat.stream_chat_completion(target, messages, **opts)
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
         """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
@@ -676,11 +678,23 @@ class ModelManager(Closeable):
         # From one of our own workers (a future's callback), waiting for the workers would deadlock.
         in_worker = threading.current_thread().name.startswith(_WORKER_PREFIX)
         self._executor.shutdown(wait=not in_worker, cancel_futures=True)
+        with self._lock:
+            entries += [e for e in self._releasing if e not in entries]  # (unloaded while loading)
         for entry in entries:
-            if entry.future is not None and entry.future.cancelled():
-                # a load cancelled before it started: nobody else will wake its waiters
-                entry.error = entry.error or ClosedError("the ModelManager was closed")
-                entry.done.set()
+            future = entry.future
+            if future is None or future.cancelled():
+                # A load that never started (cancelled while queued, or closed out before it was queued;
+                # unloaded or not): nobody else will wake those waiting for it.
+                self._abandon(entry)
+
+    def _abandon(self, entry: _Entry) -> None:
+        """End a load that will never run: its waiters get ClosedError."""
+        with self._lock:
+            if entry.error is None:
+                entry.error = ClosedError("the ModelManager was closed")
+            if entry in self._releasing:
+                self._releasing.remove(entry)
+        entry.done.set()
 
 
 def _model_options(params: ModelParams) -> dict[str, Any]:
