@@ -1,12 +1,13 @@
 """llama_ctypes: local LLM inference over llama.cpp, from pure Python (ctypes).
 
-Layers, lowest first (a layer imports only those below it):
+Layers, lowest first (a layer imports only those below it; tests/test_layers.py checks it):
 
-* ``llama_ctypes.native``  library loading and ctypes prototypes (one module per C header)
-* ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation
-* ``llama_ctypes.features``  chat, grammars, schemas, structured output, embeddings, the Hub client
-* ``llama_ctypes.engines``   the continuous-batching server
-* ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line
+* ``llama_ctypes.native``  library loading, ctypes prototypes (one module per C header), backend registration
+* ``llama_ctypes.core``    Model, Context, Batch, Sampler, Tokenizer, generation, the generation-target protocol
+* ``llama_ctypes.features``  chat, OpenAI shapes, tool calls, grammars, schemas, structured output, embeddings,
+  the Hub client
+* ``llama_ctypes.engines``   the continuous-batching server, speculative decoding, the model manager
+* ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line, the HTTP server, Ray Serve
 """
 
 from ._version import __version__
@@ -20,17 +21,11 @@ from .core.model import Model, load_model
 from .core.params import ContextParams, ModelParams
 from .core.rpc import add_rpc_servers
 from .core.sampler import Sampler, SamplingParams
+from .core.target import GenerationTarget, LocalTarget
 from .core.tokenizer import StreamDecoder, Tokenizer
 from .core.vocab import Vocab
-from .features.chat import (
-    ChatParams,
-    ChatReply,
-    ChatStream,
-    chat,
-    chat_completion,
-    stream_chat,
-    stream_chat_completion,
-)
+from .features.chat import ChatParams, ChatReply, ChatStream, chat, stream_chat
+from .features.openai.chat import chat_completion, stream_chat_completion
 from . import telemetry
 from .engines.server import (
     AsyncServerStream,
@@ -103,6 +98,7 @@ __all__ = [
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings", "TokenLogprob",
+    "GenerationTarget", "LocalTarget",
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",

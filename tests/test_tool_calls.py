@@ -254,6 +254,39 @@ def test_python_api_tool_calls_streamed_equal_non_streamed_on_model_and_server(g
         assert plain["choices"][0]["message"].get("tool_calls") is None
 
 
+def _shape(obj):
+    return {k: _shape(v) for k, v in obj.items()} if isinstance(obj, dict) else type(obj).__name__
+
+
+@pytest.mark.gemma
+def test_one_usage_shape_on_every_python_path(gemma):
+    """The plain and the tool-call paths, whole and streamed, on a model and on a Server, and a
+    ChatReply: the same usage object (prompt_tokens_details included), its counts adding up."""
+    from llama_ctypes.features.openai import usage
+
+    template = (TEMPLATES / GEMMA_TEMPLATE).read_text()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = dict(chat_template=template, max_tokens=3, temp=0)
+    tools = dict(plain, tools=[WEATHER], tool_choice="required", max_tokens=40)
+    expected = _shape(usage(1, 2, 3))
+    with lc.Server(model=gemma, n_parallel=2, n_ctx=1024) as server:
+        found = {
+            "chat reply": lc.chat(gemma, messages, **plain).usage,
+            "plain": lc.chat_completion(gemma, messages, **plain)["usage"],
+            "plain streamed": list(lc.stream_chat_completion(gemma, messages, **plain))[-1]["usage"],
+            "tools": lc.chat_completion(gemma, messages, **tools)["usage"],
+            "tools streamed": list(lc.stream_chat_completion(gemma, messages, **tools))[-1]["usage"],
+            "server plain": lc.chat_completion(server, messages, **plain)["usage"],
+            "server tools": lc.chat_completion(server, messages, **tools)["usage"],
+            "server tools streamed": list(lc.stream_chat_completion(server, messages, **tools))[-1]["usage"],
+        }
+        # the server's prefix cache served the repeated prompt: counted on the tool path too
+        assert found["server tools streamed"]["prompt_tokens_details"]["cached_tokens"] > 0
+    for path, u in found.items():
+        assert _shape(u) == expected, path
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] > 0, path
+
+
 @pytest.mark.gemma
 def test_grammar_prefill_skips_text_already_in_the_prompt(gemma):
     grammar = 'root ::= "Hello" " world"'
@@ -285,7 +318,7 @@ def _output(name: str = HERMES):
 
 
 def test_a_reply_cut_by_the_length_limit_is_length_even_in_a_tool_call():
-    from llama_ctypes.features.tool_calls import finish_reason
+    from llama_ctypes.features.openai import finish_reason
     out = _output()
     text = 'Let me see.<tool_call>\n{"name": "special_function", "arguments": {"arg1": 12'
     deltas = [d for i in range(0, len(text), 4) for d in out.feed(text[i:i + 4])]

@@ -159,7 +159,7 @@ class VersionInfo:
 
 
 def version_info() -> VersionInfo:
-    from .. import __version__
+    from .._version import __version__
 
     lib = init()
     info = lib.build_info

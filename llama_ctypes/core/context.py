@@ -21,6 +21,7 @@ from ..native import ggml_h
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .batch import Batch
+from .decode_status import check_decode
 from .handle import NativeHandle
 from .hidden_states import HiddenStates
 from .params import ContextParams, split_options
@@ -31,24 +32,10 @@ if TYPE_CHECKING:
     from .model import Model
     from .sampler import Sampler
 
-_DECODE_ERRORS = {
-    1: "no KV-cache slot for the batch (the context is full; use a larger n_ctx or a shorter prompt)",
-    2: "aborted",
-    -1: "invalid batch",
-}
-
-ABORTED = 2
 
 _P_U8 = ctypes.POINTER(ctypes.c_uint8)
 
 _NO_WORKERS = ConnectionWatch(None, ())  # the watch of a context whose creation failed early
-
-
-def check_decode(rc: int, what: str, n_tokens: int) -> None:
-    """Raise :class:`DecodeError` for a non-zero ``llama_decode``/``llama_encode`` return code."""
-    if rc != 0:
-        reason = _DECODE_ERRORS.get(rc, "error")
-        raise DecodeError(f"{what} failed with {rc} for a batch of {n_tokens} tokens: {reason}", code=rc)
 
 
 def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None) -> None:
@@ -250,14 +237,14 @@ class Context(NativeHandle):
 
     def memory(self) -> "MemoryUsage":
         """The memory this context and its model hold, per device (bytes; see ``lc.estimate_memory``)."""
-        from .memory import _ROWS, lcx_device_memory, usage_from_rows
+        from .memory import DEVICE_ROWS, lcx_device_memory, usage_from_rows
 
         with self.lease():
-            rows = (lcx_device_memory * _ROWS)()
-            n = self._lib.lcx_context_memory(self._ptr, rows, _ROWS)
+            rows = (lcx_device_memory * DEVICE_ROWS)()
+            n = self._lib.lcx_context_memory(self._ptr, rows, DEVICE_ROWS)
         if n < 0:
             raise LlamaError("llama.cpp could not report the context's memory")
-        return usage_from_rows(rows, min(n, _ROWS))
+        return usage_from_rows(rows, min(n, DEVICE_ROWS))
 
     def state_size(self) -> int:
         """Bytes needed to save the whole context state."""

@@ -14,7 +14,7 @@ from fractions import Fraction
 #: distinct float, so comparing it with a bound gives the same answer before and after parsing.
 NUMBER_DIGITS = 15
 #: Digits of a bounded ``integer`` with an open side, as llama.cpp's unbounded integers.
-_OPEN_INTEGER_DIGITS = 16
+OPEN_INTEGER_DIGITS = 16
 
 
 # ---- numbers ---------------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def _nat_range(lo: int, hi: int) -> str:
     return " | ".join(alts)
 
 
-def _int_range(lo: int, hi: int) -> str:
+def int_range(lo: int, hi: int) -> str:
     """Integers from ``lo`` to ``hi`` as JSON writes them (no "-0")."""
     alts = []
     if lo < 0:
@@ -155,7 +155,7 @@ def _magnitude_range(lo: int, hi: int, digits: int) -> str:
     return " | ".join(f"({a})" for a in alts)
 
 
-def _decimal_magnitudes(low: tuple[Fraction, bool], high: tuple[Fraction, bool] | None) -> str:
+def decimal_magnitudes(low: tuple[Fraction, bool], high: tuple[Fraction, bool] | None) -> str:
     """Plain non-negative decimals of at most NUMBER_DIGITS digits between two (value, exclusive) bounds.
 
     Each count n of integer digits gets NUMBER_DIGITS - n decimals: 0.001 fits beside 123456789012.5.

@@ -28,7 +28,7 @@ _DATE = ('(([1-9] [0-9]{3} | "0" ([1-9] [0-9]{2} | "0" ([1-9] [0-9] | "0" [1-9])
          f'([0-9] [0-9] {_LEAP} | {_LEAP} "00") "-02-29")')
 _TIME = ('([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{3})? '
          '("Z" | [+\\-] ([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9])')
-_FORMAT_RULES = {"date": _DATE, "time": f"({_TIME})", "date-time": f'{_DATE} "T" {_TIME}'}
+FORMAT_RULES = {"date": _DATE, "time": f"({_TIME})", "date-time": f'{_DATE} "T" {_TIME}'}
 _TIME_RE = r"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\.[0-9]{3})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _FORMAT_RES = {"date": r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "time": _TIME_RE, "date-time": rf"[0-9]{{4}}-[0-9]{{2}}-[0-9]{{2}}T{_TIME_RE}",
                "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"}
@@ -51,11 +51,11 @@ def _format_check(fmt: str):
 
 #: What enum and const values are checked with: exactly the strings the format rules generate
 #: (jsonschema's own time and date-time checks need optional packages, and pass anything without them).
-_FORMAT_CHECKER = jsonschema.FormatChecker(formats=())
+FORMAT_CHECKER = jsonschema.FormatChecker(formats=())
 for _fmt in SUPPORTED_FORMATS:
-    _FORMAT_CHECKER.checks(_fmt)(_format_check(_fmt))
+    FORMAT_CHECKER.checks(_fmt)(_format_check(_fmt))
 
-_FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 18), "date-time": (20, 29), "uuid": (36, 36)}
+FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 18), "date-time": (20, 29), "uuid": (36, 36)}
 
 
 # ---- pattern → GBNF ----------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def _normalize_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _subtract(universe: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def subtract_ranges(universe: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out = []
     for a, b in universe:
         for c, d in _normalize_ranges(ranges):
@@ -101,11 +101,11 @@ def _class_char(cp: int) -> str:
         if cp < 0x10000 else f"\\U{cp:08X}"
 
 
-def _chars_gbnf(ranges: list[tuple[int, int]]) -> str:
+def chars_gbnf(ranges: list[tuple[int, int]]) -> str:
     """GBNF for one character from ``ranges``, as it appears inside a JSON string (escaped where JSON needs)."""
     ranges = _normalize_ranges(ranges)
     special = [cp for a, b in ranges for cp in range(a, min(b, 0x5C) + 1) if cp < 0x20 or cp in (0x22, 0x5C)]
-    raw = _subtract(ranges, [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0xD800, 0xDFFF)])
+    raw = subtract_ranges(ranges, [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0xD800, 0xDFFF)])
     alts = []
     if raw:
         alts.append("[" + "".join(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}"
@@ -117,7 +117,7 @@ def _chars_gbnf(ranges: list[tuple[int, int]]) -> str:
     return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
 
 
-class _Regex:
+class Regex:
     """A regular expression subset → GBNF generating the JSON strings (without quotes) it fully matches.
 
     Supported: literals, ".", classes (ranges, negation, \\d \\w \\s and their negations), escapes
@@ -214,14 +214,14 @@ class _Regex:
             self.fail("an anchor inside the pattern")
         if c == ".":
             self.i += 1
-            return _chars_gbnf(_PRINTABLE), 1, 1
+            return chars_gbnf(_PRINTABLE), 1, 1
         if c == "\\":
-            return _chars_gbnf(self.escape(in_class=False)), 1, 1
+            return chars_gbnf(self.escape(in_class=False)), 1, 1
         if c in ("]", "}"):
             self.fail(f"an unescaped {c!r}")
         self.i += 1
         cp = ord(c)
-        return _chars_gbnf([(cp, cp)]), 1, 1
+        return chars_gbnf([(cp, cp)]), 1, 1
 
     def escape(self, in_class: bool) -> list[tuple[int, int]]:
         self.i += 1
@@ -233,7 +233,7 @@ class _Regex:
         if c in classes:
             return classes[c]
         if c in ("D", "W", "S"):
-            return _subtract(_PRINTABLE, classes[c.lower()])
+            return subtract_ranges(_PRINTABLE, classes[c.lower()])
         if c in _SIMPLE_ESCAPES and not (c == "0" and self.peek().isdigit()):
             cp = _SIMPLE_ESCAPES[c]
             return [(cp, cp)]
@@ -284,9 +284,9 @@ class _Regex:
             else:
                 ranges.extend(first)
         if negate:
-            ranges = _subtract(_PRINTABLE, ranges)
+            ranges = subtract_ranges(_PRINTABLE, ranges)
         try:
-            return _chars_gbnf(ranges)
+            return chars_gbnf(ranges)
         except ValueError:
             self.fail("a character class that matches nothing generable")
 

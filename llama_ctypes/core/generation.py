@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
 from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, DecodeError, InvalidArgumentError
-from .context import ABORTED, ContextLease, check_prompt, common_prefix
+from .context import ContextLease, check_prompt, common_prefix
 from .context_pool import ContextPool
+from .decode_status import ABORTED
 from .handle import Closeable
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from .params import ContextParams, split_options

@@ -46,9 +46,9 @@ from ..errors import SchemaError, SchemaTooLargeError
 from .backend import init
 from .deep_stack import DeepStackThreads
 from .gbnf_numbers import NUMBER_DIGITS
-from .gbnf_text import SUPPORTED_FORMATS, _chars_gbnf, _subtract
+from .gbnf_text import SUPPORTED_FORMATS, chars_gbnf, subtract_ranges
 from .schema_limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits, check_schema_size
-from .schema_normalize import _Normalizer
+from .schema_normalize import Normalizer
 
 __all__ = ["NUMBER_DIGITS", "SUPPORTED_FORMATS", "UNSUPPORTED_KEYWORDS", "DEFAULT_SCHEMA_LIMITS", "SchemaLimits",
            "SchemaTooLargeError", "check_schema", "json_schema_to_gbnf"]
@@ -140,7 +140,7 @@ def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLi
     if cached is not None:
         return cached
     try:
-        prepared = _Normalizer(json.loads(key[0]), max_steps=limits.max_nodes).document()
+        prepared = Normalizer(json.loads(key[0]), max_steps=limits.max_nodes).document()
     except RecursionError:
         raise SchemaTooLargeError("the JSON schema is nested too deeply to convert") from None
     gbnf = _link(_convert(json.dumps(prepared.schema)), prepared.rules, prepared.key_sets)
@@ -293,10 +293,10 @@ def _safe_not_strings(names: list[str]) -> str:
         for c in sorted(k for k in node if k):
             rejects.append((ord(c), ord(c)))
             child = node[c]
-            out.append(_chars_gbnf([(ord(c), ord(c))]) + (f" ({visit(child)})" if any(k for k in child) else " char+"))
+            out.append(chars_gbnf([(ord(c), ord(c))]) + (f" ({visit(child)})" if any(k for k in child) else " char+"))
         if rejects:
-            other = _subtract([(0x20, 0x10FFFF)], rejects + [(0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)])
-            out.append(_chars_gbnf(other) + " char*")
+            other = subtract_ranges([(0x20, 0x10FFFF)], rejects + [(0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F)])
+            out.append(chars_gbnf(other) + " char*")
         return " | ".join(out)
 
     trie = _trie(names)

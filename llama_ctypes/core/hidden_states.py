@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError, IndexOutOfRangeError, InvalidArgumentError, LlamaError
 from ..native import llama_h as L
+from .decode_status import check_decode
 
 __all__ = ["HiddenStates"]
 
@@ -88,8 +89,6 @@ class HiddenStates:
             raise
         if rc != 0:
             self.clear()
-            from .context import check_decode  # (context.py imports this module)
-
             check_decode(rc, "llama_process", n)
         held.extend(run)
         ctx._exact_cut = min(n - 1, ctx.n_rs_seq)

@@ -88,7 +88,7 @@ class MemoryUsage:
         return "\n".join(lines)
 
 
-_ROWS = 64  # more devices than any machine has; the C side reports how many it found
+DEVICE_ROWS = 64  # more devices than any machine has; the C side reports how many it found
 
 
 def usage_from_rows(rows: ctypes.Array, n: int) -> MemoryUsage:
@@ -130,9 +130,9 @@ def estimate_memory(path: str | os.PathLike, **opts: Any) -> MemoryUsage:
     try:
         native_m, keep_alive = mparams.to_native(lib, workers.devices)
         native_c = cparams.to_native()
-        rows = (lcx_device_memory * _ROWS)()
+        rows = (lcx_device_memory * DEVICE_ROWS)()
         clear_native_error()
-        n = lib.lcx_estimate_memory(os.fsencode(path), byref(native_m), byref(native_c), rows, _ROWS)
+        n = lib.lcx_estimate_memory(os.fsencode(path), byref(native_m), byref(native_c), rows, DEVICE_ROWS)
         del keep_alive
         lost = workers.watch.attach()  # a worker lost meanwhile answered nothing: no estimate
         if lost is not None:
@@ -145,4 +145,4 @@ def estimate_memory(path: str | os.PathLike, **opts: Any) -> MemoryUsage:
         raise ContextCreationError(f"could not create a context for {path}: {native_error('refused by llama.cpp')}")
     if n < 0:
         raise ModelLoadError(f"estimating {path} failed: {native_error('an exception in llama.cpp')}")
-    return usage_from_rows(rows, min(n, _ROWS))
+    return usage_from_rows(rows, min(n, DEVICE_ROWS))

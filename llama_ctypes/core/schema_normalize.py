@@ -22,8 +22,8 @@ from urllib.parse import unquote
 import jsonschema
 
 from ..errors import SchemaError, SchemaTooLargeError
-from .gbnf_numbers import NUMBER_DIGITS, _OPEN_INTEGER_DIGITS, _decimal_magnitudes, _int_range
-from .gbnf_text import _FORMAT_CHECKER, _FORMAT_LENGTHS, _FORMAT_RULES, _Regex
+from .gbnf_numbers import NUMBER_DIGITS, OPEN_INTEGER_DIGITS, decimal_magnitudes, int_range
+from .gbnf_text import FORMAT_CHECKER, FORMAT_LENGTHS, FORMAT_RULES, Regex
 
 # ---- normalization ---------------------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ def _canon(value: Any) -> str:
     return "{" + ",".join(f"{json.dumps(k)}:{_canon(v)}" for k, v in sorted(value.items())) + "}"
 
 
-class _Normalizer:
+class Normalizer:
     def __init__(self, root: Any, max_steps: int = 0):
         self.root = root
         # Subschemas normalized so far, and the most allowed (0: no bound). A $ref with keywords beside it
@@ -86,7 +86,7 @@ class _Normalizer:
         cls = jsonschema.validators.validator_for(root if isinstance(root, Mapping) else {})
         self.draft4 = cls is jsonschema.Draft4Validator
         self.legacy_items = cls is not jsonschema.Draft202012Validator  # items: [...] is a tuple
-        self.validator = cls(root if isinstance(root, Mapping) else {}, format_checker=_FORMAT_CHECKER)
+        self.validator = cls(root if isinstance(root, Mapping) else {}, format_checker=FORMAT_CHECKER)
         self.defs: dict[str, Any] = {}
         self.ref_names: dict[str, str] = {}
         self.rules: dict[str, tuple[str, str]] = {}
@@ -394,12 +394,12 @@ class _Normalizer:
             return {"type": "integer"}
         lo = max((math.floor(Fraction(v)) + 1 if x else math.ceil(Fraction(v)) for v, x in lower), default=None)
         hi = min((math.ceil(Fraction(v)) - 1 if x else math.floor(Fraction(v)) for v, x in upper), default=None)
-        limit = 10 ** max([_OPEN_INTEGER_DIGITS] + [len(str(abs(b))) for b in (lo, hi) if b is not None]) - 1
+        limit = 10 ** max([OPEN_INTEGER_DIGITS] + [len(str(abs(b))) for b in (lo, hi) if b is not None]) - 1
         lo = -limit if lo is None else lo
         hi = limit if hi is None else hi
         if lo > hi:
             raise _Unsatisfiable(path, "no integer between the bounds")
-        return self.rule("integer-range", _int_range(lo, hi), "number")
+        return self.rule("integer-range", int_range(lo, hi), "number")
 
     def typed_number(self, parts, path) -> dict:
         lower, upper = self.bounds(parts)
@@ -416,11 +416,11 @@ class _Normalizer:
         alts = []
         if lo is None or lo[0] < 0:  # negative values, by magnitude: above 0 (no "-0") or -hi, up to -lo
             low = (Fraction(0), True) if hi is None or hi[0] >= 0 else (-hi[0], hi[1])
-            body = _decimal_magnitudes(low, None if lo is None else (-lo[0], lo[1]))
+            body = decimal_magnitudes(low, None if lo is None else (-lo[0], lo[1]))
             if body:
                 alts.append(f'"-" ({body})')
         if hi is None or hi[0] >= 0:
-            body = _decimal_magnitudes((Fraction(0), False) if lo is None or lo[0] < 0 else lo, hi)
+            body = decimal_magnitudes((Fraction(0), False) if lo is None or lo[0] < 0 else lo, hi)
             if body:
                 alts.append(f"({body})")
         if not alts:
@@ -445,15 +445,15 @@ class _Normalizer:
             raise SchemaError(f"JSON schema keywords 'pattern' and 'format' at {path} cannot be enforced together; "
                               f"keep one")
         if formats:
-            shortest, longest = _FORMAT_LENGTHS[formats[0]]
+            shortest, longest = FORMAT_LENGTHS[formats[0]]
             if min_len > shortest or (max_len is not None and max_len < longest):
                 raise SchemaError(f"JSON schema keywords 'format' and 'minLength'/'maxLength' at {path} cannot be "
                                   f"enforced together ({formats[0]} strings have {shortest} to {longest} characters)")
             if formats[0] == "uuid":
                 return {"type": "string", "format": "uuid"}
-            return self.rule(formats[0] + "-string", f'"\\"" {_FORMAT_RULES[formats[0]]} "\\""', "string")
+            return self.rule(formats[0] + "-string", f'"\\"" {FORMAT_RULES[formats[0]]} "\\""', "string")
         if patterns:
-            body, shortest, longest = _Regex(patterns[0], path).gbnf()
+            body, shortest, longest = Regex(patterns[0], path).gbnf()
             if min_len > shortest or (max_len is not None and (longest is None or max_len < longest)):
                 raise SchemaError(f"JSON schema keywords 'pattern' and 'minLength'/'maxLength' at {path} cannot be "
                                   f"enforced together; put the length into the pattern (e.g. {{3,8}})")

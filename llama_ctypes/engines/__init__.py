@@ -1,1 +1,1 @@
-"""Engines: the continuous-batching server (and, later, prefix cache, speculative decoding, model manager)."""
+"""Engines: the continuous-batching server (with its prefix cache), speculative decoding, the model manager."""

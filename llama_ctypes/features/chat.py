@@ -1,27 +1,26 @@
 """Chat over a Model: template → tokens → stream, with reasoning separated from the answer.
 
-``chat``/``stream_chat`` return text; ``chat_completion``/``stream_chat_completion``
-return the OpenAI chat-completion shapes (plain dicts that serialise to exactly
-that JSON).
+``chat``/``stream_chat`` return text (:class:`ChatReply`, :class:`ChatStream`); the OpenAI
+chat-completion dicts are built from them in :mod:`.openai.chat`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence, TypedDict
+from typing import Any, Iterator, Mapping, Sequence
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
-from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings, stream
+from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings
 from ..core.logprobs import TokenLogprob
 from ..core.model import Model
+from ..core.target import GenerationTarget, as_target
 from ..core.params import ContextParams, split_options
 from ..core.sampler import SamplingParams
 from ..core.tokenizer import Tokenizer
 from ..native import llama_h as L
+from .openai.shapes import CompletionUsage, usage
 from .chat_template import ChatTemplate, ChatTemplateError, check_template_kwargs
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 from .structured import constrain_to, parse_completion
@@ -215,11 +214,9 @@ class ChatReply(str):
         return str.__str__(self)
 
     @property
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> CompletionUsage:
         """OpenAI usage: prompt, completion and total tokens, and the prompt tokens served from cache."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.tokens),
-                "total_tokens": self.prompt_tokens + len(self.tokens),
-                "prompt_tokens_details": {"cached_tokens": self.timings.cached_tokens if self.timings else 0}}
+        return usage(self.prompt_tokens, len(self.tokens), self.timings.cached_tokens if self.timings else 0)
 
 
 def _chat_deltas(text_stream: Any, splitter: ReasoningSplitter | None, content: list[str],
@@ -312,12 +309,7 @@ def _split_chat_options(opts: Mapping[str, Any]):
     return ChatParams(**chat_opts), {**gen_opts, **sampling_opts, **ctx_opts}
 
 
-def _is_server(target: Any) -> bool:
-    # Duck-typed so this layer does not import the engines layer above it.
-    return callable(getattr(target, "stream_tokens", None)) and callable(getattr(target, "get_model", None))
-
-
-def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatStream:
+def stream_chat(model: Model | GenerationTarget, messages: Sequence[Message], **opts: Any) -> ChatStream:
     """Stream the assistant's answer to ``messages``; see :class:`ChatStream`.
 
     ``model`` may also be a :class:`~llama_ctypes.Server`: templating and
@@ -329,25 +321,19 @@ def stream_chat(model: Model, messages: Sequence[Message], **opts: Any) -> ChatS
     template_kwargs, ...) plus everything :func:`llama_ctypes.stream` (or the
     server's ``stream``) takes.
     """
-    server = model if _is_server(model) else None
+    target = as_target(model)
+    model = target.model
     session = opts.pop("session", None)
-    if server is not None:
-        model = server.get_model()
-    elif session is not None:
-        raise ArgumentTypeError("session= needs a Server (it keeps a conversation on its slot)")
     params, rest = _split_chat_options(opts)
     text, template = render_prompt(model, messages, params)
     formats = formats_for_template(template.source) if params.parse_reasoning else ()
     splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
     if formats:
         rest.setdefault("special", True)  # reasoning markers are often special tokens
-    tokens = prompt_tokens(model, text)
-    if server is not None:
-        return ChatStream(server.stream_tokens(tokens, session=session, **rest), splitter)
-    return ChatStream(stream(model, tokens, **rest), splitter)
+    return ChatStream(target.stream_tokens(prompt_tokens(model, text), session=session, **rest), splitter)
 
 
-def chat(model: Model, messages: Sequence[Message], *, response_model: Any = None, **opts: Any) -> ChatReply | Any:
+def chat(model: Model | GenerationTarget, messages: Sequence[Message], *, response_model: Any = None, **opts: Any) -> ChatReply | Any:
     """The assistant's answer to ``messages`` (a ``str``; ``.reasoning`` holds any thinking).
 
     With ``response_model`` (Pydantic model, dataclass or TypedDict) the answer is
@@ -357,104 +343,3 @@ def chat(model: Model, messages: Sequence[Message], *, response_model: Any = Non
         return stream_chat(model, messages, **opts).reply()
     reply = stream_chat(model, messages, **constrain_to(response_model, opts)).reply()
     return parse_completion(reply.content, reply.finish_reason, response_model)
-
-
-# ---- OpenAI shapes -------------------------------------------------------------------------
-
-class ChatCompletionMessage(TypedDict, total=False):
-    role: str
-    content: str | None
-    reasoning_content: str
-
-
-class ChatCompletionChoice(TypedDict):
-    index: int
-    message: ChatCompletionMessage
-    finish_reason: str | None
-
-
-class CompletionUsage(TypedDict):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(TypedDict):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: CompletionUsage
-
-
-class ChatCompletionChunk(TypedDict, total=False):
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[dict[str, Any]]
-    usage: CompletionUsage
-
-
-_OPENAI_FINISH = {"eog": "stop", "stop": "stop", "length": "length"}
-
-
-def _model_id(model: Model) -> str:
-    return model.path.stem
-
-
-def chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> ChatCompletion:
-    """An OpenAI ``chat.completion`` dict for ``messages`` (a Model or a Server); options as :func:`stream_chat`.
-
-    With ``tools`` (and ``tool_choice``: ``"auto"``, ``"required"``, ``"none"`` or a named function;
-    ``parallel_tool_calls``) the reply's ``tool_calls`` are parsed from the model's format
-    (see :mod:`llama_ctypes.features.tool_calls`).
-    """
-    from . import tool_calls
-
-    if tool_calls.wants_tools(opts):
-        return tool_calls.chat_completion_with_tools(model, messages, **opts)  # type: ignore[return-value]
-    opts = {k: v for k, v in opts.items() if k not in ("tool_choice", "parallel_tool_calls")}
-    reply = chat(model, messages, **opts)
-    message: ChatCompletionMessage = {"role": "assistant", "content": reply.content}
-    if reply.reasoning:
-        message["reasoning_content"] = reply.reasoning
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": _model_id(model.get_model() if _is_server(model) else model),
-        "choices": [{"index": 0, "message": message, "finish_reason": _OPENAI_FINISH[reply.finish_reason]}],
-        "usage": reply.usage,  # type: ignore[typeddict-item]
-    }
-
-
-def stream_chat_completion(model: Model, messages: Sequence[Message], **opts: Any) -> Iterator[ChatCompletionChunk]:
-    """OpenAI ``chat.completion.chunk`` dicts: a role chunk, content/reasoning deltas, a finish chunk.
-
-    The last chunk carries ``usage``. Closing the iterator stops generation. With ``tools``,
-    ``tool_calls`` arrive as deltas (see :func:`chat_completion`).
-    """
-    from . import tool_calls
-
-    if tool_calls.wants_tools(opts):
-        return tool_calls.stream_chat_completion_with_tools(model, messages, **opts)
-    opts = {k: v for k, v in opts.items() if k not in ("tool_choice", "parallel_tool_calls")}
-    chat_stream = stream_chat(model, messages, **opts)
-    return _chunks(chat_stream, _model_id(model.get_model() if _is_server(model) else model))
-
-
-def _chunks(chat_stream: ChatStream, model_id: str) -> Iterator[ChatCompletionChunk]:
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model_id}
-    try:
-        yield {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
-        for kind, text in chat_stream.deltas():
-            key = "reasoning_content" if kind == "reasoning" else "content"
-            yield {**base, "choices": [{"index": 0, "delta": {key: text}, "finish_reason": None}]}
-        reply = chat_stream.reply()
-        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": _OPENAI_FINISH[reply.finish_reason]}],
-               "usage": reply.usage}  # type: ignore[typeddict-item]
-    finally:
-        chat_stream.close()

@@ -89,7 +89,7 @@ def _token(token: str | None) -> str | None:
 
 
 def _headers(token: str | None) -> dict[str, str]:
-    from .. import __version__
+    from .._version import __version__
 
     headers = {"User-Agent": f"llama_ctypes/{__version__}"}
     if token:

@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 from ..errors import InvalidArgumentError
 from ..core.generation import Completion
-from ..core.generation import generate as _generate
 from ..core.model import Model
+from ..core.target import GenerationTarget, as_target
 from .schema import ResponseValidationError, parse_response, to_json_schema
 
 
@@ -25,15 +25,18 @@ def parse_completion(text: str, finish_reason: str, response_model: Any) -> Any:
     return parse_response(text, response_model)
 
 
-def generate(model: Model, prompt: str | Sequence[int], *, response_model: Any = None, **opts: Any) -> Completion | Any:
-    """Generate a completion (see :func:`llama_ctypes.core.generation.generate`).
+def generate(model: Model | GenerationTarget, prompt: str | Sequence[int], *, response_model: Any = None,
+             **opts: Any) -> Completion | Any:
+    """Generate a completion (see :func:`llama_ctypes.core.generation.generate`) on a Model, or on any
+    :class:`~llama_ctypes.core.target.GenerationTarget` (a ``Server``).
 
     With ``response_model`` (a Pydantic model, dataclass or TypedDict) the
     output is constrained to its JSON schema and returned parsed and validated;
     text that does not validate raises :class:`ResponseValidationError` with the
     text attached.
     """
+    target = as_target(model)
     if response_model is None:
-        return _generate(model, prompt, **opts)
-    done = _generate(model, prompt, **constrain_to(response_model, opts))
+        return target.generate(prompt, **opts)
+    done = target.generate(prompt, **constrain_to(response_model, opts))
     return parse_completion(done.text, done.finish_reason, response_model)

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ..core.model import Model
 from ..core.schema_limits import SchemaLimits, check_schema_size
+from ..core.target import GenerationTarget, as_target
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from .chat import ChatParams, prompt_tokens, render_prompt
 from .chat_template import check_template_kwargs
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
+from .openai.shapes import new_call_id
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 
 logger = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ __all__ = ["ChatFormatter", "ChatFormat", "OutputParser", "ChatOutput", "ChatPla
 
 
 # ---- output: text -> deltas -> message ---------------------------------------------------------
-
-def _new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
-
 
 class ChatOutput:
     """Turns one request's generated text into OpenAI deltas and the final message.
@@ -184,7 +181,7 @@ class ChatOutput:
             if i == len(self._sent_calls):
                 if not name:
                     break  # the name is not complete yet
-                sent = {"id": call.get("id") or _new_call_id(), "name": name, "arguments": ""}
+                sent = {"id": call.get("id") or new_call_id(), "name": name, "arguments": ""}
                 self._sent_calls.append(sent)
                 delta_call = {"index": i, "id": sent["id"], "type": "function",
                               "function": {"name": name, "arguments": ""}}
@@ -497,7 +494,7 @@ def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: li
     return ChatPlan(prompt_tokens(model, text), options, _GenericOutput, None, text)
 
 
-# ---- the Python API's OpenAI shapes with tools ------------------------------------------------
+# ---- running a plan (the OpenAI dicts are built in .openai.chat) -----------------------------------
 
 _TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -507,12 +504,14 @@ def wants_tools(opts: Mapping[str, Any]) -> bool:
     return bool(opts.get("tools")) and opts.get("tool_choice", "auto") != "none"
 
 
-def _start(target: Any, messages: Sequence[Mapping[str, Any]], opts: dict[str, Any]):
-    from .chat import _is_server
-
+def start_chat(target: Model | GenerationTarget, messages: Sequence[Mapping[str, Any]],
+               opts: Mapping[str, Any]) -> tuple[ChatPlan, Any]:
+    """Plan a chat request with tools and start it on ``target`` (a Model or a Server); returns the plan
+    (whose ``output()`` parses the text) and the text stream (its ``completion()`` at the end)."""
+    opts = dict(opts)
     tool_opts = {k: opts.pop(k) for k in _TOOL_OPTIONS if k in opts}
-    server = target if _is_server(target) else None
-    model = server.get_model() if server is not None else target
+    target = as_target(target)
+    model = target.model
     plan = plan_chat(model, messages, chat_template=opts.pop("chat_template", None),
                      enable_thinking=opts.pop("enable_thinking", None),
                      template_kwargs=opts.pop("template_kwargs", None), **tool_opts)
@@ -520,72 +519,4 @@ def _start(target: Any, messages: Sequence[Mapping[str, Any]], opts: dict[str, A
     if "stop" in opts and "stop" in plan.options:
         request["stop"] = list(opts["stop"] if not isinstance(opts["stop"], str) else [opts["stop"]]) + \
             plan.options["stop"]
-    if server is not None:
-        text_stream = server.stream_tokens(plan.prompt, **request)
-    else:
-        from ..core.generation import stream
-
-        text_stream = stream(model, plan.prompt, **request)
-    return model, plan, text_stream
-
-
-def finish_reason(reason: str | None, has_tool_calls: bool) -> str:
-    """OpenAI's finish reason of a chat reply: ``"length"`` when the length limit cut it (even in the
-    middle of a tool call, as llama-server), else ``"tool_calls"`` when it calls tools, else ``"stop"``.
-
-    ``reason``: the generation's (``"eog"``, ``"stop"``, ``"length"``; None counts as ``"length"``).
-    """
-    if reason is None or reason == "length":
-        return "length"
-    return "tool_calls" if has_tool_calls else "stop"
-
-
-def chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]], **opts: Any) -> dict[str, Any]:
-    """``lc.chat_completion`` for a request with tools: the reply's ``tool_calls`` parsed by the
-    model's format; ``finish_reason`` is ``"tool_calls"`` when it calls tools."""
-    import time
-    import uuid
-
-    model, plan, text_stream = _start(target, messages, dict(opts))
-    out = plan.output()
-    with text_stream:
-        for piece in text_stream:
-            out.push(piece)
-        completion = text_stream.completion()
-    message = out.finish(truncated=completion.finish_reason == "length")
-    finish = finish_reason(completion.finish_reason, out.has_tool_calls)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model.path.stem, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-            "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
-                      "total_tokens": completion.prompt_tokens + len(completion.tokens)}}
-
-
-def stream_chat_completion_with_tools(target: Any, messages: Sequence[Mapping[str, Any]], **opts: Any):
-    """``lc.stream_chat_completion`` for a request with tools: ``tool_calls`` arrive as deltas."""
-    import time
-    import uuid
-
-    model, plan, text_stream = _start(target, messages, dict(opts))
-    out = plan.output()
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": model.path.stem}
-
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
-    def chunks():
-        with text_stream:
-            yield chunk({"role": "assistant", "content": ""})
-            for piece in text_stream:
-                for delta in out.feed(piece):
-                    yield chunk(delta)
-            completion = text_stream.completion()
-            for delta in out.end(truncated=completion.finish_reason == "length"):
-                yield chunk(delta)
-        finish = finish_reason(completion.finish_reason, out.has_tool_calls)
-        last = chunk({}, finish)
-        last["usage"] = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.tokens),
-                         "total_tokens": completion.prompt_tokens + len(completion.tokens)}
-        yield last
-
-    return chunks()
+    return plan, target.stream_tokens(plan.prompt, **request)

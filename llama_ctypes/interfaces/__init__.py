@@ -1,1 +1,1 @@
-"""Interfaces: the command line (and, later, HTTP)."""
+"""Interfaces: the command line, the OpenAI-compatible HTTP server, replicas on Ray Serve, the benchmark command."""

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .. import __version__
+from .._version import __version__
 from ..core.backend import devices, system_info, version_info
 from ..core.generation import stream
 from ..core.model import load_model

@@ -43,11 +43,11 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Mapping, Seq
 
 from ...core.backend import devices
 from ...core.context_pool import ContextPool
-from ...core.generation import generate as _generate, stream as _stream
 from ...core.handle import Closeable
 from ...core.memory import MemoryUsage, estimate_memory
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
+from ...core.target import GenerationTarget, LocalTarget, iterate_in_thread
 from ...errors import (AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError,
                        RPCConnectionError)
 from ...features import chat as _chat
@@ -571,42 +571,38 @@ class ModelManager(Closeable):
                                     f"(they size its budgeted context)")
         return model, entry
 
-    def _generation_target(self, id: str, capability: Capability, opts: Mapping[str, Any]):
+    def _generation_target(self, id: str, capability: Capability, opts: Mapping[str, Any]) -> GenerationTarget:
+        """The model's Server (server mode), or a LocalTarget on its model with the context options fixed at
+        load (direct mode: per-call context options are refused)."""
         entry = self._ready(id, capability)
         if entry.mode == "server":
-            return self._target(id, capability), dict(opts)
+            return self._target(id, capability)
         model, entry = self._direct(id, capability, opts)
-        return model, {**entry.call_opts, **opts}
+        return LocalTarget(model, entry.call_opts)
 
     def generate(self, id: str, prompt: str, **opts: Any):
         """A completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.generate`)."""
-        target, opts = self._generation_target(id, "generate", opts)
-        return target.generate(prompt, **opts) if isinstance(target, Server) else _generate(target, prompt, **opts)
+        return self._generation_target(id, "generate", opts).generate(prompt, **opts)
 
     def stream(self, id: str, prompt: str, **opts: Any):
         """Stream a completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.stream`)."""
-        target, opts = self._generation_target(id, "generate", opts)
-        return target.stream(prompt, **opts) if isinstance(target, Server) else _stream(target, prompt, **opts)
+        return self._generation_target(id, "generate", opts).stream(prompt, **opts)
 
     def chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """The assistant's answer (see :func:`llama_ctypes.chat`)."""
-        target, opts = self._generation_target(id, "chat", opts)
-        return _chat.chat(target, messages, **opts)
+        return _chat.chat(self._generation_target(id, "chat", opts), messages, **opts)
 
     def stream_chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """Stream the assistant's answer (see :func:`llama_ctypes.stream_chat`)."""
-        target, opts = self._generation_target(id, "chat", opts)
-        return _chat.stream_chat(target, messages, **opts)
+        return _chat.stream_chat(self._generation_target(id, "chat", opts), messages, **opts)
 
     def chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         """An OpenAI-shaped chat completion (see :func:`llama_ctypes.chat_completion`)."""
-        target, opts = self._generation_target(id, "chat", opts)
-        return _openai_chat.chat_completion(target, messages, **opts)
+        return _openai_chat.chat_completion(self._generation_target(id, "chat", opts), messages, **opts)
 
     def stream_chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any) -> Iterator:
         """OpenAI-shaped chat completion chunks (see :func:`llama_ctypes.stream_chat_completion`)."""
-        target, opts = self._generation_target(id, "chat", opts)
-        return _openai_chat.stream_chat_completion(target, messages, **opts)
+        return _openai_chat.stream_chat_completion(self._generation_target(id, "chat", opts), messages, **opts)
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
         """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
@@ -622,19 +618,13 @@ class ModelManager(Closeable):
     # async forms: looking the model up may wait for its load, so that happens in a worker
     # thread too; a server's own async API is used where it has one.
     async def agenerate(self, id: str, prompt: str, **opts: Any):
-        target, opts = await asyncio.to_thread(self._generation_target, id, "generate", opts)
-        if isinstance(target, Server):
-            return await target.agenerate(prompt, **opts)
-        return await asyncio.to_thread(_generate, target, prompt, **opts)
+        target = await asyncio.to_thread(self._generation_target, id, "generate", opts)
+        return await target.agenerate(prompt, **opts)
 
     async def astream(self, id: str, prompt: str, **opts: Any) -> AsyncIterator[str]:
-        target, opts = await asyncio.to_thread(self._generation_target, id, "generate", opts)
-        if isinstance(target, Server):
-            async for piece in target.astream(prompt, **opts):
-                yield piece
-        else:
-            async for piece in _iterate_in_thread(await asyncio.to_thread(_stream, target, prompt, **opts)):
-                yield piece
+        target = await asyncio.to_thread(self._generation_target, id, "generate", opts)
+        async for piece in target.astream(prompt, **opts):
+            yield piece
 
     async def achat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any):
         return await asyncio.to_thread(self.chat, id, messages, **opts)
@@ -643,13 +633,13 @@ class ModelManager(Closeable):
         return await asyncio.to_thread(self.chat_completion, id, messages, **opts)
 
     async def astream_chat(self, id: str, messages: Sequence[Mapping[str, Any]], **opts: Any) -> AsyncIterator:
-        async for piece in _iterate_in_thread(await asyncio.to_thread(self.stream_chat, id, messages, **opts)):
+        async for piece in iterate_in_thread(await asyncio.to_thread(self.stream_chat, id, messages, **opts)):
             yield piece
 
     async def astream_chat_completion(self, id: str, messages: Sequence[Mapping[str, Any]],
                                       **opts: Any) -> AsyncIterator:
         chunks = await asyncio.to_thread(self.stream_chat_completion, id, messages, **opts)
-        async for chunk in _iterate_in_thread(chunks):
+        async for chunk in iterate_in_thread(chunks):
             yield chunk
 
     async def aembed(self, id: str, texts: str | Sequence[str], **opts: Any):
@@ -702,34 +692,3 @@ def _model_options(params: ModelParams) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(params)} - {"progress_callback"}
     defaults = ModelParams()
     return {k: getattr(params, k) for k in fields if getattr(params, k) != getattr(defaults, k)}
-
-
-async def _iterate_in_thread(iterator: Any) -> AsyncIterator:
-    """Drive a blocking stream from a worker thread; leaving early (or being cancelled) stops it.
-
-    A step in flight is never abandoned: the stream is cancelled (thread-safe on our
-    streams), the step awaited, and only then the iterator closed, in a worker thread,
-    so a generator is never closed while it runs.
-    """
-    done = object()
-    step: asyncio.Future | None = None
-    try:
-        while True:
-            step = asyncio.ensure_future(asyncio.to_thread(next, iterator, done))
-            item = await asyncio.shield(step)
-            step = None
-            if item is done:
-                return
-            yield item
-    finally:
-        cancel = getattr(iterator, "cancel", None)
-        if cancel is not None:
-            cancel()
-        if step is not None:
-            try:
-                await asyncio.shield(step)
-            except BaseException:  # the step's own outcome no longer matters
-                pass
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)

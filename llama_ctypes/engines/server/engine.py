@@ -26,7 +26,8 @@ import numpy as np
 
 from ... import telemetry
 from ...core.batch import Batch
-from ...core.context import ContextLease, check_decode
+from ...core.context import ContextLease
+from ...core.decode_status import check_decode
 from ...core.logprobs import TokenLogprob, token_logprob
 from ...errors import DecodeError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache

@@ -53,7 +53,8 @@ _SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
 
 class Server:
-    """A continuous-batching server over one model (see the module docs).
+    """A continuous-batching server over one model (see the module docs); a
+    :class:`~llama_ctypes.GenerationTarget`, so chat, tool calls and ``response_model=`` run on it.
 
     Args:
         model_path: GGUF file to load (the server then owns and closes the model), or
@@ -313,7 +314,7 @@ class Server:
         return ServerStream(self, self._request(prompt, opts, None))
 
     def stream_tokens(self, tokens: Sequence[int], **opts: Any) -> ServerStream:
-        """Like :meth:`stream`, for a pre-tokenized prompt (tokenize outside, with :meth:`get_model`)."""
+        """Like :meth:`stream`, for a pre-tokenized prompt (tokenize outside, with ``server.model``)."""
         return ServerStream(self, self._request(list(tokens), opts, None))
 
     def generate(self, prompt: str, **opts: Any) -> Completion:
@@ -410,7 +411,7 @@ class Server:
         self._engine.cancel(request)
 
     def get_model(self) -> Model:
-        """The model, for tokenizing outside the server (see :meth:`generate_tokens`)."""
+        """The model (the same as ``server.model``), for tokenizing outside the server (see :meth:`generate_tokens`)."""
         return self.model
 
     def stats(self) -> dict[str, Any]:

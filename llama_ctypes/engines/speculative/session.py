@@ -8,7 +8,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ...core.context import ABORTED, Context, ContextLease, check_prompt
+from ...core.context import Context, ContextLease, check_prompt
+from ...core.decode_status import ABORTED
 from ...core.generation import (Completion, GenerationParams, GenerationResults, LazyStream, StopFilter,
                                  prompt_tokens)
 from ...core.handle import Closeable

@@ -1,19 +1,19 @@
-"""What every endpoint shares: the app's context, body reading, the endpoint wrapper, OpenAI ids."""
+"""What every endpoint shares: the app's context, body reading, the endpoint wrapper (OpenAI's shapes:
+:mod:`llama_ctypes.features.openai`)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ... import __version__
+from ..._version import __version__
 from .errors import BodyTooLarge, Unavailable, from_exception
 from .limits import RequestLimits
 from .metrics import Metrics
@@ -30,10 +30,6 @@ _DRAIN_BYTES = 64 * 2**20
 
 SYSTEM_FINGERPRINT = f"llama_ctypes-{__version__}"
 
-#: OpenAI's finish reasons for ours ("eog": the model ended its turn).
-FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length"}
-
-
 @dataclass
 class AppContext:
     """The state an app's endpoints share (``request.app.state.llama``)."""
@@ -46,10 +42,6 @@ class AppContext:
     close_manager: bool = False
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -101,9 +93,3 @@ def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
             return from_exception(exc).response()
 
     return wrapper
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -10,7 +10,6 @@ reasoning_content, tool_calls) and the final message.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, AsyncIterator
 
 import anyio
@@ -21,8 +20,9 @@ from ....core.grammar import json_schema_to_gbnf
 from ....core.schema_limits import SchemaLimits, check_schema_size
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
-from ....features.tool_calls import finish_reason, plan_chat
-from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
+from ....features.openai.shapes import Envelope, finish_reason, usage
+from ....features.tool_calls import plan_chat
+from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
 from ..generation import (cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options,
                           submit)
@@ -88,7 +88,7 @@ async def chat_completions(request: Request, app: AppContext) -> Response:
     template = app.router.settings_of(model_id).chat_template
     try:
         plan, required = await anyio.to_thread.run_sync(
-            functools.partial(_plan, server.get_model(), body, template, app.limits.schema))
+            functools.partial(_plan, server.model, body, template, app.limits.schema))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
         raise from_exception(e, param="response_format" if body.response_format is not None else "tools") from None
     opts = merge_options(sampling_options(body, body.max_completion_tokens or body.max_tokens), required)
@@ -114,8 +114,7 @@ class _Reply:
         self.app, self.model_id, self.body = app, model_id, body
         self.streams, self.outputs = streams, outputs
         self.prompt_tokens = prompt_tokens
-        self.id = new_id("chatcmpl")
-        self.created = int(time.time())
+        self.envelope = Envelope("chat", model_id, SYSTEM_FINGERPRINT, body.include_usage)
 
     def _usage(self) -> dict[str, Any]:
         cached = min((s.timings.cached_tokens for s in self.streams), default=0)
@@ -138,16 +137,11 @@ class _Reply:
 
     async def complete(self) -> dict[str, Any]:
         choices = await gather_all([self._choice(i) for i in range(len(self.streams))], self.streams)
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model_id,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
+        return self.envelope.response(choices, self._usage())
 
     # ---- a stream of chunks ----
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id,
-                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
-        if self.body.include_usage:
-            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
-        return chunk
+        return self.envelope.chunk(choices)
 
     async def _choice_chunks(self, index: int) -> AsyncIterator[dict[str, Any]]:
         stream, out = self.streams[index], self.outputs[index]
@@ -184,6 +178,4 @@ class _Reply:
         async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):
             yield chunk
         if self.body.include_usage:
-            yield {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                   "model": self.model_id, "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
-                   "usage": self._usage()}
+            yield self.envelope.usage_chunk(self._usage())

@@ -8,7 +8,6 @@ of its own to the batching server.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, AsyncIterator
 
 import anyio
@@ -16,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....core.generation import GenerationParams, prompt_tokens
-from ..common import FINISH_REASONS, SYSTEM_FINGERPRINT, AppContext, endpoint, new_id, read_body, usage
+from ....features.openai.shapes import Envelope, finish_reason, usage
+from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..generation import cancel_all, completion_logprobs, gather_all, new_logprobs, sampling_options, submit
 from ..limits import over_limit
 from ..schemas import CompletionRequest, parse
@@ -40,7 +40,7 @@ async def completions(request: Request, app: AppContext) -> Response:
                          app.limits.max_choices, "--max-choices", param="prompt")
     model_id, server = app.router.server(body.model)
     ids, echoed = await anyio.to_thread.run_sync(
-        functools.partial(_tokenize, server.get_model(), prompts, server.n_ctx, body.echo))
+        functools.partial(_tokenize, server.model, prompts, server.n_ctx, body.echo))
     opts = sampling_options(body, body.max_tokens)
     if body.logprobs is not None:
         opts["logprobs"] = body.logprobs
@@ -57,8 +57,7 @@ class _Reply:
                  prompt_lengths: list[int], echoed: list[str]):
         self.app, self.model_id, self.body, self.streams = app, model_id, body, streams
         self.prompt_lengths, self.echoed = prompt_lengths, echoed
-        self.id = new_id("cmpl")
-        self.created = int(time.time())
+        self.envelope = Envelope("text", model_id, SYSTEM_FINGERPRINT, body.include_usage)
 
     def _prefix(self, index: int) -> str:
         return self.echoed[index // self.body.n] if self.body.echo else ""
@@ -80,20 +79,14 @@ class _Reply:
         prefix = self._prefix(index)
         return {"index": index, "text": prefix + "".join(pieces),
                 "logprobs": self._logprobs(stream.logprobs or [], len(prefix)),
-                "finish_reason": FINISH_REASONS.get(stream.finish_reason or "length", "stop")}
+                "finish_reason": finish_reason(stream.finish_reason)}
 
     async def complete(self) -> dict[str, Any]:
         choices = await gather_all([self._choice(i) for i in range(len(self.streams))], self.streams)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
+        return self.envelope.response(choices, self._usage())
 
     def _chunk(self, index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                 "system_fingerprint": SYSTEM_FINGERPRINT,
-                 "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
-        if self.body.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return self.envelope.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
     async def _choice_chunks(self, index: int) -> AsyncIterator[dict[str, Any]]:
         stream = self.streams[index]
@@ -108,11 +101,10 @@ class _Reply:
         rest = new_logprobs(stream, sent)[0] if self.body.logprobs is not None else []
         self._done(stream)
         yield self._chunk(index, "", self._logprobs(rest, offset) if rest else None,
-                          FINISH_REASONS.get(stream.finish_reason or "length", "stop"))
+                          finish_reason(stream.finish_reason))
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):
             yield chunk
         if self.body.include_usage:
-            yield {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model_id,
-                   "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [], "usage": self._usage()}
+            yield self.envelope.usage_chunk(self._usage())

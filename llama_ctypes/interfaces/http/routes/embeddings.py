@@ -16,6 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ....features.openai.shapes import input_usage
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest
 from ..limits import RequestLimits, over_limit
@@ -54,7 +55,7 @@ async def embeddings(request: Request, app: AppContext) -> Response:
             value = vec.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     return JSONResponse({"object": "list", "data": data, "model": info.id,
-                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+                         "usage": input_usage(n_tokens)})
 
 
 def _rerank(manager: Any, model_id: str, query: str, documents: list[str],
@@ -83,5 +84,5 @@ async def rerank(request: Request, app: AppContext) -> Response:
     if body.top_n is not None:
         ranked = ranked[:body.top_n]
     return JSONResponse({"model": info.id, "object": "list",
-                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+                         "usage": input_usage(n_tokens),
                          "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})

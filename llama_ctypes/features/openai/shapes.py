@@ -1,0 +1,147 @@
+"""OpenAI's response shapes, built in one place for the Python API and the HTTP server.
+
+The TypedDicts name the fields; :class:`Envelope` builds the objects one response
+shares (id, created, model); :func:`usage` and :func:`finish_reason` give every
+path the same usage object and the same finish reasons. A leaf: it imports
+nothing of the library, so chat, tool calls and the HTTP routes can all use it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+__all__ = ["ChatCompletionMessage", "ChatCompletionChoice", "PromptTokensDetails", "CompletionUsage",
+           "ChatCompletion", "ChatCompletionChunk", "Envelope", "FINISH_REASONS", "finish_reason", "usage",
+           "input_usage", "new_id", "new_call_id"]
+
+
+class ChatCompletionMessage(TypedDict, total=False):
+    role: str
+    content: str | None
+    reasoning_content: str
+    tool_calls: list[dict[str, Any]]
+
+
+class ChatCompletionChoice(TypedDict):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: str | None
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class CompletionUsage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
+
+
+class ChatCompletionChunk(TypedDict, total=False):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: CompletionUsage | None
+
+
+#: OpenAI's finish reasons for a generation's ("eog": the model ended its turn).
+FINISH_REASONS = {"eog": "stop", "stop": "stop", "length": "length"}
+
+
+def finish_reason(reason: str | None, has_tool_calls: bool = False) -> str:
+    """OpenAI's finish reason: ``"length"`` when the length limit cut the reply (even in the middle of a
+    tool call, as llama-server does), else ``"tool_calls"`` when it calls tools, else ``"stop"``.
+
+    ``reason``: the generation's (``"eog"``, ``"stop"``, ``"length"``; None counts as ``"length"``).
+    """
+    if reason is None or reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> CompletionUsage:
+    """OpenAI's usage object: token counts, and the prompt tokens served from a cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def input_usage(prompt_tokens: int) -> dict[str, int]:
+    """The usage object of the embedding and rerank endpoints: input tokens only."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+
+
+def new_id(prefix: str) -> str:
+    """A response id: ``prefix-`` and 24 random hex digits (``chatcmpl``, ``cmpl``)."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def new_call_id() -> str:
+    """A tool call's id, for a format whose calls carry none."""
+    return "call_" + secrets.token_hex(12)
+
+
+_KINDS = {"chat": ("chatcmpl", "chat.completion", "chat.completion.chunk"),
+          "text": ("cmpl", "text_completion", "text_completion")}
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields every object of one response shares (a whole response, or each of its chunks).
+
+    kind: ``"chat"`` (chat.completion) or ``"text"`` (text_completion). system_fingerprint: included
+    when given. include_usage: chunks carry ``"usage": null`` and a last chunk the usage, as OpenAI
+    streams do with ``stream_options.include_usage``.
+    """
+
+    kind: Literal["chat", "text"]
+    model: str
+    system_fingerprint: str | None = None
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"kind={self.kind!r}: expected 'chat' or 'text'")
+        if not self.id:
+            object.__setattr__(self, "id", new_id(_KINDS[self.kind][0]))
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        base = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        if self.system_fingerprint is not None:
+            base["system_fingerprint"] = self.system_fingerprint
+        return base
+
+    def response(self, choices: list[dict[str, Any]], usage: CompletionUsage) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        return {**self._base(_KINDS[self.kind][1]), "choices": choices, "usage": usage}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: CompletionUsage | None = None) -> dict[str, Any]:
+        """One streamed chunk; ``usage`` given: it carries it (else ``null`` with include_usage)."""
+        chunk = {**self._base(_KINDS[self.kind][2]), "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage
+        elif self.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return chunk
+
+    def usage_chunk(self, usage: CompletionUsage) -> dict[str, Any]:
+        """The last chunk of an include_usage stream: no choices, the usage."""
+        return self.chunk([], usage)
