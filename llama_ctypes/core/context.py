@@ -24,6 +24,7 @@ from .batch import Batch
 from .decode_status import check_decode
 from .handle import NativeHandle
 from .hidden_states import HiddenStates
+from .kv_record import KVRecord
 from .params import ContextParams, split_options
 from .rpc import ConnectionWatch
 
@@ -141,15 +142,11 @@ class Context(NativeHandle):
         # Rows of logits one decode may ask for (llama.cpp asserts on more; encoders get n_batch).
         self.n_outputs_max = self.n_batch if model.has_encoder else (self.params.n_outputs_max or self.n_batch)
         self.encoder_only = model.has_encoder and not model.has_decoder
-        # Tokens whose KV sits in sequence 0, for prefix reuse across generate() calls.
-        self._tokens: list[int] = []
         # Recurrent-state rollback snapshots per sequence (ContextParams.n_rs_seq; llama.cpp sets 0
-        # for models that cannot roll back). A snapshot is written only for the tokens of the last
-        # decode, and llama.cpp accepts any cut of up to n_rs_seq tokens without checking that: a cut
-        # reaching past the last decode would silently restore a stale state. ``_exact_cut``: how
-        # many trailing tokens of sequence 0 a cut may drop exactly (see ContextLease._can_cut).
+        # for models that cannot roll back).
         self.n_rs_seq = int(self._lib.llama_n_rs_seq(ptr))
-        self._exact_cut = 0
+        # What sequence 0 holds (for prefix reuse across generate() calls): changed only by the lease.
+        self._record = KVRecord(self.n_rs_seq)
         self._nextn_all = False  # hidden rows of every decoded token kept (set_embeddings_nextn)
         self._last_decoded = 0  # tokens of the last decode (rows nextn_rows may read)
         self._batch = Batch(self.n_batch, 1)
@@ -179,7 +176,7 @@ class Context(NativeHandle):
     @property
     def tokens(self) -> list[int]:
         """A copy of the tokens whose KV sequence 0 holds (what ``cache_prompt`` reuses)."""
-        return list(self._tokens)
+        return list(self._record.tokens)
 
     # ---- sole use -------------------------------------------------------------------------
     def lease(self, held: bool = False) -> "ContextLease":
@@ -248,30 +245,18 @@ class Context(NativeHandle):
 
     def state_size(self) -> int:
         """Bytes needed to save the whole context state."""
-        with self.lease():
-            return int(self._lib.llama_state_get_size(self._ptr))
+        with self.lease() as lease:
+            return lease.state_size()
 
     def save_state(self) -> bytes:
         """Snapshot of the context (KV cache, logits) with the tokens it holds; see ``load_state``."""
-        with self.lease():
-            size = self._lib.llama_state_get_size(self._ptr)
-            buf = (ctypes.c_uint8 * size)()
-            n = self._lib.llama_state_get_data(self._ptr, buf, size)
-            self._rpc.check()  # (a lost worker's share of the state reads as zeros)
-            return ctypes.string_at(buf, n)  # (a slice of a ctypes array would be a list of ints)
+        with self.lease() as lease:
+            return lease.state_get()
 
     def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
         """Restore a snapshot from ``save_state``; ``tokens`` are the tokens it holds."""
-        tokens = self.vocab.check_tokens(tokens).tolist()
-        with self.lease():
-            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-            self._exact_cut = 0
-            ok = self._lib.llama_state_set_data(self._ptr, buf, len(data)) != 0
-            if not ok or self._rpc.failure() is not None:
-                self._tokens = []
-                self._rpc.check()
-                raise DecodeError("llama_state_set_data rejected the state")
-            self._tokens = tokens
+        with self.lease() as lease:
+            lease.state_set(data, tokens)
 
     # ---- generation (see generation.py) ---------------------------------------------------
     def generate(self, sampler: "Sampler", tokens: Sequence[int], **opts: Any):
@@ -384,7 +369,7 @@ class ContextLease(HiddenStates):
     @property
     def tokens(self) -> list[int]:
         """The live list of tokens sequence 0 holds (read it; change it only through this lease)."""
-        return self.ctx._tokens
+        return self.ctx._record.tokens
 
     # ---- decoding ------------------------------------------------------------------------------
     def _check_batch(self, batch: Batch) -> None:
@@ -407,7 +392,7 @@ class ContextLease(HiddenStates):
         Raises RPCConnectionError (whatever the code) when an RPC worker was lost during it.
         """
         self._check_batch(batch)
-        self.ctx._exact_cut = 0  # the snapshots now describe this batch (the caller sets the bound)
+        self.ctx._record.decoding()
         self.ctx._last_decoded = batch.n_tokens
         rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
         self._check_workers()
@@ -438,7 +423,8 @@ class ContextLease(HiddenStates):
         """
         self._check()
         ctx, lib, mem = self.ctx, self._lib, self._mem
-        held = ctx._tokens
+        record = ctx._record
+        held = record.tokens
         common = common_prefix(held, prompt) if reuse else 0
         if common == len(prompt):
             common -= 1  # the last prompt token must be decoded again to get its logits
@@ -446,13 +432,11 @@ class ContextLease(HiddenStates):
             common = 0  # a sliding-window cache already dropped cells this prefix needs
         # Always cut from `common` on, even when `held` is shorter: cells a caller put there
         # behind the token list's back (seq_cp, a state restore) must not linger.
-        if not self._can_cut(common) or not lib.llama_memory_seq_rm(mem, 0, common, -1):
+        if not record.can_cut(common) or not lib.llama_memory_seq_rm(mem, 0, common, -1):
             # Recurrent and hybrid memories cannot drop a tail (or not that much): start over.
             self.clear()
             common = 0
-        elif common < len(held):
-            ctx._exact_cut = 0  # a recurrent rollback is single-use
-        del held[common:]
+        record.cut(common)
         batch = ctx._batch
         pos = common
         try:
@@ -463,9 +447,8 @@ class ContextLease(HiddenStates):
                 self.decode(batch)
                 if self.after_decode is not None:
                     self.after_decode(self, chunk, pos)
-                held.extend(chunk)
+                record.decoded(chunk)
                 pos += len(chunk)
-                ctx._exact_cut = min(len(chunk) - 1, ctx.n_rs_seq)
         except BaseException:
             # A failed or interrupted decode leaves the cache state uncertain.
             self.clear()
@@ -495,7 +478,8 @@ class ContextLease(HiddenStates):
         ctx = self.ctx
         batch = ctx._batch
         native_batch, tok_arr, pos_arr, out_arr = batch.native, batch.token, batch.pos, batch.logits
-        decode, ptr, held = self._lib.llama_decode, self._ptr, ctx._tokens
+        decode, ptr, record = self._lib.llama_decode, self._ptr, ctx._record
+        held = record.tokens
         lost = self._lost
 
         def append(tok: int) -> None:
@@ -512,8 +496,7 @@ class ContextLease(HiddenStates):
                 if lost is not None and (error := lost()) is not None:
                     raise error
                 if rc == 0:
-                    held.append(tok)
-                    ctx._exact_cut = 0  # (a one-token decode leaves no snapshot to roll back to)
+                    record.appended(tok)
                     return
             except BaseException:  # interrupted between the decode and the bookkeeping
                 self.clear()
@@ -538,7 +521,7 @@ class ContextLease(HiddenStates):
         if not 0 < n <= min(ctx.n_batch, self._max_outputs):
             raise InvalidArgumentError(f"a run of {n} tokens: expected 1..{min(ctx.n_batch, self._max_outputs)} "
                                        "(n_batch, and ContextParams.n_outputs_max rows)")
-        held = ctx._tokens
+        held = ctx._record.tokens
         if len(held) + n > ctx.n_ctx_seq:
             raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
@@ -553,8 +536,7 @@ class ContextLease(HiddenStates):
         except BaseException:  # a failed or interrupted decode leaves the cache state uncertain
             self.clear()
             raise
-        held.extend(run)
-        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
+        ctx._record.decoded(run)
 
     def truncate(self, n: int) -> bool:
         """Cut sequence 0 back to its first ``n`` tokens, KV and ``tokens`` together (a rollback).
@@ -565,28 +547,15 @@ class ContextLease(HiddenStates):
         kept prefix needs: check :meth:`prefix_complete` after cutting.
         """
         self._check()
-        held = self.ctx._tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(held):
-            raise InvalidArgumentError(f"truncate({n!r}): expected 0..{len(held)} (the tokens sequence 0 holds)")
-        if n == len(held):
+        record = self.ctx._record
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(record):
+            raise InvalidArgumentError(f"truncate({n!r}): expected 0..{len(record)} (the tokens sequence 0 holds)")
+        if n == len(record):
             return True
-        if not self._can_cut(n) or not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+        if not record.can_cut(n) or not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
             return False
-        del held[n:]
-        self.ctx._exact_cut = 0  # a recurrent rollback is single-use: the next cut needs a new decode
+        record.cut(n)
         return True
-
-    def _can_cut(self, n: int) -> bool:
-        """Whether cutting sequence 0 back to ``n`` tokens leaves exactly the state of those tokens.
-
-        Attention caches: always. Recurrent states with rollback snapshots (``n_rs_seq > 0``): only
-        for cuts within the last decode (all but its first token), once; llama.cpp itself accepts
-        any cut of up to ``n_rs_seq`` tokens and would restore a snapshot of an older batch. (Without
-        snapshots llama.cpp refuses every partial cut of a recurrent state itself.)
-        """
-        ctx = self.ctx
-        drop = len(ctx._tokens) - n
-        return ctx.n_rs_seq == 0 or drop <= 0 or n == 0 or drop <= ctx._exact_cut
 
     # ---- outputs -------------------------------------------------------------------------------
     def has_logits(self, i: int) -> bool:
@@ -665,25 +634,22 @@ class ContextLease(HiddenStates):
         """Forget every sequence."""
         self._check()
         self._lib.llama_memory_clear(self._mem, True)
-        del self.ctx._tokens[:]
-        self.ctx._exact_cut = 0
+        self.ctx._record.reset()
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence (-1: every sequence; -1 bounds: open end)."""
         self._check()
         seq_id = self._check_seq(seq_id, allow_all=True)
-        if seq_id == 0 and p0 > 0 and p1 < 0 and not self._can_cut(int(p0)):
+        if seq_id == 0 and p0 > 0 and p1 < 0 and not self.ctx._record.can_cut(int(p0)):
             return False  # a recurrent state would be restored from a stale snapshot (see truncate)
         ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, int(p0), int(p1)))
         if ok and seq_id in (0, -1):
-            self.ctx._exact_cut = 0
-            held = self.ctx._tokens
-            if p0 <= 0 and p1 < 0:
-                del held[:]
-            elif p1 < 0:
-                del held[max(p0, 0):]
-            else:  # a hole, or the head cut: the token list no longer describes the sequence
-                del held[:]
+            record = self.ctx._record
+            if p0 > 0 and p1 < 0:
+                record.cut(int(p0))
+                record.decoding()  # (whatever the cut: a recurrent rollback is single-use)
+            else:  # everything, a hole, or the head cut: the token list no longer describes the sequence
+                record.reset()
         return ok
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -692,8 +658,7 @@ class ContextLease(HiddenStates):
         src, dst = self._check_seq(src), self._check_seq(dst)
         self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
         if dst == 0:
-            del self.ctx._tokens[:]  # sequence 0 now holds something this lease did not decode
-            self.ctx._exact_cut = 0
+            self.ctx._record.reset()  # sequence 0 now holds something this lease did not decode
 
     def seq_pos_max(self, seq_id: int) -> int:
         self._check()
@@ -702,6 +667,34 @@ class ContextLease(HiddenStates):
     def seq_pos_min(self, seq_id: int) -> int:
         self._check()
         return int(self._lib.llama_memory_seq_pos_min(self._mem, self._check_seq(seq_id)))
+
+    def state_size(self) -> int:
+        """Bytes needed to save the whole context state."""
+        self._check()
+        return int(self._lib.llama_state_get_size(self._ptr))
+
+    def state_get(self) -> bytes:
+        """The whole context state (KV cache, logits); see :meth:`state_set`."""
+        self._check()
+        size = self._lib.llama_state_get_size(self._ptr)
+        buf = (ctypes.c_uint8 * size)()
+        n = self._lib.llama_state_get_data(self._ptr, buf, size)
+        self.ctx._rpc.check()  # (a lost worker's share of the state reads as zeros)
+        return ctypes.string_at(buf, n)  # (a slice of a ctypes array would be a list of ints)
+
+    def state_set(self, data: bytes, tokens: Sequence[int]) -> None:
+        """Restore a state from :meth:`state_get`; ``tokens``: the tokens its sequence 0 holds.
+        DecodeError (sequence 0 then holds nothing) when llama.cpp rejects it."""
+        self._check()
+        tokens = self.ctx.vocab.check_tokens(tokens).tolist()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        record = self.ctx._record
+        record.reset()
+        ok = self._lib.llama_state_set_data(self._ptr, buf, len(data)) != 0
+        if not ok or self.ctx._rpc.failure() is not None:
+            self.ctx._rpc.check()
+            raise DecodeError("llama_state_set_data rejected the state")
+        record.reset(tokens)
 
     def state_seq_get(self, seq_id: int) -> np.ndarray:
         """The KV state of one sequence, as a uint8 array (bytes-like).
@@ -724,7 +717,6 @@ class ContextLease(HiddenStates):
         arr = state if isinstance(state, np.ndarray) else np.frombuffer(state, dtype=np.uint8)
         ok = self._lib.llama_state_seq_set_data(self._ptr, arr.ctypes.data_as(_P_U8), arr.size, seq_id) > 0
         if seq_id == 0:
-            del self.ctx._tokens[:]
-            self.ctx._exact_cut = 0
+            self.ctx._record.reset()
         self._check_workers()
         return ok

@@ -76,12 +76,12 @@ class HiddenStates:
         if len(states) != n or not 0 < n <= ctx.n_batch:
             raise InvalidArgumentError(f"{n} tokens with {len(states)} state rows: expected as many, "
                                        f"1..n_batch={ctx.n_batch}")
-        held = ctx._tokens
+        held = ctx._record.tokens
         if len(held) + n > ctx.n_ctx_seq:
             raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
         base = len(held)
-        ctx._exact_cut = 0
+        ctx._record.decoding()
         try:
             rc = self._process_states([0] * n, range(base, base + n), run, states, [n - 1] if output_last else [])
         except BaseException:  # interrupted: the cache state is uncertain
@@ -90,8 +90,7 @@ class HiddenStates:
         if rc != 0:
             self.clear()
             check_decode(rc, "llama_process", n)
-        held.extend(run)
-        ctx._exact_cut = min(n - 1, ctx.n_rs_seq)
+        ctx._record.decoded(run)
 
     def decode_states(self, seq_ids: Sequence[int], positions: Sequence[int], tokens: Sequence[int],
                       states: Sequence[int], outputs: Sequence[int]) -> int:
@@ -114,8 +113,7 @@ class HiddenStates:
                                        f"batch indices in 0..{n - 1}")
         for s in seq_ids:
             self._check_seq(s)
-        del ctx._tokens[:]
-        ctx._exact_cut = 0
+        ctx._record.reset()
         return self._process_states(seq_ids, positions, run, states, outputs)
 
     def _process_states(self, seq_ids, positions, run: list[int], states, outputs) -> int:
