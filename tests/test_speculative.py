@@ -543,10 +543,14 @@ def test_bad_options(tiny_model):
 
 
 def test_drafter_with_another_vocabulary(tiny_model, vocab_dir, tmp_path):
+    with lc.load_model(tiny_model.path, vocab_only=True) as again:  # another Model of the same file
+        assert tiny_model.vocab.same_as(again.vocab) and again.vocab.difference(tiny_model.vocab) is None
     other = write_tiny_llama(tmp_path / "phi3-vocab.gguf", vocab_dir / "ggml-vocab-phi-3.gguf")
     renamed = write_perturbed_copy(tiny_model.path, tmp_path / "renamed.gguf", scale=0.0,
                                    token_edits={1000: "<not-ied>"})
     for path, message in ((other, "32064 vs 32000 tokens"), (renamed, "token 1000")):
+        with lc.load_model(path, vocab_only=True) as loaded:
+            assert not tiny_model.vocab.same_as(loaded.vocab) and message in tiny_model.vocab.difference(loaded.vocab)
         drafter = lc.DraftModel(path)
         with pytest.raises(lc.InvalidArgumentError, match=message):
             lc.SpeculativeSession(tiny_model, drafter, **CTX)

@@ -172,6 +172,34 @@ class Vocab:
         """A lower bound on the tokens any text of ``n_bytes`` UTF-8 bytes tokenizes to (without specials)."""
         return -(-n_bytes // self.max_token_bytes)
 
+    # ---- comparison ---------------------------------------------------------------------------------
+    def difference(self, other: "Vocab") -> str | None:
+        """How ``other`` tokenizes differently from this vocabulary (the first difference found), or None
+        when they agree: the size, BOS/EOS/EOT, which ids end generation and every token's bytes (as
+        llama.cpp's ``common_speculative_are_compatible``). One pass over both, uncached (the piece
+        caches would otherwise keep every token of both models in memory)."""
+        if other is self or other._ptr == self._ptr:
+            return None
+        if self.n_tokens != other.n_tokens:
+            return f"{other.n_tokens} vs {self.n_tokens} tokens"
+        for name in ("bos", "eos", "eot"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                return f"{name.upper()} ids {b} vs {a}"
+        lib, mine, theirs = self._lib, self._ptr, other._ptr
+        with self._guard(), other._guard():
+            for tok in range(self.n_tokens):
+                if bool(lib.llama_vocab_is_eog(mine, tok)) != bool(lib.llama_vocab_is_eog(theirs, tok)):
+                    return f"token {tok} ends generation in one and not in the other"
+                a, b = self._piece(tok, True), other._piece(tok, True)
+                if a != b:
+                    return f"token {tok} is {b!r} vs {a!r}"
+        return None
+
+    def same_as(self, other: "Vocab") -> bool:
+        """Whether ``other`` tokenizes exactly as this vocabulary does (see :meth:`difference`)."""
+        return self.difference(other) is None
+
     # ---- token classes ------------------------------------------------------------------------------
     def is_eog(self, token: int) -> bool:
         """True when ``token`` ends generation (EOS, EOT and the like); cached, so cheap in hot loops."""

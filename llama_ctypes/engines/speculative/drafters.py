@@ -9,13 +9,11 @@ finished sequence. A session (or, later, a server slot) drives that cycle betwee
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ...core.backend import init as native_lib
 from ...core.context import Context
 from ...core.handle import Closeable, Hold
 from ...core.model import Model, load_model
@@ -27,8 +25,6 @@ if TYPE_CHECKING:
     from ...core.sampler import SamplingParams
 
 __all__ = ["Drafter", "ContextDrafter", "NgramDraft", "DraftModel", "check_same_vocab", "ngram_lookup", "rollback_snapshots"]
-
-_PIECE_BUF = 256
 
 
 class _NoHold:
@@ -153,46 +149,15 @@ def rollback_snapshots(n_draft: int, ctx_opts: dict[str, Any]) -> int:
 
 
 def check_same_vocab(target: Model, draft: Model) -> None:
-    """Raise InvalidArgumentError unless ``draft`` tokenizes exactly as ``target`` does.
-
-    Compared: the vocabulary size, BOS/EOS/EOT, which ids end generation, and every
-    token's bytes (as llama.cpp's common_speculative_are_compatible does).
-    """
+    """Raise InvalidArgumentError unless ``draft`` tokenizes exactly as ``target`` does
+    (:meth:`Vocab.difference <llama_ctypes.Vocab.difference>`: size, BOS/EOS/EOT, end-of-generation ids,
+    every token's bytes, as llama.cpp's common_speculative_are_compatible)."""
     if draft is target:
         return
-    tv, dv = target.vocab, draft.vocab
-    where = f"the draft model {draft.path.name} and the target {target.path.name}"
-    if tv.n_tokens != dv.n_tokens:
-        raise InvalidArgumentError(f"{where} have different vocabularies: {dv.n_tokens} vs {tv.n_tokens} tokens")
-    for name in ("bos", "eos", "eot"):
-        a, b = getattr(tv, name), getattr(dv, name)
-        if a != b:
-            raise InvalidArgumentError(f"{where} have different {name.upper()} ids: {b} vs {a}")
-    lib = native_lib()
-    # Straight from llama.cpp, not through the Vocab caches: one pass over the vocabulary
-    # would otherwise keep every piece of both models in memory.
-    holds = [target.hold(), draft.hold()]
-    try:
-        tp, dp = tv.native(), dv.native()
-        buf = ctypes.create_string_buffer(_PIECE_BUF)
-
-        def piece(vocab, tok: int) -> bytes:
-            n = lib.llama_token_to_piece(vocab, tok, buf, _PIECE_BUF, 0, True)
-            if n < 0:  # longer than the buffer: rare enough to allocate
-                big = ctypes.create_string_buffer(-n)
-                n = lib.llama_token_to_piece(vocab, tok, big, -n, 0, True)
-                return big.raw[:max(n, 0)]
-            return buf.raw[:n]
-
-        for tok in range(tv.n_tokens):
-            if bool(lib.llama_vocab_is_eog(tp, tok)) != bool(lib.llama_vocab_is_eog(dp, tok)):
-                raise InvalidArgumentError(f"{where} disagree on whether token {tok} ends generation")
-            a, b = piece(tp, tok), piece(dp, tok)
-            if a != b:
-                raise InvalidArgumentError(f"{where} have different vocabularies: token {tok} is {b!r} vs {a!r}")
-    finally:
-        for hold in holds:
-            hold.release()
+    difference = target.vocab.difference(draft.vocab)
+    if difference is not None:
+        raise InvalidArgumentError(f"the draft model {draft.path.name} and the target {target.path.name} have "
+                                   f"different vocabularies: {difference}")
 
 
 class ContextDrafter(Drafter):
