@@ -34,6 +34,7 @@ from .engines.server import (
     PrefillPriority,
     QueueFullError,
     Server,
+    ServerParams,
     ServerClosedError,
     ServerStream,
 )
@@ -104,7 +105,7 @@ __all__ = [
     "ChatTemplate", "ChatTemplateError",
     # server
     "ModelManager", "ModelInfo", "ModelNotReadyError",
-    "Server", "ServerStream", "AsyncServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
+    "Server", "ServerParams", "ServerStream", "AsyncServerStream", "DecodeMaximal", "PrefillPriority", "Balanced", "QueueFullError",
     "ServerClosedError", "telemetry",
     # speculative decoding
     "SpeculativeSession", "SpeculativeStream", "SpeculativeEventStream", "SpeculativeEvent", "SpeculativeStats",

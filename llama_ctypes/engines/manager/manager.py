@@ -54,6 +54,7 @@ from ...features import chat as _chat
 from ...features.openai import chat as _openai_chat
 from ...features import embeddings as _emb
 from ...features import hub
+from ..server.params import ServerParams
 from ..server.server import Server
 from .budget import Footprint, MemoryBudget, Pool
 
@@ -69,8 +70,6 @@ _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
 _DIRECT_SIZING = ("n_ctx", "n_batch", "kv_unified")
 # Context options embed() sets itself (features/embeddings.py).
 _EMBED_SETS = frozenset({"embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"})
-_SERVER_OPTIONS = ("n_parallel", "n_ctx", "n_batch", "batch_strategy", "max_queue", "cache_prompt",
-                   "prompt_cache_ram_mb", "kv_unified", "speculative", "n_draft")
 # The context embed()/rerank() create (features/embeddings.py), for the memory estimate.
 _DIRECT_CONTEXT = {"n_ctx": 2048, "n_batch": 2048, "n_ubatch": 2048, "n_seq_max": _emb.MAX_SEQUENCES,
                    "kv_unified": True, "embeddings": True, "flash_attn": "disabled"}
@@ -184,8 +183,7 @@ class ModelManager(Closeable):
             raise InvalidArgumentError(f"id={id!r}: expected a non-empty string other than 'default'")
         if mode not in (None, "server", "direct"):
             raise InvalidArgumentError(f"mode={mode!r}: expected 'server', 'direct' or None (by capability)")
-        server_opts = {k: opts.pop(k) for k in _SERVER_OPTIONS if k in opts}
-        model_opts, ctx_opts, defaults = self._split(opts)
+        server_opts, model_opts, ctx_opts, defaults = self._split(opts)
         described = self._describe_source(source)
         if isinstance(source, Model) and model_opts:
             raise ArgumentTypeError(f"model options {sorted(model_opts)} need a path (the model is already loaded)")
@@ -222,15 +220,18 @@ class ModelManager(Closeable):
             raise ClosedError("the ModelManager was closed before this load started") from None
 
     @staticmethod
-    def _split(opts: dict[str, Any]) -> tuple[dict, dict, dict]:
+    def _split(opts: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
+        """(server, model, context, request-default) options of a load, each group validated."""
         from ...core.generation import GenerationParams
         from ...core.sampler import SamplingParams
 
-        model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
-            opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="ModelManager.load: unknown")
+        server_opts, model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
+            opts, ServerParams, ModelParams, ContextParams, SamplingParams, GenerationParams,
+            where="ModelManager.load: unknown")
+        ServerParams(**server_opts)
         ModelParams(**model_opts)
         ContextParams(**ctx_opts)
-        return model_opts, ctx_opts, {**sampling_opts, **gen_opts}
+        return server_opts, model_opts, ctx_opts, {**sampling_opts, **gen_opts}
 
     @staticmethod
     def _describe_source(source: Any) -> str:

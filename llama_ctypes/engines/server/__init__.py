@@ -2,9 +2,10 @@
 the consumer streams."""
 
 from .scheduler import QueueFullError, ServerClosedError
+from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .server import Server
 from .strategies import Balanced, BatchStrategy, DecodeMaximal, Plan, PrefillPriority
 from .streams import AsyncServerStream, ServerStream
 
-__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "BatchStrategy",
+__all__ = ["Server", "ServerParams", "DEFAULT_MAX_QUEUE", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "BatchStrategy",
            "Plan", "DecodeMaximal", "PrefillPriority", "Balanced"]

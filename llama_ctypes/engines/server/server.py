@@ -38,17 +38,16 @@ from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
 from .speculation import SlotDrafter, slot_drafter
+from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .strategies import DecodeMaximal, resolve
 from .streams import AsyncServerStream, ServerStream
 
-__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "DEFAULT_MAX_QUEUE"]
+__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "ServerParams",
+           "DEFAULT_MAX_QUEUE"]
 
 logger = logging.getLogger(__name__)
 
 _RESERVED = ("n_seq_max", "embeddings")
-#: Requests that may wait for a slot by default: a flood fails fast (QueueFullError) instead of growing the
-#: queue (~20 KB each) without bound. ``max_queue=0`` lifts the bound.
-DEFAULT_MAX_QUEUE = 256
 _SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
 
@@ -92,44 +91,34 @@ class Server:
             # (before taking it over: it is someone else's, and must stay open)
             raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
         try:
-            self._build(model_path, model, n_parallel, n_ctx, n_batch, batch_strategy, max_queue, cache_prompt,
-                        prompt_cache_ram_mb, kv_unified, speculative, n_draft, opts)
+            params = ServerParams(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, batch_strategy=batch_strategy,
+                                  max_queue=max_queue, cache_prompt=cache_prompt,
+                                  prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
+                                  speculative=speculative, n_draft=n_draft)
+            self._build(model_path, model, params, opts)
         except BaseException:
             if isinstance(speculative, Drafter):  # the server took it over: a failed server closes it
                 speculative.close()
             raise
 
-    def _build(self, model_path, model, n_parallel, n_ctx, n_batch, batch_strategy, max_queue, cache_prompt,
-               prompt_cache_ram_mb, kv_unified, speculative, n_draft, opts) -> None:
+    def _build(self, model_path, model, params: ServerParams, opts) -> None:
         if (model_path is None) == (model is None):
             raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
             if name in opts:
                 raise ArgumentTypeError(f"the server sets {name} itself")
-        if not isinstance(n_parallel, int) or n_parallel < 1:
-            raise InvalidArgumentError(f"n_parallel={n_parallel!r}: expected an integer >= 1")
+        n_parallel, n_ctx, n_batch, kv_unified = params.n_parallel, params.n_ctx, params.n_batch, params.kv_unified
+        speculative, n_draft = params.speculative, params.n_draft
         n_out = opts.get("n_outputs_max", n_parallel)
         if isinstance(n_out, int) and not isinstance(n_out, bool) and 0 < n_out < n_parallel:
             raise InvalidArgumentError(f"n_outputs_max={n_out}: a server needs at least one logits row per slot "
                                        f"(n_parallel={n_parallel}); 0 means n_batch")
-        if not isinstance(max_queue, int) or max_queue < 0:
-            raise InvalidArgumentError(f"max_queue={max_queue!r}: expected an integer >= 0")
-        if not isinstance(prompt_cache_ram_mb, (int, float)) or prompt_cache_ram_mb < 0:
-            raise InvalidArgumentError(f"prompt_cache_ram_mb={prompt_cache_ram_mb!r}: expected a number >= 0")
-        if speculative is not None:
-            from ..speculative.session import MAX_DRAFT
-
-            if isinstance(n_draft, bool) or not isinstance(n_draft, int) or not 1 <= n_draft <= MAX_DRAFT:
-                raise InvalidArgumentError(f"n_draft={n_draft!r}: expected an integer in [1, {MAX_DRAFT}]")
-            if not isinstance(speculative, (Drafter, str, os.PathLike)):
-                raise ArgumentTypeError(f"speculative= takes a Drafter (NgramDraft, DraftModel), \"ngram\" or a "
-                                        f"draft GGUF path, not {type(speculative).__name__}")
         model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ModelParams, ContextParams, SamplingParams, GenerationParams, where="Server: unknown")
         SamplingParams(**sampling_opts)  # validate the defaults now
         GenerationParams(**gen_opts)
-        self._defaults = {"cache_prompt": bool(cache_prompt), **sampling_opts, **gen_opts}
-        strategy = resolve(batch_strategy)
+        self._defaults = {"cache_prompt": bool(params.cache_prompt), **sampling_opts, **gen_opts}
+        strategy = resolve(params.batch_strategy)
         if model is None:
             if speculative == "mtp" or isinstance(speculative, MTPDraft):
                 model_opts.setdefault("load_mtp", True)  # (llama.cpp skips the MTP layers otherwise)
@@ -162,8 +151,8 @@ class Server:
             self.batch_strategy = strategy
             self.speculative = speculative
             self.n_draft = n_draft if speculative is not None else 0
-            self._engine = Engine(lease, strategy, max_queue, n_ctx_seq=self.n_ctx,
-                                  prompt_cache_bytes=int(prompt_cache_ram_mb * 2**20),
+            self._engine = Engine(lease, strategy, params.max_queue, n_ctx_seq=self.n_ctx,
+                                  prompt_cache_bytes=int(params.prompt_cache_ram_mb * 2**20),
                                   drafter=self._drafter, n_draft=self.n_draft)
         except BaseException:
             if lease is not None:
