@@ -23,7 +23,7 @@ class KVRecord:
     Not thread-safe by itself: the context's lease (one holder at a time) serialises its use.
     """
 
-    __slots__ = ("tokens", "_exact_cut", "n_rs_seq")
+    __slots__ = ("_exact_cut", "n_rs_seq", "tokens")
 
     def __init__(self, n_rs_seq: int = 0):
         self.tokens: list[int] = []

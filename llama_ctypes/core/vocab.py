@@ -56,7 +56,7 @@ class Vocab:
     ``Model.close()`` waits for it instead of freeing the vocabulary under it.
     """
 
-    def __init__(self, model: "Model", ptr) -> None:
+    def __init__(self, model: Model, ptr) -> None:
         self._model = model
         self._lib = model._lib
         self._ptr = ptr
@@ -69,7 +69,7 @@ class Vocab:
         self._max_token_bytes: int | None = None
         self._held = False
 
-    def for_holder(self) -> "Vocab":
+    def for_holder(self) -> Vocab:
         """This vocabulary as seen by a holder of the model (a Context, a running stream).
 
         It shares the caches, and keeps working after ``Model.close()`` for as long as the
@@ -173,7 +173,7 @@ class Vocab:
         return -(-n_bytes // self.max_token_bytes)
 
     # ---- comparison ---------------------------------------------------------------------------------
-    def difference(self, other: "Vocab") -> str | None:
+    def difference(self, other: Vocab) -> str | None:
         """How ``other`` tokenizes differently from this vocabulary (the first difference found), or None
         when they agree: the size, BOS/EOS/EOT, which ids end generation and every token's bytes (as
         llama.cpp's ``common_speculative_are_compatible``). One pass over both, uncached (the piece
@@ -196,7 +196,7 @@ class Vocab:
                     return f"token {tok} is {b!r} vs {a!r}"
         return None
 
-    def same_as(self, other: "Vocab") -> bool:
+    def same_as(self, other: Vocab) -> bool:
         """Whether ``other`` tokenizes exactly as this vocabulary does (see :meth:`difference`)."""
         return self.difference(other) is None
 

@@ -16,7 +16,7 @@ from ..speculative.drafters import Drafter
 from ..speculative.session import MAX_DRAFT
 from .strategies import DecodeMaximal
 
-__all__ = ["ServerParams", "DEFAULT_MAX_QUEUE"]
+__all__ = ["DEFAULT_MAX_QUEUE", "ServerParams"]
 
 #: Requests that may wait for a slot by default: a flood fails fast (QueueFullError) instead of growing the
 #: queue (~20 KB each) without bound. ``max_queue=0`` lifts the bound.
