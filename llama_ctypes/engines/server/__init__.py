@@ -7,17 +7,5 @@ from .server import Server
 from .strategies import Balanced, BatchStrategy, DecodeMaximal, Plan, PrefillPriority
 from .streams import AsyncServerStream, ServerStream
 
-__all__ = [
-           "DEFAULT_MAX_QUEUE",
-           "AsyncServerStream",
-           "Balanced",
-           "BatchStrategy",
-           "DecodeMaximal",
-           "Plan",
-           "PrefillPriority",
-           "QueueFullError",
-           "Server",
-           "ServerClosedError",
-           "ServerParams",
-           "ServerStream",
-]
+__all__ = ["Server", "ServerParams", "DEFAULT_MAX_QUEUE", "ServerStream", "AsyncServerStream", "QueueFullError",
+           "ServerClosedError", "BatchStrategy", "Plan", "DecodeMaximal", "PrefillPriority", "Balanced"]
