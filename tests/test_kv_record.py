@@ -24,7 +24,7 @@ def test_recurrent_cuts_stay_within_the_last_decode_once():
     assert record.can_cut(4) and not record.can_cut(3)  # within the run [6, 7]: drop 1 at most
     record.appended(8)  # a one-token decode leaves no snapshot
     assert not record.can_cut(5) and record.can_cut(6)  # (nothing to drop: always)
-    record.decoding()  # a decode about to run: older snapshots are void
+    record.forget_snapshots()  # a decode about to run: older snapshots are void
     record.reset([9, 9])
     assert record.tokens == [9, 9] and not record.can_cut(1)
 

@@ -392,7 +392,7 @@ class ContextLease(HiddenStates):
         Raises RPCConnectionError (whatever the code) when an RPC worker was lost during it.
         """
         self._check_batch(batch)
-        self.ctx._record.decoding()
+        self.ctx._record.forget_snapshots()
         self.ctx._last_decoded = batch.n_tokens
         rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
         self._check_workers()
@@ -647,7 +647,7 @@ class ContextLease(HiddenStates):
             record = self.ctx._record
             if p0 > 0 and p1 < 0:
                 record.cut(int(p0))
-                record.decoding()  # (whatever the cut: a recurrent rollback is single-use)
+                record.forget_snapshots()  # (even a cut of nothing: as before, any cut spends them)
             else:  # everything, a hole, or the head cut: the token list no longer describes the sequence
                 record.reset()
         return ok

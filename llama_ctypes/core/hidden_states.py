@@ -81,7 +81,7 @@ class HiddenStates:
             raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
         base = len(held)
-        ctx._record.decoding()
+        ctx._record.forget_snapshots()
         try:
             rc = self._process_states([0] * n, range(base, base + n), run, states, [n - 1] if output_last else [])
         except BaseException:  # interrupted: the cache state is uncertain

@@ -39,8 +39,9 @@ class KVRecord:
         self.tokens[:] = tokens
         self._exact_cut = 0
 
-    def decoding(self) -> None:
-        """A decode is about to run: the snapshots will describe its batch, not an earlier one."""
+    def forget_snapshots(self) -> None:
+        """No cut may rely on the rollback snapshots now: a decode is about to overwrite them, or a cut
+        that used them was made."""
         self._exact_cut = 0
 
     def decoded(self, run: Sequence[int]) -> None:
