@@ -37,8 +37,8 @@ from ..speculative.mtp import MTPDraft
 from .engine import Engine
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
-from .speculation import SlotDrafter, slot_drafter
 from .params import DEFAULT_MAX_QUEUE, ServerParams
+from .speculation import SlotDrafter, slot_drafter
 from .strategies import DecodeMaximal, resolve
 from .streams import AsyncServerStream, ServerStream
 
