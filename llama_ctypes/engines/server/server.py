@@ -35,9 +35,9 @@ from ...core.tokenizer import StreamDecoder
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from ..speculative.mtp import MTPDraft
 from .engine import Engine
+from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .request import Channel, Request, TextOut
 from .scheduler import QueueFullError, ServerClosedError
-from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .speculation import SlotDrafter, slot_drafter
 from .strategies import DecodeMaximal, resolve
 from .streams import AsyncServerStream, ServerStream
