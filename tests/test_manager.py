@@ -541,3 +541,14 @@ def test_server_accessor_gives_the_batching_server_of_server_mode_models(tiny_mo
         mm.unload("gen")
         with pytest.raises(lc.ClosedError):
             server.generate("Hello", max_tokens=1)
+
+
+def test_a_failed_server_load_closes_the_drafter_it_was_handed(tiny_model_path):
+    """speculative= hands a Drafter over to the model's Server; a load refused for a bad server setting
+    closes it (as the Server itself does) and shows as failed."""
+    drafter = lc.DraftModel(tiny_model_path)
+    with lc.ModelManager() as mm:
+        with pytest.raises(lc.InvalidArgumentError, match="n_draft"):
+            mm.load("s", tiny_model_path, mode="server", n_parallel=1, n_ctx=128, speculative=drafter, n_draft=0)
+        assert drafter.closed
+        assert [(i.id, i.status) for i in mm.list()] == [("s", "failed")]

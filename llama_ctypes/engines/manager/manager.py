@@ -221,14 +221,15 @@ class ModelManager(Closeable):
 
     @staticmethod
     def _split(opts: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
-        """(server, model, context, request-default) options of a load, each group validated."""
+        """(server, model, context, request-default) options of a load; model and context options validated."""
         from ...core.generation import GenerationParams
         from ...core.sampler import SamplingParams
 
         server_opts, model_opts, ctx_opts, sampling_opts, gen_opts = split_options(
             opts, ServerParams, ModelParams, ContextParams, SamplingParams, GenerationParams,
             where="ModelManager.load: unknown")
-        ServerParams(**server_opts)
+        # (the server options are validated by the Server the load makes: on failure it closes a
+        # Drafter handed over with speculative=, and the entry shows the failed load)
         ModelParams(**model_opts)
         ContextParams(**ctx_opts)
         return server_opts, model_opts, ctx_opts, {**sampling_opts, **gen_opts}
@@ -396,7 +397,8 @@ class ModelManager(Closeable):
             self._discard(entry, entry.model)
         finally:
             with self._lock:
-                self._releasing.remove(entry)
+                if entry in self._releasing:
+                    self._releasing.remove(entry)
 
     def _first_usable(self) -> str | None:
         return next((k for k, e in self._entries.items() if e.status != "failed"), None)
@@ -673,7 +675,7 @@ class ModelManager(Closeable):
             entries += [e for e in self._releasing if e not in entries]  # (unloaded while loading)
         for entry in entries:
             future = entry.future
-            if future is None or future.cancelled():
+            if entry.status == "loading" and not entry.done.is_set() and (future is None or future.cancelled()):
                 # A load that never started (cancelled while queued, or closed out before it was queued;
                 # unloaded or not): nobody else will wake those waiting for it.
                 self._abandon(entry)

@@ -41,10 +41,10 @@ class ServerParams:
     def __post_init__(self) -> None:
         if isinstance(self.n_parallel, bool) or not isinstance(self.n_parallel, int) or self.n_parallel < 1:
             raise InvalidArgumentError(f"n_parallel={self.n_parallel!r}: expected an integer >= 1")
-        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+        if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InvalidArgumentError(f"max_queue={self.max_queue!r}: expected an integer >= 0")
         ram = self.prompt_cache_ram_mb
-        if isinstance(ram, bool) or not isinstance(ram, (int, float)) or ram < 0:
+        if not isinstance(ram, (int, float)) or ram < 0:
             raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0")
         if self.speculative is not None:
             n = self.n_draft

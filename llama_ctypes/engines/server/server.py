@@ -91,6 +91,8 @@ class Server:
             # (before taking it over: it is someone else's, and must stay open)
             raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
         try:
+            if (model_path is None) == (model is None):
+                raise ArgumentTypeError("pass exactly one of model_path or model")
             params = ServerParams(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, batch_strategy=batch_strategy,
                                   max_queue=max_queue, cache_prompt=cache_prompt,
                                   prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
@@ -102,8 +104,6 @@ class Server:
             raise
 
     def _build(self, model_path, model, params: ServerParams, opts) -> None:
-        if (model_path is None) == (model is None):
-            raise ArgumentTypeError("pass exactly one of model_path or model")
         for name in _RESERVED:
             if name in opts:
                 raise ArgumentTypeError(f"the server sets {name} itself")
