@@ -7,14 +7,15 @@ A fake KV stands in for the context and synthetic sampled tokens for the decode
 from __future__ import annotations
 
 import pytest
+from fake_kv import FakeKV
 
 from llama_ctypes.core.generation import GenerationParams
-from llama_ctypes.engines.server.request import Channel, End, Request, Status, TextOut
+from llama_ctypes.core.text import TextAssembler
+from llama_ctypes.engines.server.request import Channel, End, Request, Status
 from llama_ctypes.engines.server.scheduler import QueueFullError, Scheduler, ServerClosedError, Step, TickPlan
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
 from llama_ctypes.errors import CancelledError, ClosedError, DecodeError
-from fake_kv import FakeKV
 
 EOG = 99
 
@@ -52,7 +53,7 @@ def make(n_parallel=2, strategy=None, budget=8, n_ctx=64, max_queue=0):
 
 def req(prompt, *, max_tokens=8, stop=(), ignore_eos=False, cache=False):
     params = GenerationParams(max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, cache_prompt=cache)
-    return Request(list(prompt), params, FakeSampler(), Channel(), text=TextOut(Letters(), params.stop))
+    return Request(list(prompt), params, FakeSampler(), Channel(), text=TextAssembler(Letters(), params.stop))
 
 
 def plan(sched):
@@ -324,7 +325,7 @@ def entry(tok):
 def test_logprob_entries_follow_their_tokens():
     s = make(n_parallel=2)
     params = GenerationParams(max_tokens=50, logprobs=1)
-    a = Request([1], params, FakeSampler(), Channel(), text=TextOut(Letters()))
+    a = Request([1], params, FakeSampler(), Channel(), text=TextAssembler(Letters()))
     b = req([2], max_tokens=50)  # no logprobs asked: entries for it are ignored
     assert a.logprobs == [] and b.logprobs is None
     s.submit(a)

@@ -10,18 +10,19 @@ import threading
 import time
 
 import pytest
+from fake_kv import FakeKV
+from margins import assert_greedy_equivalent
+from test_scheduler import EOG, FakeSampler, Letters, items, plan
+from test_speculative import GEMMA_GROUNDED
+from tiny_models import write_perturbed_copy, write_tiny_llama
 
 import llama_ctypes as lc
 from llama_ctypes.core.generation import GenerationParams
-from llama_ctypes.engines.server.request import Channel, Request, Status, TextOut
+from llama_ctypes.core.text import TextAssembler
+from llama_ctypes.engines.server.request import Channel, Request, Status
 from llama_ctypes.engines.server.scheduler import SKIPPED, Scheduler
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import DecodeMaximal
-from fake_kv import FakeKV
-from test_scheduler import EOG, FakeSampler, Letters, items, plan
-from margins import assert_greedy_equivalent
-from test_speculative import GEMMA_GROUNDED
-from tiny_models import write_perturbed_copy, write_tiny_llama
 
 SRV = dict(n_ctx=256, n_threads=1, kv_unified=False)
 PROMPTS = ["Once upon a time", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4",
@@ -38,7 +39,7 @@ def make(n_parallel=2, budget=16, n_ctx=64, n_draft=4, partial=True):
 
 def req(prompt, *, max_tokens=16, speculative=True, ignore_eos=False, stop=()):
     params = GenerationParams(max_tokens=max_tokens, ignore_eos=ignore_eos, cache_prompt=False, stop=stop)
-    return Request(list(prompt), params, FakeSampler(), Channel(), text=TextOut(Letters(), params.stop),
+    return Request(list(prompt), params, FakeSampler(), Channel(), text=TextAssembler(Letters(), params.stop),
                    speculative=speculative)
 
 

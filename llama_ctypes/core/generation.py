@@ -1,7 +1,8 @@
 """Single-sequence generation, in three layers (after mlx-lm's generate.py):
 
 ``token_loop`` yields token ids → ``TextStream`` turns them into UTF-8-safe text
-pieces and applies stop strings → ``generate`` collects a :class:`Completion`.
+pieces and applies stop strings (core/text.py, shared with the speculative and
+server paths) → ``generate`` collects a :class:`Completion`.
 The module functions ``generate``/``stream`` wrap these for a Model.
 """
 
@@ -12,23 +13,22 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
-from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, DecodeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, InvalidArgumentError
 from .context import ContextLease, check_prompt, common_prefix
 from .context_pool import ContextPool
-from .decode_status import ABORTED
 from .handle import Closeable
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from .params import ContextParams, split_options
 from .sampler import Sampler, SamplingParams
-from .tokenizer import StreamDecoder
+from .text import RunControl, TextAssembler, assemble
 from .vocab import Vocab, encode_text
 
 if TYPE_CHECKING:
     from .context import Context
     from .model import Model
 
-__all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "StopFilter", "stream",
-           "generate", "generate_with", "token_loop", "partial_suffix", "common_prefix", "check_prompt",
+__all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "stream",
+           "generate", "generate_with", "token_loop", "common_prefix", "check_prompt",
            "prompt_tokens", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "eog"]
@@ -249,46 +249,6 @@ def _logprob_fn(lease: ContextLease, params: GenerationParams) -> Callable[[int]
     return entry
 
 
-def partial_suffix(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``markers``.
-
-    Streaming code holds that much text back: it may be the start of a stop string or a marker.
-    """
-    best = 0
-    for stop in markers:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
-class StopFilter:
-    """Applies stop strings to streamed text: emits what is safe, holds back a possible stop prefix."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.pending = ""
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        """Text that can be emitted now; sets ``stopped`` when a stop string appears (it is dropped)."""
-        if not self.stops:
-            return piece
-        self.pending += piece
-        hit = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
-            out, self.pending, self.stopped = self.pending[:hit], "", True
-            return out
-        keep = partial_suffix(self.pending, self.stops)
-        out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 class LazyStream(Closeable):
     """Iteration, cancellation and lifetime shared by every stream (text, server, chat).
 
@@ -354,86 +314,47 @@ class _TextGeneration:
         # (logprobs: the list exists from the start, so TextStream.logprobs is [] before the first token)
         self.run = _Run(logprobs=params.logprobs is not None)
         self.pieces: list[str] = []
+        self.control = control = RunControl(ctx.abort)
         # The stream keeps the context and the sampler alive from its creation to its end: a
         # ``with Sampler.create(...) as s: st = ctx.stream(s, ids)`` read later must not free them.
-        ctx_hold = ctx.hold()
+        control.defer(ctx.hold().release)
         try:
-            sampler_hold = sampler.hold()
+            control.defer(sampler.hold().release)
         except BaseException:
-            ctx_hold.release()
+            control.release()
             raise
-        self._holds = (ctx_hold, sampler_hold)
-        self._on_close = on_close
-        self._lock = threading.Lock()
-        self.cancelled = False
-        self.running = False  # the context is leased: a cancel must also abort the decode in flight
-        self.finished = False
-
-    def cancel(self) -> None:
-        with self._lock:
-            if self.finished:
-                return
-            self.cancelled = True
-            if self.running:
-                self.ctx.abort()
-
-    def release(self) -> None:
-        holds, self._holds = self._holds, ()
-        for hold in holds:
-            hold.release()
-        on_close, self._on_close = self._on_close, None
         if on_close is not None:
-            on_close()
+            control.defer(on_close)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.control.cancelled
+
+    def tokens_iter(self) -> Iterator[int]:
+        """Generated token ids, with the context and the sampler claimed from the first to the end."""
+        lease = self.ctx.lease(held=True)
+        try:
+            binding = self.sampler.bind(lease, held=True)
+        except BaseException:
+            lease.release()
+            raise
+        control = self.control
+        try:
+            loop = token_loop(lease, binding.sample, self.prompt, self.params, self.run, lambda: control.cancelled)
+            yield from control.guard(loop, self.run)
+        finally:
+            binding.release()
+            lease.release()
 
     def pieces_iter(self) -> Iterator[str]:
-        """The text pieces, with the context and sampler held from the first piece to the end."""
-        run, params, pieces = self.run, self.params, self.pieces
+        """The non-empty text pieces; everything is released when it ends."""
         try:
-            lease = self.ctx.lease(held=True)
-            try:
-                binding = self.sampler.bind(lease, held=True)
-            except BaseException:
-                lease.release()
-                raise
-            with self._lock:
-                self.running = not self.cancelled
-            try:
-                if not self.running:
-                    raise CancelledError("the generation was cancelled")
-                decoder = StreamDecoder(self.ctx.vocab, special=params.special)
-                stops = StopFilter(params.stop)
-                try:
-                    for tok in token_loop(lease, binding.sample, self.prompt, params, run, lambda: self.cancelled):
-                        out = stops.feed(decoder.push(tok))
-                        if out:
-                            pieces.append(out)
-                            yield out
-                        if stops.stopped:
-                            run.finish_reason = "stop"
-                            break
-                except DecodeError as exc:
-                    if self.cancelled and exc.code == ABORTED:
-                        raise CancelledError("the generation was cancelled") from None
-                    raise
-                if self.cancelled and run.finish_reason is None:
-                    raise CancelledError("the generation was cancelled")
-                if not stops.stopped:
-                    out = stops.feed(decoder.flush())
-                    if stops.stopped:
-                        run.finish_reason = "stop"
-                    else:
-                        out += stops.flush()
-                    if out:
-                        pieces.append(out)
-                        yield out
-            finally:
-                with self._lock:
-                    self.running = False
-                    self.finished = True
-                binding.release()
-                lease.release()
+            text = TextAssembler.for_vocab(self.ctx.vocab, self.params.special, self.params.stop)
+            for _, out in assemble(self.tokens_iter(), text, self.run, self.pieces):
+                if out:
+                    yield out
         finally:
-            self.release()
+            self.control.release()
 
 
 class GenerationResults:
@@ -510,10 +431,10 @@ class TextStream(GenerationResults, LazyStream):
 
     def cancel(self) -> None:
         """Stop the generation from any thread, interrupting a decode in flight."""
-        self._g.cancel()
+        self._g.control.cancel()
 
     def _after_close(self) -> None:
-        self._g.release()
+        self._g.control.release()
 
 
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from ..core.generation import partial_suffix
+from ..core.text import partial_suffix
 
 Kind = Literal["reasoning", "content"]
 

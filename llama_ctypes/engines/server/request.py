@@ -8,10 +8,11 @@ import itertools
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from ...core.generation import GenerationParams, StopFilter, Timings
+from ...core.generation import GenerationParams, Timings
 from ...core.logprobs import TokenLogprob
+from ...core.text import TextAssembler
 
 
 class Status(enum.IntEnum):
@@ -71,47 +72,6 @@ class Channel:
         return await self.aio.get()  # type: ignore[union-attr]
 
 
-class Detokenizer(Protocol):
-    """Token ids to UTF-8-safe text pieces (core's StreamDecoder)."""
-
-    def push(self, token: int) -> str: ...
-    def flush(self) -> str: ...
-
-
-class TextOut:
-    """A request's text as its tokens are produced: incremental detokenization, then stop strings.
-
-    It runs in the scheduler thread, where the tokens are sampled, so a request
-    ends at the token that completes a stop string however slowly its consumer
-    reads, and counts tokens exactly as the single-sequence path does.
-    """
-
-    __slots__ = ("_decoder", "_stops", "push")
-
-    def __init__(self, decoder: Detokenizer, stops: tuple[str, ...] = ()):
-        self._decoder = decoder
-        self._stops = StopFilter(stops) if stops else None
-        #: ``push(token) -> str``: the text that can be shown after ``token`` ("" while a character
-        #: or a possible stop string is incomplete). Without stops it is the decoder's own push.
-        self.push = self._push_with_stops if stops else decoder.push
-
-    def _push_with_stops(self, token: int) -> str:
-        return self._stops.feed(self._decoder.push(token))  # type: ignore[union-attr]
-
-    @property
-    def stopped(self) -> bool:
-        """A stop string appeared (it is not part of the text)."""
-        return self._stops is not None and self._stops.stopped
-
-    def flush(self) -> str:
-        """The rest of the text at a natural end (eog, length); may complete a stop (see ``stopped``)."""
-        out = self._decoder.flush()
-        if self._stops is None:
-            return out
-        out = self._stops.feed(out)
-        return out if self._stops.stopped else out + self._stops.flush()
-
-
 class _Unset:
     """Placeholder sampler for requests built without one (scheduler tests)."""
 
@@ -133,7 +93,7 @@ class Request:
     sampler: Any  # a core Sampler (closed by the scheduler when the request ends)
     channel: Channel
     session: Any = None
-    text: TextOut | None = None  # None: no text (token-only consumers, scheduler tests)
+    text: TextAssembler | None = None  # None: no text (token-only consumers, scheduler tests)
     binding: Any = None  # the sampler's claim while running (a SamplerBinding), released at the end
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING

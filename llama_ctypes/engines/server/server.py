@@ -25,18 +25,18 @@ import os
 import threading
 from typing import Any, AsyncIterator, Mapping, Sequence
 
-from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from ...core.context import Context
 from ...core.generation import Completion, GenerationParams, check_prompt, prompt_tokens
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.sampler import Sampler, SamplingParams
-from ...core.tokenizer import StreamDecoder
+from ...core.text import TextAssembler
+from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from ..speculative.mtp import MTPDraft
 from .engine import Engine
 from .params import DEFAULT_MAX_QUEUE, ServerParams
-from .request import Channel, Request, TextOut
+from .request import Channel, Request
 from .scheduler import QueueFullError, ServerClosedError
 from .speculation import SlotDrafter, slot_drafter
 from .strategies import DecodeMaximal, resolve
@@ -288,7 +288,7 @@ class Server:
         check_prompt(self._ctx, tokens, self.n_ctx)
         sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx, holder=self._ctx)
         try:
-            text = TextOut(StreamDecoder(vocab, special=params.special), params.stop)
+            text = TextAssembler.for_vocab(vocab, params.special, params.stop)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
                               speculative=speculative)
         except BaseException:

@@ -9,15 +9,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ...core.context import Context, ContextLease, check_prompt
-from ...core.decode_status import ABORTED
-from ...core.generation import (Completion, GenerationParams, GenerationResults, LazyStream, StopFilter,
-                                 prompt_tokens)
+from ...core.generation import Completion, GenerationParams, GenerationResults, LazyStream, prompt_tokens
 from ...core.handle import Closeable
 from ...core.model import Model
 from ...core.params import ContextParams, split_options
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
-from ...core.tokenizer import StreamDecoder
-from ...errors import ArgumentTypeError, CancelledError, ClosedError, DecodeError, InvalidArgumentError
+from ...core.text import RunControl, TextAssembler, assemble
+from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
 from .drafters import Drafter, rollback_snapshots
 from .loop import MatchVerifier, SamplingVerifier, SpecRun, Verifier, speculative_loop
 from .stats import SpeculativeEvent, SpeculativeStats, StatsRecorder
@@ -157,43 +155,30 @@ class _Generation:
     def __init__(self, session: SpeculativeSession, prompt: list[int], gparams: GenerationParams,
                  sparams: SamplingParams) -> None:
         self.ctx = ctx = session.context
-        self.drafter = session.drafter
+        self.drafter = drafter = session.drafter
         self.n_draft = session.n_draft
         self.recorder = session._recorder
         self.prompt, self.gparams, self.sparams = prompt, gparams, sparams
         self.run = SpecRun(logprobs=gparams.logprobs is not None)
         self.pieces: list[str] = []
-        self._holds: list[Any] = []
-        self.sampler: Sampler | None = None
+        self.control = control = RunControl(self._abort)
         try:
-            self._holds.append(ctx.hold())
-            self._holds.append(self.drafter.hold())
+            control.defer(ctx.hold().release)
+            control.defer(drafter.hold().release)
             # (built now: a bad grammar fails at the call, not at the first next())
             self.sampler = Sampler(ctx.model, sparams, n_ctx=ctx.n_ctx_seq, holder=ctx)
+            control.defer(self.sampler.close)
         except BaseException:
-            self.release()
+            control.release()
             raise
-        self._lock = threading.Lock()
-        self.cancelled = False
-        self.running = False
-        self.finished = False
 
-    def cancel(self) -> None:
-        with self._lock:
-            if self.finished:
-                return
-            self.cancelled = True
-            if self.running:
-                self.ctx.abort()
-                self.drafter.abort()
+    @property
+    def cancelled(self) -> bool:
+        return self.control.cancelled
 
-    def release(self) -> None:
-        holds, self._holds = self._holds, []
-        for hold in holds:
-            hold.release()
-        sampler, self.sampler = self.sampler, None
-        if sampler is not None:
-            sampler.close()
+    def _abort(self) -> None:
+        self.ctx.abort()
+        self.drafter.abort()
 
     def _verifier(self, lease: ContextLease, binding: SamplerBinding) -> Verifier:
         # The speculative-sampling rule where the drafter gives q and numpy reproduces p; else Match.
@@ -205,83 +190,53 @@ class _Generation:
 
     def tokens_iter(self) -> Iterator[int]:
         """Generated token ids, with every resource claimed from the first to the end."""
+        if self.sampler.closed:
+            raise ClosedError("this stream was closed")
+        lease = self.ctx.lease(held=True)
+        binding = None
+        started = False
         try:
-            sampler = self.sampler
-            if sampler is None:
-                raise ClosedError("this stream was closed")
-            lease = self.ctx.lease(held=True)
-            binding = None
-            started = False
-            try:
-                binding = sampler.bind(lease, held=True)
-                self.drafter.start()
-                started = True
-                if self.drafter.observes_target:
-                    lease.after_decode = self.drafter.target_decoded
-                if not self.gparams.cache_prompt:
-                    # A cold draft context, as the target's: the draft distributions of a seeded call
-                    # then do not depend on what earlier calls left there (batch shapes round apart).
-                    self.drafter.reset()
-                elif not self.drafter.follows(lease.tokens):
-                    # The drafter lost track of the target (an MTP cache cleared by an aborted decode):
-                    # both start cold, so it follows the prompt's recomputation again.
-                    lease.clear()
-                    self.drafter.reset()
-                with self._lock:
-                    self.running = not self.cancelled
-                if not self.running:
-                    raise CancelledError("the generation was cancelled")
-                loop = speculative_loop(lease, self._verifier(lease, binding), self.drafter, self.prompt,
-                                        self.gparams, self.n_draft, self.run, self.recorder,
-                                        lambda: self.cancelled)
-                try:
-                    yield from loop
-                except DecodeError as exc:
-                    if self.cancelled and exc.code == ABORTED:
-                        raise CancelledError("the generation was cancelled") from None
-                    raise
-                if self.cancelled and self.run.finish_reason is None:
-                    raise CancelledError("the generation was cancelled")
-            finally:
-                with self._lock:
-                    self.running = False
-                    self.finished = True
-                if started:
-                    self.drafter.finish()
-                if binding is not None:
-                    binding.release()
-                lease.release()
+            binding = self.sampler.bind(lease, held=True)
+            self.drafter.start()
+            started = True
+            if self.drafter.observes_target:
+                lease.after_decode = self.drafter.target_decoded
+            if not self.gparams.cache_prompt:
+                # A cold draft context, as the target's: the draft distributions of a seeded call
+                # then do not depend on what earlier calls left there (batch shapes round apart).
+                self.drafter.reset()
+            elif not self.drafter.follows(lease.tokens):
+                # The drafter lost track of the target (an MTP cache cleared by an aborted decode):
+                # both start cold, so it follows the prompt's recomputation again.
+                lease.clear()
+                self.drafter.reset()
+            control = self.control
+            loop = speculative_loop(lease, self._verifier(lease, binding), self.drafter, self.prompt,
+                                    self.gparams, self.n_draft, self.run, self.recorder, lambda: control.cancelled)
+            yield from control.guard(loop, self.run)
         finally:
-            self.release()
+            if started:
+                self.drafter.finish()
+            if binding is not None:
+                binding.release()
+            lease.release()
 
     def events_iter(self, emit_stats_every: int | None) -> Iterator[SpeculativeEvent]:
         """Token events (with the text they release), periodic stats, eog and done."""
-        run, params, pieces = self.run, self.gparams, self.pieces
-        decoder = StreamDecoder(self.ctx.vocab, special=params.special)
-        stops = StopFilter(params.stop)
-        tokens = self.tokens_iter()
+        run, params = self.run, self.gparams
+        text = TextAssembler.for_vocab(self.ctx.vocab, params.special, params.stop)
+        tail = ""
         try:
-            for n, tok in enumerate(tokens, 1):
-                out = stops.feed(decoder.push(tok))
-                if out:
-                    pieces.append(out)
-                yield SpeculativeEvent("token", token=tok, text=out)
-                if stops.stopped:
-                    run.finish_reason = "stop"
+            # (the tokens' resources are released before the last events)
+            for n, (tok, out) in enumerate(assemble(self.tokens_iter(), text, run, self.pieces), 1):
+                if tok is None:
+                    tail = out
                     break
-                if emit_stats_every and n % emit_stats_every == 0:
+                yield SpeculativeEvent("token", token=tok, text=out)
+                if emit_stats_every and n % emit_stats_every == 0 and not text.stopped:
                     yield SpeculativeEvent("stats", stats=self.recorder.snapshot)
         finally:
-            tokens.close()  # releases everything before the last events
-        tail = ""
-        if not stops.stopped:
-            tail = stops.feed(decoder.flush())
-            if stops.stopped:
-                run.finish_reason = "stop"
-            else:
-                tail += stops.flush()
-            if tail:
-                pieces.append(tail)
+            self.control.release()
         if run.finish_reason == "eog":
             yield SpeculativeEvent("eog", token=run.eog_token)
         yield SpeculativeEvent("done", text=tail, stats=self.recorder.snapshot,
@@ -307,10 +262,10 @@ class _StreamBase(GenerationResults, LazyStream):
 
     def cancel(self) -> None:
         """Stop from any thread, interrupting a decode in flight; the iterating thread gets CancelledError."""
-        self._g.cancel()
+        self._g.control.cancel()
 
     def _after_close(self) -> None:
-        self._g.release()
+        self._g.control.release()
 
 
 class SpeculativeStream(_StreamBase):
