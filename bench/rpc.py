@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import llama_ctypes as lc
-from llama_ctypes.core import rpc
+from llama_ctypes.core.rpc.endpoints import probe
 from llama_ctypes.core.params import _threads_default
 from llama_ctypes.interfaces.benchmark import measure
 
@@ -55,7 +55,7 @@ def start_workers(n: int, threads: int) -> tuple[list[subprocess.Popen], list[st
     for proc, endpoint in zip(procs, endpoints):
         while True:
             try:
-                rpc.probe(endpoint, timeout=2.0)
+                probe(endpoint, timeout=2.0)
                 break
             except lc.RPCConnectionError:
                 if proc.poll() is not None or time.monotonic() > deadline:

@@ -10,23 +10,23 @@ Layers, lowest first (a layer imports only those below it; tests/test_layers.py 
 * ``llama_ctypes.interfaces``  the ``llama-ctypes`` command line, the HTTP server, Ray Serve
 """
 
+from . import telemetry
 from ._version import __version__
 from .core.backend import Device, LoadedBackend, VersionInfo, devices, init, loaded_backends, system_info, version_info
 from .core.batch import Batch
 from .core.context import Context, ContextLease
-from .core.generation import Completion, GenerationParams, TextStream, Timings, stream
+from .core.generation import Completion, GenerationParams, TextStream, Timings
 from .core.logprobs import TokenLogprob
 from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
+from .core.one_call import stream
 from .core.params import ContextParams, ModelParams
-from .core.rpc import add_rpc_servers
+from .core.rpc.client import add_rpc_servers
 from .core.sampler import Sampler, SamplingParams
 from .core.target import GenerationTarget, LocalTarget
 from .core.tokenizer import StreamDecoder, Tokenizer
 from .core.vocab import Vocab
-from .features.chat import ChatParams, ChatReply, ChatStream, chat, stream_chat
-from .features.openai.chat import chat_completion, stream_chat_completion
-from . import telemetry
+from .engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from .engines.server import (
     AsyncServerStream,
     Balanced,
@@ -34,15 +34,14 @@ from .engines.server import (
     PrefillPriority,
     QueueFullError,
     Server,
-    ServerParams,
     ServerClosedError,
+    ServerParams,
     ServerStream,
 )
-from .engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from .engines.speculative import (
+    MTP,
     Drafter,
     DraftModel,
-    MTP,
     MTPDraft,
     NgramDraft,
     SpeculativeEvent,
@@ -51,19 +50,6 @@ from .engines.speculative import (
     SpeculativeStats,
     SpeculativeStream,
 )
-from .features import grammar, hub, schema
-from .features.hub import (
-    HubError,
-    HubIntegrityError,
-    HubNotFoundError,
-    HubOfflineError,
-    HubUnauthorizedError,
-    load_model_from_hub,
-)
-from .features.embeddings import EmbeddingError, embed, rerank
-from .features.chat_template import ChatTemplate, ChatTemplateError
-from .features.schema import ResponseValidationError
-from .features.structured import generate
 from .errors import (
     AlreadyLoadedError,
     ArgumentTypeError,
@@ -88,6 +74,21 @@ from .errors import (
     SchemaTooLargeError,
     TokenizationError,
 )
+from .features import grammar, hub, schema
+from .features.chat import ChatParams, ChatReply, ChatStream, chat, stream_chat
+from .features.chat_template import ChatTemplate, ChatTemplateError
+from .features.embeddings import EmbeddingError, embed, rerank
+from .features.hub import (
+    HubError,
+    HubIntegrityError,
+    HubNotFoundError,
+    HubOfflineError,
+    HubUnauthorizedError,
+    load_model_from_hub,
+)
+from .features.openai.chat import chat_completion, stream_chat_completion
+from .features.schema import ResponseValidationError
+from .features.structured import generate
 
 __all__ = [
     "__version__",

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 import llama_ctypes as lc
-from llama_ctypes.core import rpc
+from llama_ctypes.core.rpc import client as rpc
+from llama_ctypes.core.rpc.endpoints import probe
 
 pytestmark = pytest.mark.skipif(not rpc.rpc_available(), reason="these libraries were built without GGML_RPC")
 
@@ -59,7 +60,7 @@ class Worker:
             if self.proc.poll() is not None:
                 pytest.fail(f"RPC worker exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                rpc.probe(self.endpoint, timeout=2.0)
+                probe(self.endpoint, timeout=2.0)
                 return self
             except lc.RPCConnectionError:
                 if time.monotonic() > deadline:

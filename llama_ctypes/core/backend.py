@@ -76,7 +76,7 @@ _router: _LogRouter | None = None  # set once init() has finished
 # a collected callback would be called after it is freed.
 _installed_router: _LogRouter | None = None
 _backends: tuple[LoadedBackend, ...] = ()
-# ggml's device registry is a plain vector: adding RPC workers' devices (core/rpc.py) and
+# ggml's device registry is a plain vector: adding RPC workers' devices (core/rpc/) and
 # listing devices take this lock. Reentrant: listing an RPC device probes its worker.
 registry_lock = threading.RLock()
 
@@ -226,8 +226,8 @@ def _describe_device(lib: native.NativeLibrary, i: int) -> tuple[bytes | None, D
     backend = (lib.ggml_backend_reg_name(reg) or b"").decode() if reg else ""
     if backend == "RPC":
         # The props and memory of an RPC device come from its worker: ggml aborts when it
-        # cannot connect, so the worker is probed first (core/rpc.py).
-        from .rpc import device_memory
+        # cannot connect, so the worker is probed first (core/rpc/registration.py).
+        from .rpc.registration import device_memory
 
         endpoint = (lib.ggml_backend_dev_description(dev) or b"").decode()
         memory = device_memory(lib, dev, endpoint) or (0, 0)
@@ -258,7 +258,7 @@ def _offload_order(listed: list[tuple[bytes | None, Device]]) -> list[int]:
     Mirrors llama_model_load's default device list without its RPC devices: discrete GPUs
     (one per physical device id), and integrated GPUs only when there is no discrete one.
     RPC devices get no gpu_index: once a process registers workers, each model gets an
-    explicit list (its own workers' devices, then these GPUs, see core/rpc.py), so local
+    explicit list (its own workers' devices, then these GPUs, see core/rpc/client.py), so local
     GPUs keep the same numbers whether or not workers are registered.
     """
     gpus, igpus, seen_ids = [], [], set()

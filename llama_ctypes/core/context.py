@@ -15,18 +15,29 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import (ArgumentTypeError, ClosedError, ContextCreationError, ContextOverflowError, DecodeError,
-                      IndexOutOfRangeError, InvalidArgumentError, LlamaError, RPCConnectionError)
+from ..errors import (
+    ArgumentTypeError,
+    ClosedError,
+    ContextCreationError,
+    ContextOverflowError,
+    DecodeError,
+    IndexOutOfRangeError,
+    InvalidArgumentError,
+    LlamaError,
+    RPCConnectionError,
+)
 from ..native import ggml_h
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .batch import Batch
 from .decode_status import check_decode
+from .generation import GenerationParams, TextStream
 from .handle import NativeHandle
 from .hidden_states import HiddenStates
 from .kv_record import KVRecord
 from .params import ContextParams, split_options
-from .rpc import ConnectionWatch
+from .prompt import common_prefix
+from .rpc.watch import ConnectionWatch
 
 if TYPE_CHECKING:
     from .memory import MemoryUsage
@@ -37,31 +48,6 @@ if TYPE_CHECKING:
 _P_U8 = ctypes.POINTER(ctypes.c_uint8)
 
 _NO_WORKERS = ConnectionWatch(None, ())  # the watch of a context whose creation failed early
-
-
-def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None) -> None:
-    """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
-    if ctx.encoder_only:
-        raise InvalidArgumentError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
-    n_ctx = n_ctx or ctx.n_ctx_seq
-    if not prompt:
-        raise InvalidArgumentError("the prompt is empty (no tokens)")
-    if len(prompt) >= n_ctx:
-        raise ContextOverflowError(
-            f"prompt of {len(prompt)} tokens does not fit the context window of {n_ctx} tokens "
-            "(at least one token must be generated); use a larger n_ctx or a shorter prompt",
-            n_tokens=len(prompt), n_ctx=n_ctx,
-        )
-    ctx.vocab.check_tokens(prompt)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Context(NativeHandle):
@@ -273,8 +259,6 @@ class Context(NativeHandle):
 
         The stream holds this context and ``sampler`` from its first ``next()`` to its end.
         """
-        from .generation import GenerationParams, TextStream
-
         (gen,) = split_options(opts, GenerationParams, where="Context.stream: unknown")
         return TextStream(self, sampler, self.vocab.check_tokens(tokens).tolist(), GenerationParams(**gen))
 

@@ -3,7 +3,9 @@
 ``token_loop`` yields token ids → ``TextStream`` turns them into UTF-8-safe text
 pieces and applies stop strings (core/text.py, shared with the speculative and
 server paths) → ``generate`` collects a :class:`Completion`.
-The module functions ``generate``/``stream`` wrap these for a Model.
+The one-call ``generate``/``stream`` over a Model live in one_call.py; prompts are
+checked in prompt.py. Nothing here imports the context at run time, so
+``Context.generate/stream`` can build on this module.
 """
 
 from __future__ import annotations
@@ -13,23 +15,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
 
-from ..errors import ArgumentTypeError, CancelledError, ContextOverflowError, InvalidArgumentError
-from .context import ContextLease, check_prompt, common_prefix
-from .context_pool import ContextPool
+from ..errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from .handle import Closeable
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
-from .params import ContextParams, split_options
-from .sampler import Sampler, SamplingParams
+from .prompt import check_prompt
 from .text import RunControl, TextAssembler, assemble
-from .vocab import Vocab, encode_text
+from .vocab import encode_text
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .model import Model
+    from .context import Context, ContextLease
+    from .sampler import Sampler
 
-__all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "stream",
-           "generate", "generate_with", "token_loop", "common_prefix", "check_prompt",
-           "prompt_tokens", "FinishReason"]
+__all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "GenerationResults",
+           "generate_with", "token_loop", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "eog"]
 
@@ -440,70 +438,3 @@ class TextStream(GenerationResults, LazyStream):
 def generate_with(ctx: "Context", sampler: Sampler, prompt: list[int], params: GenerationParams) -> Completion:
     """Generate to completion with an existing context and sampler."""
     return TextStream(ctx, sampler, prompt, params).completion()
-
-
-# ---- the one-call API over a Model -------------------------------------------------------
-
-# A prompt text of more bytes than this many per context token is checked against a
-# lower bound of its token count before it is tokenized (tokenizing megabytes takes seconds).
-_BYTES_PER_TOKEN_CHECK = 4
-
-
-def prompt_tokens(model: "Model | Vocab", prompt: str | Sequence[int], params: GenerationParams,
-                  n_ctx: int = 0) -> list[int]:
-    """The prompt as token ids (text is tokenized as ``params`` says; ids are checked).
-
-    With ``n_ctx``, a text too long to fit is refused before tokenizing it.
-    """
-    vocab = getattr(model, "vocab", model)  # a Model, or a Vocab (a Context's, which outlives Model.close)
-    if isinstance(prompt, str):
-        data_len = len(encode_text(prompt))
-        if n_ctx and data_len > _BYTES_PER_TOKEN_CHECK * n_ctx and vocab.min_tokens(data_len) >= n_ctx:
-            raise ContextOverflowError(
-                f"a prompt of {data_len} bytes is at least {vocab.min_tokens(data_len)} tokens and does not fit "
-                f"the context window of {n_ctx} tokens", n_tokens=vocab.min_tokens(data_len), n_ctx=n_ctx)
-        return vocab.tokenize(prompt, add_special=params.add_special, parse_special=params.parse_special)
-    if isinstance(prompt, (bytes, bytearray)):
-        raise ArgumentTypeError("prompt must be str or a sequence of token ids, not bytes")
-    return vocab.check_tokens(prompt).tolist()
-
-
-def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStream:
-    """Stream generated text pieces for ``prompt`` (text, or token ids).
-
-    Options: sampling (:class:`SamplingParams`: temp, top_k, top_p, seed, grammar, ...),
-    generation (:class:`GenerationParams`: max_tokens=256, stop, logprobs, ...) and context
-    (:class:`ContextParams`: n_ctx=4096, type_k, flash_attn, ...). Unknown
-    options raise TypeError. The stream is lazy; see :class:`TextStream`.
-    """
-    gen_opts, sampling_opts, ctx_opts = split_options(
-        opts, GenerationParams, SamplingParams, ContextParams, where="unknown")
-    gparams = GenerationParams(**gen_opts)
-    sparams = SamplingParams(**sampling_opts)
-    # One logits row per decode is all a single sequence needs; llama.cpp's default reserves
-    # n_batch rows (for Gemma's 262k vocabulary a 514 MiB compute buffer instead of 26 MiB).
-    ctx_opts.setdefault("n_outputs_max", 1)
-    cparams = ContextParams(**ctx_opts)
-    tokens = prompt_tokens(model, prompt, gparams, cparams.n_ctx or model.n_ctx_train)
-    pool = ContextPool.of(model)
-    sampler = Sampler(model, sparams, n_ctx=cparams.n_ctx or model.n_ctx_train)
-    try:
-        ctx = pool.checkout(model, cparams)
-    except BaseException:
-        sampler.close()
-        raise
-
-    def release() -> None:
-        sampler.close()
-        pool.checkin(ctx)
-
-    return TextStream(ctx, sampler, tokens, gparams, on_close=release)
-
-
-def generate(model: "Model", prompt: str | Sequence[int], **opts: Any) -> Completion:
-    """Generate a completion for ``prompt``; same options as :func:`stream`.
-
-    Returns a :class:`Completion` (``str(completion)`` is the text) with the
-    finish reason (``"stop"``, ``"length"`` or ``"eog"``) and timings.
-    """
-    return stream(model, prompt, **opts).completion()

@@ -18,9 +18,10 @@ from typing import Any, Union
 
 from ..errors import ContextCreationError, ModelLoadError
 from ..native.adapter_h import lcx_device_memory
-from . import rpc
 from .backend import clear_native_error, devices, init, native_error
+from .gguf_file import check_gguf_file
 from .params import ContextParams, ModelParams, split_options
+from .rpc import client as rpc
 
 Pool = Union[str, tuple[str, Union[int, str]]]  # "ram", ("gpu", gpu_index) or ("rpc", "host:port")
 
@@ -120,8 +121,6 @@ def estimate_memory(path: str | os.PathLike, **opts: Any) -> MemoryUsage:
     file raises ``FileNotFoundError``; a model or context llama.cpp refuses raises
     :class:`ModelLoadError` / :class:`ContextCreationError`.
     """
-    from .model import check_gguf_file
-
     model_opts, ctx_opts = split_options(opts, ModelParams, ContextParams, where="estimate_memory: unknown")
     mparams, cparams = ModelParams(**model_opts), ContextParams(**ctx_opts)
     path = check_gguf_file(path)

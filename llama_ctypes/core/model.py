@@ -10,18 +10,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ClosedError, ModelLoadError, ModelNotFoundError
+from ..errors import ClosedError, ModelLoadError
 from ..native import llama_h as L
-from . import rpc
 from .backend import clear_native_error, init, native_error
+from .gguf_file import check_gguf_file
 from .handle import NativeHandle
 from .params import ModelParams, split_options
+from .rpc import client as rpc
 from .vocab import Vocab
 
 logger = logging.getLogger(__name__)
-
-_GGUF_MAGIC = b"GGUF"
-
 
 def _read_string(fn, *args, initial: int = 256) -> str | None:
     """Call a llama.cpp ``(…, char * buf, size_t size) -> length`` function, growing the buffer."""
@@ -354,29 +352,15 @@ class Model(NativeHandle):
 
     def generate(self, prompt, **opts):
         """See :func:`llama_ctypes.generate`."""
-        from .generation import generate
+        from .one_call import generate
 
         return generate(self, prompt, **opts)
 
     def stream(self, prompt, **opts):
         """See :func:`llama_ctypes.stream`."""
-        from .generation import stream
+        from .one_call import stream
 
         return stream(self, prompt, **opts)
-
-
-def check_gguf_file(path: str | os.PathLike) -> Path:
-    """path as a Path, after checking it names a GGUF file (clear errors before llama.cpp sees it)."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelNotFoundError(f"model file not found: {path}")
-    if path.is_dir():
-        raise ModelNotFoundError(f"model path is a directory: {path}")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != _GGUF_MAGIC:
-        raise ModelLoadError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
-    return path
 
 
 def load_model(path: str | os.PathLike, **opts: Any) -> Model:

@@ -121,7 +121,7 @@ class ModelParams:
         if self.progress_callback is not None and not callable(self.progress_callback):
             raise ArgumentTypeError("progress_callback must be callable")
         if self.rpc_servers is not None:
-            from .rpc import parse_endpoints
+            from .rpc.endpoints import parse_endpoints
 
             if isinstance(self.rpc_servers, (str, bytes)) or not isinstance(self.rpc_servers, Sequence):
                 raise InvalidArgumentError(f"rpc_servers={self.rpc_servers!r}: expected a list of 'host:port'")
@@ -132,7 +132,7 @@ class ModelParams:
         which the caller must keep alive until the load returns. The progress callback is not set.
 
         ``devices``: an explicit device list (``ggml_backend_dev_t`` pointers) for the model, as
-        ``core.rpc.use`` builds it; None keeps llama.cpp's default selection."""
+        ``core.rpc.client.use`` builds it; None keeps llama.cpp's default selection."""
         native = lib.llama_model_default_params()
         native.n_gpu_layers = self.n_gpu_layers
         native.split_mode = _SPLIT[self.split_mode]

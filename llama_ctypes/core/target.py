@@ -17,8 +17,9 @@ import asyncio
 from typing import Any, AsyncIterator, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from ..errors import ArgumentTypeError
-from .generation import Completion, TextStream, stream
+from .generation import Completion, TextStream
 from .model import Model
+from .one_call import stream
 
 __all__ = ["GenerationTarget", "LocalTarget", "as_target", "iterate_in_thread"]
 

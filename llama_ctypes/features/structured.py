@@ -27,7 +27,7 @@ def parse_completion(text: str, finish_reason: str, response_model: Any) -> Any:
 
 def generate(model: Model | GenerationTarget, prompt: str | Sequence[int], *, response_model: Any = None,
              **opts: Any) -> Completion | Any:
-    """Generate a completion (see :func:`llama_ctypes.core.generation.generate`) on a Model, or on any
+    """Generate a completion (see :func:`llama_ctypes.core.one_call.generate`) on a Model, or on any
     :class:`~llama_ctypes.core.target.GenerationTarget` (a ``Server``).
 
     With ``response_model`` (a Pydantic model, dataclass or TypedDict) the

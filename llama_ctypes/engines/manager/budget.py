@@ -65,23 +65,30 @@ def _gib(n: int | None) -> str:
     return "unlimited" if n is None else f"{n / _GiB:.2f} GiB"
 
 
-def _check_bytes(value: Any, name: str) -> int:
-    """A byte count: an int >= 0 (numpy ints too; bool and float are refused)."""
+_INT_MESSAGES = {
+    "bytes": ("{name}={value!r}: expected an int number of bytes, got {type}",
+              "{name}={value!r}: expected a number of bytes >= 0"),
+    "gpu": ("{name}: GPU index {value!r} is not an int (got {type})", "{name}: GPU index {value!r} is negative"),
+}
+
+
+def _non_negative(value: Any, name: str, kind: str) -> int:
+    """An int >= 0 (numpy ints too; bool and float are refused); ``kind`` picks the messages."""
+    not_int, negative = _INT_MESSAGES[kind]
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ArgumentTypeError(f"{name}={value!r}: expected an int number of bytes, got {type(value).__name__}")
+        raise ArgumentTypeError(not_int.format(name=name, value=value, type=type(value).__name__))
     value = operator.index(value)
     if value < 0:
-        raise InvalidArgumentError(f"{name}={value!r}: expected a number of bytes >= 0")
+        raise InvalidArgumentError(negative.format(name=name, value=value))
     return value
+
+
+def _check_bytes(value: Any, name: str) -> int:
+    return _non_negative(value, name, "bytes")
 
 
 def _check_gpu_index(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ArgumentTypeError(f"{name}: GPU index {value!r} is not an int (got {type(value).__name__})")
-    value = operator.index(value)
-    if value < 0:
-        raise InvalidArgumentError(f"{name}: GPU index {value!r} is negative")
-    return value
+    return _non_negative(value, name, "gpu")
 
 
 def _check_limit(value: Any, name: str) -> Limit:

@@ -26,9 +26,10 @@ import threading
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ...core.context import Context
-from ...core.generation import Completion, GenerationParams, check_prompt, prompt_tokens
+from ...core.generation import Completion, GenerationParams
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
+from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplingParams
 from ...core.text import TextAssembler
 from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError

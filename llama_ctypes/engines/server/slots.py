@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ... import telemetry
-from ...core.generation import common_prefix
+from ...core.prompt import common_prefix
 from .prompt_cache import PromptCache
 from .request import Request
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from ...core.batch import Batch
 from ...core.context import Context, ContextLease
-from ...core.generation import common_prefix
 from ...core.model import Model
+from ...core.prompt import common_prefix
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel
 from ..speculative.mtp import MTPDraft, head_top_prob

@@ -8,11 +8,12 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from ...core.context import Context, ContextLease, check_prompt
-from ...core.generation import Completion, GenerationParams, GenerationResults, LazyStream, prompt_tokens
+from ...core.context import Context, ContextLease
+from ...core.generation import Completion, GenerationParams, GenerationResults, LazyStream
 from ...core.handle import Closeable
 from ...core.model import Model
 from ...core.params import ContextParams, split_options
+from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
 from ...core.text import RunControl, TextAssembler, assemble
 from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError

@@ -14,7 +14,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....core.generation import GenerationParams, prompt_tokens
+from ....core.generation import GenerationParams
+from ....core.prompt import prompt_tokens
 from ....features.openai.shapes import Envelope, finish_reason, usage
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..generation import cancel_all, completion_logprobs, gather_all, new_logprobs, sampling_options, submit
