@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from server_helpers import slow_decode, wait_idle
 
 import llama_ctypes as lc
-from llama_ctypes.core.schema_limits import SchemaLimits, check_schema_size, measure_schema
+from llama_ctypes.core.json_schema.limits import SchemaLimits, check_schema_size, measure_schema
 from llama_ctypes.features.tool_calls import MAX_TOOLS, plan_chat
-from server_helpers import slow_decode, wait_idle
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -82,7 +82,7 @@ def test_schemas_within_the_limits_compile_and_larger_limits_allow_more():
 
 _SMALL_STACK_CONVERSION = """
 import threading, llama_ctypes as lc
-from llama_ctypes.core.schema_limits import SchemaLimits
+from llama_ctypes.core.json_schema.limits import SchemaLimits
 schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}
 threading.stack_size(128 * 1024)
 out = []

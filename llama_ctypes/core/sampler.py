@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import random
-import json
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -152,7 +152,7 @@ class SamplingParams:
         if self.json_schema is not None:
             if self.grammar is not None:
                 raise InvalidArgumentError("pass either grammar or json_schema, not both")
-            from .grammar import json_schema_to_gbnf
+            from .json_schema.convert import json_schema_to_gbnf
 
             # Validated and converted once, here; the GBNF then drives the grammar sampler.
             object.__setattr__(self, "grammar", json_schema_to_gbnf(self.json_schema))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..core.grammar import (
+from ..core.json_schema.convert import (
     DEFAULT_SCHEMA_LIMITS,
     SUPPORTED_FORMATS,
     UNSUPPORTED_KEYWORDS,

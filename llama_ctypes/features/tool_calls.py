@@ -28,13 +28,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from ..core.json_schema.limits import SchemaLimits, check_schema_size
 from ..core.model import Model
-from ..core.schema_limits import SchemaLimits, check_schema_size
 from ..core.target import GenerationTarget, as_target
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from .chat import ChatParams, prompt_tokens, render_prompt
-from .chat_template import check_template_kwargs
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
+from .chat_template import check_template_kwargs
 from .openai.shapes import new_call_id
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 
@@ -284,7 +284,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     chat path does (``json_schema`` then constrains the answer with the library's own
     schema converter). ``parallel_tool_calls`` defaults to False. ``enable_thinking``:
     None = the template's default. ``schema_limits`` bounds the tools' schemas (default
-    :data:`~llama_ctypes.core.schema_limits.DEFAULT_SCHEMA_LIMITS`).
+    :data:`~llama_ctypes.core.json_schema.limits.DEFAULT_SCHEMA_LIMITS`).
     """
     tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
     kwargs = check_template_kwargs(template_kwargs or {})

@@ -51,28 +51,20 @@ from ...core.target import GenerationTarget, LocalTarget, iterate_in_thread
 from ...errors import (AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError,
                        RPCConnectionError)
 from ...features import chat as _chat
-from ...features.openai import chat as _openai_chat
 from ...features import embeddings as _emb
 from ...features import hub
+from ...features.openai import chat as _openai_chat
 from ..server.params import ServerParams
 from ..server.server import Server
 from .budget import Footprint, MemoryBudget, Pool
+from .plan import Capability, LoadPlan, Mode, charge
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["server", "direct"]
 Status = Literal["loading", "ready", "failed"]
-Capability = Literal["generate", "chat", "embed", "rerank"]
 
 _WORKER_PREFIX = "llama_ctypes-load"
 _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
-# Server settings that size a direct-mode generation context too.
-_DIRECT_SIZING = ("n_ctx", "n_batch", "kv_unified")
-# Context options embed() sets itself (features/embeddings.py).
-_EMBED_SETS = frozenset({"embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"})
-# The context embed()/rerank() create (features/embeddings.py), for the memory estimate.
-_DIRECT_CONTEXT = {"n_ctx": 2048, "n_batch": 2048, "n_ubatch": 2048, "n_seq_max": _emb.MAX_SEQUENCES,
-                   "kv_unified": True, "embeddings": True, "flash_attn": "disabled"}
 
 
 class ModelNotReadyError(LlamaError, RuntimeError):
@@ -115,10 +107,7 @@ class _Entry:
     server: Server | None = None
     owns_model: bool = True
     error: BaseException | None = None
-    call_opts: dict = field(default_factory=dict)  # direct mode: generate()'s context options
-    embed_opts: dict = field(default_factory=dict)  # direct mode: embed()/rerank()'s context options
-    embed_pooling: str | None = None
-    embed_batch: int = 2048
+    plan: LoadPlan | None = None  # set once the load knows its capabilities
     future: Future | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -266,25 +255,22 @@ class ModelManager(Closeable):
                     caps = _capabilities(probe, model_opts.get("kv_overrides"))
             else:
                 caps = _capabilities(model, model.params.kv_overrides)
-            chosen: Mode = mode or ("direct" if "generate" not in caps else "server")
-            if chosen == "server" and "generate" not in caps:
-                raise InvalidArgumentError(f"model {entry.id!r} ({', '.join(caps)}) cannot run in server mode")
-            if chosen == "direct":
-                caps = self._direct_options(entry, caps, server_opts, ctx_opts, defaults)
+            plan = LoadPlan.make(entry.id, caps, mode, server_opts, ctx_opts, defaults)
             params = model.params if model is not None else ModelParams(**model_opts)
-            estimate, required = self._estimate(path, params, chosen, caps, entry, server_opts, ctx_opts,
-                                                weights=model is None)
+            # llama.cpp's dry run of every context the plan makes (a Model handed in: its contexts only)
+            runs = [estimate_memory(path, **_model_options(params), **opts) for opts in plan.context_runs()]
+            estimate, required = charge(runs, weights=model is None)
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)
                 entry.reserved = required  # counted from now on, before the native load
-            entry.mode, entry.capabilities, entry.estimate = chosen, caps, estimate
+            entry.plan, entry.mode, entry.capabilities, entry.estimate = plan, plan.mode, plan.capabilities, estimate
             self._check_live(entry)
             if model is None:
                 model = load_model(path, **model_opts)
             entry.model = model
-            if chosen == "server":
-                entry.server = Server(model=model, **server_opts, **ctx_opts, **defaults)
+            if plan.mode == "server":
+                entry.server = Server(model=model, **plan.server_opts, **plan.ctx_opts, **plan.defaults)
                 entry.actual = entry.server.memory
             with self._lock:
                 self._check_live(entry)
@@ -306,64 +292,6 @@ class ModelManager(Closeable):
             raise
         entry.done.set()
         return self._info(entry)
-
-    @staticmethod
-    def _direct_options(entry: _Entry, caps: tuple, server_opts: dict, ctx_opts: dict, defaults: dict) -> tuple:
-        """Fix a direct-mode model's context options at load; returns its capabilities.
-
-        generate() gets ``n_ctx``/``n_batch``/``kv_unified`` and the context options;
-        embed()/rerank() get ``n_batch``, ``pooling`` and the context options they do not set
-        themselves. Server-only settings and request defaults are refused.
-        """
-        server_only = sorted(set(server_opts) - set(_DIRECT_SIZING)) + sorted(defaults)
-        if server_only:
-            raise ArgumentTypeError(f"options {server_only} apply to server mode only")
-        if "generate" in caps:
-            caps = (*caps, "embed")  # a generative model embeds too, in its own context
-        else:
-            unused = sorted(k for k in (*server_opts, *ctx_opts) if k in _EMBED_SETS or k in ("n_ctx", "kv_unified"))
-            if unused:
-                raise ArgumentTypeError(f"options {unused} have no effect on an embedding model (embed sets them)")
-        entry.call_opts = {**{k: server_opts[k] for k in _DIRECT_SIZING if k in server_opts}, **ctx_opts}
-        if "n_batch" in server_opts and "n_ubatch" not in ctx_opts:  # as the server sizes it
-            entry.call_opts["n_ubatch"] = min(server_opts["n_batch"], 512)
-        entry.embed_opts = {k: v for k, v in ctx_opts.items() if k not in _EMBED_SETS}
-        pooling = ctx_opts.get("pooling")
-        entry.embed_pooling = pooling if pooling not in (None, "unspecified") else None
-        entry.embed_batch = server_opts.get("n_batch", 2048)
-        return caps
-
-    def _estimate(self, path: Path, params: ModelParams, mode: Mode, caps: tuple, entry: _Entry,
-                  server_opts: dict, ctx_opts: dict, weights: bool) -> tuple[MemoryUsage, Footprint]:
-        """llama.cpp's dry run for every context this mode creates, and the footprint to budget.
-
-        Server mode: the server's context. Direct mode: the context embed()/rerank() make,
-        and for a generative model also the one generate() makes. A Model handed in is
-        resident already: only its contexts are charged.
-        """
-        model_opts = _model_options(params)
-        runs = []
-        if mode == "server":
-            sized = {k: v for k, v in server_opts.items() if k in ("n_parallel", "n_ctx", "n_batch", "kv_unified")}
-            runs.append(Server.context_options(**sized, **ctx_opts))
-        else:
-            if "generate" in caps:
-                runs.append(dict(entry.call_opts))
-            if "embed" in caps or "rerank" in caps:
-                n = entry.embed_batch
-                pooling = {"pooling": entry.embed_pooling} if entry.embed_pooling else {}
-                runs.append({**_DIRECT_CONTEXT, "n_ctx": n, "n_batch": n, "n_ubatch": n, **entry.embed_opts, **pooling})
-        usages = [estimate_memory(path, **model_opts, **opts) for opts in runs]
-        required = Footprint()
-        for i, usage in enumerate(usages):
-            for d in usage.devices:
-                charged = d.context + d.compute + (d.model if weights and i == 0 else 0)
-                # (memory on RPC workers is theirs: the budget covers this machine's pools)
-                if charged and d.endpoint is None:
-                    required = required + Footprint({d.pool: charged})
-        # (the weights once: every run loads the same model)
-        rows = tuple(d if i == 0 else dataclasses.replace(d, model=0) for i, u in enumerate(usages) for d in u.devices)
-        return MemoryUsage(rows), required
 
     def _check_live(self, entry: _Entry) -> None:
         """Stop a load whose id was unloaded (or whose manager closed) meanwhile."""
@@ -581,7 +509,7 @@ class ModelManager(Closeable):
         if entry.mode == "server":
             return self._target(id, capability)
         model, entry = self._direct(id, capability, opts)
-        return LocalTarget(model, entry.call_opts)
+        return LocalTarget(model, entry.plan.call_opts)
 
     def generate(self, id: str, prompt: str, **opts: Any):
         """A completion of ``prompt`` by model ``id`` (see :func:`llama_ctypes.generate`)."""
@@ -610,13 +538,15 @@ class ModelManager(Closeable):
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
         """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
         model, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate"))
-        return _emb.embed(model, texts, n_batch=entry.embed_batch, pooling=entry.embed_pooling,
-                          **entry.embed_opts, **opts)
+        plan = entry.plan
+        return _emb.embed(model, texts, n_batch=plan.embed_batch, pooling=plan.embed_pooling,
+                          **plan.embed_opts, **opts)
 
     def rerank(self, id: str, query: str, documents: Sequence[str], **opts: Any):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
         model, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
-        return _emb.rerank(model, query, documents, n_batch=entry.embed_batch, **entry.embed_opts, **opts)
+        plan = entry.plan
+        return _emb.rerank(model, query, documents, n_batch=plan.embed_batch, **plan.embed_opts, **opts)
 
     # async forms: looking the model up may wait for its load, so that happens in a worker
     # thread too; a server's own async API is used where it has one.

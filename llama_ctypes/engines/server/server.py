@@ -40,7 +40,7 @@ from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .request import Channel, Request
 from .scheduler import QueueFullError, ServerClosedError
 from .speculation import SlotDrafter, slot_drafter
-from .strategies import DecodeMaximal, resolve
+from .strategies import resolve
 from .streams import AsyncServerStream, ServerStream
 
 __all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "ServerParams",
@@ -49,6 +49,8 @@ __all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "Ser
 logger = logging.getLogger(__name__)
 
 _RESERVED = ("n_seq_max", "embeddings")
+#: The one source of the Server's defaults (its signature and ``context_options`` read them).
+_DEFAULTS = ServerParams()
 _SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
 
@@ -82,11 +84,13 @@ class Server:
             sampling/generation options for every request (temp, top_p, max_tokens, stop, ...).
     """
 
-    def __init__(self, model_path: str | None = None, *, model: Model | None = None, n_parallel: int = 4,
-                 n_ctx: int = 4096, n_batch: int = 512, batch_strategy: Any = DecodeMaximal,
-                 max_queue: int = DEFAULT_MAX_QUEUE,
-                 cache_prompt: bool = True, prompt_cache_ram_mb: float = 0, kv_unified: bool = True,
-                 speculative: Drafter | str | os.PathLike | None = None, n_draft: int = 4, **opts: Any):
+    def __init__(self, model_path: str | None = None, *, model: Model | None = None,
+                 n_parallel: int = _DEFAULTS.n_parallel, n_ctx: int = _DEFAULTS.n_ctx,
+                 n_batch: int = _DEFAULTS.n_batch, batch_strategy: Any = _DEFAULTS.batch_strategy,
+                 max_queue: int = _DEFAULTS.max_queue, cache_prompt: bool = _DEFAULTS.cache_prompt,
+                 prompt_cache_ram_mb: float = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
+                 speculative: Drafter | str | os.PathLike | None = None, n_draft: int = _DEFAULTS.n_draft,
+                 **opts: Any):
         self._drafter: SlotDrafter | None = None
         if isinstance(speculative, (DraftModel, MTPDraft)) and speculative.context is not None:
             # (before taking it over: it is someone else's, and must stay open)
@@ -172,7 +176,8 @@ class Server:
         self._engine.thread.start()
 
     @staticmethod
-    def context_options(n_parallel: int = 4, n_ctx: int = 4096, n_batch: int = 512, kv_unified: bool = True,
+    def context_options(n_parallel: int = _DEFAULTS.n_parallel, n_ctx: int = _DEFAULTS.n_ctx,
+                        n_batch: int = _DEFAULTS.n_batch, kv_unified: bool = _DEFAULTS.kv_unified,
                         **ctx_opts: Any) -> dict[str, Any]:
         """The context options a server with these settings creates its context with.
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ...core.json_schema.limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits
 from ...core.params import check_positive
-from ...core.schema_limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits
 from ...errors import InvalidArgumentError
 from .errors import BadRequest
 

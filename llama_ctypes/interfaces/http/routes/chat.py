@@ -16,16 +16,15 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....core.grammar import json_schema_to_gbnf
-from ....core.schema_limits import SchemaLimits, check_schema_size
+from ....core.json_schema.convert import json_schema_to_gbnf
+from ....core.json_schema.limits import SchemaLimits, check_schema_size
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
 from ....features.openai.shapes import Envelope, finish_reason, usage
 from ....features.tool_calls import plan_chat
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
-from ..generation import (cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options,
-                          submit)
+from ..generation import cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options, submit
 from ..limits import over_limit
 from ..schemas import ChatCompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect

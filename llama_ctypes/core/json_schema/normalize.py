@@ -21,9 +21,9 @@ from urllib.parse import unquote
 
 import jsonschema
 
-from ..errors import SchemaError, SchemaTooLargeError
-from .gbnf_numbers import NUMBER_DIGITS, OPEN_INTEGER_DIGITS, decimal_magnitudes, int_range
-from .gbnf_text import FORMAT_CHECKER, FORMAT_LENGTHS, FORMAT_RULES, Regex
+from ...errors import SchemaError, SchemaTooLargeError
+from .numbers import NUMBER_DIGITS, OPEN_INTEGER_DIGITS, decimal_magnitudes, int_range
+from .strings import FORMAT_CHECKER, FORMAT_LENGTHS, FORMAT_RULES, Regex
 
 # ---- normalization ---------------------------------------------------------------------------------
 

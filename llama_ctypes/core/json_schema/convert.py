@@ -12,16 +12,16 @@ So a schema is first
   can enforce (:data:`UNSUPPORTED_KEYWORDS`, unknown formats): those raise
   :class:`SchemaError` naming the keyword (here);
 * normalized into the forms the converter enforces exactly
-  (:mod:`.schema_normalize`): ``allOf`` and the keywords beside
+  (:mod:`.normalize`): ``allOf`` and the keywords beside
   ``$ref``/``anyOf``/``oneOf`` are merged (intersected) into each alternative,
   ``enum``/``const`` are filtered by the rest of their schema, ``oneOf`` is
   accepted when its alternatives are provably exclusive;
 * and the nodes the converter gets wrong are replaced by grammar written here:
-  bounded ``number``/``integer`` (:mod:`.gbnf_numbers`: exact decimal digit
+  bounded ``number``/``integer`` (:mod:`.numbers`: exact decimal digit
   ranges, no exponent, at most 15 significant digits so the bound survives
-  conversion to a float), ``pattern`` (:mod:`.gbnf_text`: a regular-expression
+  conversion to a float), ``pattern`` (:mod:`.strings`: a regular-expression
   subset, translated to produce the string's JSON encoding), and ``format``
-  ``date``/``time``/``date-time`` (:mod:`.gbnf_text`: real calendar dates).
+  ``date``/``time``/``date-time`` (:mod:`.strings`: real calendar dates).
   They go in as unique ``const`` placeholders, and the placeholder's literal in
   the converter's output is swapped for the rule (:func:`_link`, here).
 
@@ -42,13 +42,13 @@ from typing import Any
 
 import jsonschema
 
-from ..errors import SchemaError, SchemaTooLargeError
-from .backend import init
-from .deep_stack import DeepStackThreads
-from .gbnf_numbers import NUMBER_DIGITS
-from .gbnf_text import SUPPORTED_FORMATS, chars_gbnf, subtract_ranges
-from .schema_limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits, check_schema_size
-from .schema_normalize import Normalizer
+from ...errors import SchemaError, SchemaTooLargeError
+from ..backend import init
+from ..deep_stack import DeepStackThreads
+from .limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits, check_schema_size
+from .normalize import Normalizer
+from .numbers import NUMBER_DIGITS
+from .strings import SUPPORTED_FORMATS, chars_gbnf, subtract_ranges
 
 __all__ = ["NUMBER_DIGITS", "SUPPORTED_FORMATS", "UNSUPPORTED_KEYWORDS", "DEFAULT_SCHEMA_LIMITS", "SchemaLimits",
            "SchemaTooLargeError", "check_schema", "json_schema_to_gbnf"]
@@ -127,7 +127,7 @@ def check_schema(schema: Mapping[str, Any] | bool, limits: SchemaLimits | None =
 
 def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLimits | None = None) -> str:
     """GBNF grammar text generating only JSON documents ``schema`` accepts (within ``limits``, see
-    :mod:`.schema_limits`)."""
+    :mod:`.limits`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping
 
-from ..errors import InvalidArgumentError, SchemaTooLargeError
-from .params import check_positive
+from ...errors import InvalidArgumentError, SchemaTooLargeError
+from ..params import check_positive
 
 __all__ = ["SchemaLimits", "SchemaSize", "DEFAULT_SCHEMA_LIMITS", "check_schema_size",
            "measure_schema"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 
-from ..errors import InvalidArgumentError, SchemaError
+from ...errors import InvalidArgumentError, SchemaError
 
 #: String formats the grammar enforces.
 SUPPORTED_FORMATS = frozenset({"date", "time", "date-time", "uuid"})
