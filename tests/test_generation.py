@@ -86,8 +86,8 @@ def test_breaking_out_of_a_stream_stops_decoding(tiny_model):
 def test_multibyte_text_round_trips_through_streaming(tiny_model):
     # The SPM vocabulary has no token for this emoji: byte fallback spells it as 4 byte tokens.
     byte_tokens = [t for t in lc.Tokenizer.encode(tiny_model, "🦜", add_special=False)
-                   if len(lc.Tokenizer.token_to_bytes(tiny_model, t)) == 1
-                   and lc.Tokenizer.token_to_bytes(tiny_model, t)[0] >= 0x80]
+                   if len(lc.Tokenizer.token_bytes(tiny_model, t)) == 1
+                   and lc.Tokenizer.token_bytes(tiny_model, t)[0] >= 0x80]
     assert len(byte_tokens) == 4
     # Force exactly those tokens as the output: decreasing bias, and a repeat penalty so each is used once.
     bias = {tok: 1e4 - 1e3 * i for i, tok in enumerate(byte_tokens)}

@@ -47,7 +47,11 @@ def test_tokenizer_round_trip_and_specials(tiny_model):
     assert lc.Tokenizer.encode(tiny_model, text, add_special=False) == ids[1:]
     assert lc.Tokenizer.decode(tiny_model, ids, remove_special=True).strip() == text
     assert tiny_model.detokenize(tiny_model.tokenize(text, add_special=False)).strip() == text
-    assert lc.Tokenizer.vocab_size(tiny_model) == 32000
+    assert lc.Tokenizer.n_tokens(tiny_model) == tiny_model.vocab.n_tokens == 32000
+    with pytest.warns(DeprecationWarning, match="n_tokens"):  # the old spellings still work, and say the new one
+        assert lc.Tokenizer.vocab_size(tiny_model) == 32000
+    with pytest.warns(DeprecationWarning, match="token_bytes"):
+        assert lc.Tokenizer.token_to_bytes(tiny_model, ids[1]) == lc.Tokenizer.token_bytes(tiny_model, ids[1])
     eos = lc.Tokenizer.eos(tiny_model)
     assert lc.Tokenizer.is_eog(tiny_model, eos)
     assert not lc.Tokenizer.is_eog(tiny_model, ids[-1])

@@ -231,8 +231,8 @@ class Acceptor:
     def __init__(self, model):
         self.model = model
         self.byte_token = {}
-        for tok in range(lc.Tokenizer.vocab_size(model)):
-            piece = lc.Tokenizer.token_to_bytes(model, tok)
+        for tok in range(lc.Tokenizer.n_tokens(model)):
+            piece = lc.Tokenizer.token_bytes(model, tok)
             if len(piece) == 1:
                 self.byte_token.setdefault(piece[0], tok)
         self.eos = lc.Tokenizer.eos(model)

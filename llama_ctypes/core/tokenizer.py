@@ -2,12 +2,15 @@
 
 The functions take the model first (``Tokenizer.encode(model, "Hello")``) and
 forward to ``model.vocab`` (:class:`~llama_ctypes.core.vocab.Vocab`), which owns
-the vocabulary and checks every token id before it reaches llama.cpp.
+the vocabulary and checks every token id before it reaches llama.cpp. Names:
+``encode``/``decode`` here are ``tokenize``/``detokenize`` on Vocab and Model (the API
+sketch's spelling for the model-first functions); every other name is Vocab's.
 """
 
 from __future__ import annotations
 
 import codecs
+import warnings
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
@@ -43,8 +46,15 @@ class Tokenizer:
         return model.vocab.detokenize(tokens, remove_special=remove_special, unparse_special=unparse_special)
 
     @staticmethod
-    def token_to_bytes(model: "Model", token: int, special: bool = False) -> bytes:
+    def token_bytes(model: "Model", token: int, special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a multi-byte character)."""
+        return model.vocab.token_bytes(token, special)
+
+    @staticmethod
+    def token_to_bytes(model: "Model", token: int, special: bool = False) -> bytes:
+        """Deprecated spelling of :meth:`token_bytes`."""
+        warnings.warn("Tokenizer.token_to_bytes is deprecated: use Tokenizer.token_bytes (as Vocab.token_bytes)",
+                      DeprecationWarning, stacklevel=2)
         return model.vocab.token_bytes(token, special)
 
     @staticmethod
@@ -53,8 +63,15 @@ class Tokenizer:
         return model.vocab.token_bytes(token, special).decode("utf-8", errors="replace")
 
     @staticmethod
-    def vocab_size(model: "Model") -> int:
+    def n_tokens(model: "Model") -> int:
         """Number of tokens in the vocabulary."""
+        return model.vocab.n_tokens
+
+    @staticmethod
+    def vocab_size(model: "Model") -> int:
+        """Deprecated spelling of :meth:`n_tokens`."""
+        warnings.warn("Tokenizer.vocab_size is deprecated: use Tokenizer.n_tokens (as Vocab.n_tokens)",
+                      DeprecationWarning, stacklevel=2)
         return model.vocab.n_tokens
 
     @staticmethod

@@ -21,7 +21,7 @@ from ..core.params import POOLING, ContextParams, split_options
 from ..core.tokenizer import Tokenizer
 from ..errors import ArgumentTypeError, ContextOverflowError, DecodeError, InvalidArgumentError, LlamaError
 
-PoolingName = Literal["none", "mean", "cls", "last", "rank"]
+AppliedPooling = Literal["none", "mean", "cls", "last", "rank"]
 _POOLING_NAMES = {v: k for k, v in POOLING.items()}
 
 #: Sequences in an embedding context: half hold texts, half the padding after each text.
@@ -39,7 +39,7 @@ class EmbeddingError(LlamaError, ValueError):
     """The model or the options cannot produce the requested embeddings."""
 
 
-def declared_pooling(model: Model, kv_overrides: Mapping[str, Any] | None = None) -> PoolingName | None:
+def declared_pooling(model: Model, kv_overrides: Mapping[str, Any] | None = None) -> AppliedPooling | None:
     """The pooling a model declares (metadata, or a ``kv_overrides`` entry), None when it declares none."""
     key = f"{model.architecture}.pooling_type"
     raw = kv_overrides[key] if kv_overrides and key in kv_overrides else model.meta(key)
@@ -50,7 +50,7 @@ def declared_pooling(model: Model, kv_overrides: Mapping[str, Any] | None = None
     return name if name not in (None, "unspecified", "none") else None  # type: ignore[return-value]
 
 
-def model_pooling(model: Model) -> PoolingName:
+def model_pooling(model: Model) -> AppliedPooling:
     """The pooling a model declares in its metadata, or ``"mean"`` when it declares none."""
     return declared_pooling(model) or "mean"
 
@@ -64,7 +64,7 @@ def _max_tokens_per_text(model: Model, n_batch: int) -> int:
 class _Embedder:
     """One embedding context (pooling, batch size) and the packing loop over it."""
 
-    def __init__(self, model: Model, pooling: PoolingName, n_batch: int, ctx_opts: dict[str, Any]):
+    def __init__(self, model: Model, pooling: AppliedPooling, n_batch: int, ctx_opts: dict[str, Any]):
         self.model = model
         self.pooling = pooling
         self.n_seq = MAX_SEQUENCES // 2  # texts per decode; text j's padding is sequence n_seq + j
@@ -192,7 +192,7 @@ def embed(model: Model, texts: str, **opts: Any) -> np.ndarray: ...
 def embed(model: Model, texts: Sequence[str], **opts: Any) -> np.ndarray | list[np.ndarray]: ...
 
 
-def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, pooling: PoolingName | None = None,
+def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, pooling: AppliedPooling | None = None,
           truncate: bool = True, n_batch: int = 2048, **ctx_opts: Any):
     """Embed one text (→ 1-D float32 array of ``model.n_embd_out``) or a list (→ 2-D array, one row per text).
 

@@ -7,8 +7,8 @@ pure arithmetic of the memory budget: the pools (RAM and each GPU), a model's
 check that names the pool a model does not fit in.
 """
 
-from .budget import AUTO_RAM_FRACTION, Footprint, MemoryBudget, Pool, ResolvedBudget, detect_system_memory
+from .budget import AUTO_RAM_FRACTION, BudgetPool, Footprint, MemoryBudget, ResolvedBudget, detect_system_memory
 from .manager import ModelInfo, ModelManager, ModelNotReadyError
 
-__all__ = ["AUTO_RAM_FRACTION", "Footprint", "MemoryBudget", "Pool", "ResolvedBudget", "detect_system_memory",
+__all__ = ["AUTO_RAM_FRACTION", "BudgetPool", "Footprint", "MemoryBudget", "ResolvedBudget", "detect_system_memory",
            "ModelInfo", "ModelManager", "ModelNotReadyError"]

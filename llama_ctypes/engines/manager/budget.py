@@ -36,7 +36,9 @@ from ...errors import ArgumentTypeError, InsufficientMemoryError, InvalidArgumen
 
 logger = logging.getLogger(__name__)
 
-Pool = Union[Literal["total", "ram"], Tuple[Literal["gpu"], int]]
+#: What one budget limit covers: "total", "ram" or ("gpu", gpu_index). (A device row's own pool, which may
+#: also be an RPC worker's, is core.memory.Pool.)
+BudgetPool = Union[Literal["total", "ram"], Tuple[Literal["gpu"], int]]
 """A memory pool: ``"total"``, ``"ram"`` or ``("gpu", gpu_index)``."""
 
 Limit = Union[int, Literal["auto"], None]
@@ -99,7 +101,7 @@ def _check_limit(value: Any, name: str) -> Limit:
     return _check_bytes(value, name)
 
 
-def _check_pool(pool: Any, name: str) -> Pool:
+def _check_pool(pool: Any, name: str) -> BudgetPool:
     """A footprint pool: "ram" or ("gpu", i). ("total" is not a place memory lives.)"""
     if isinstance(pool, str):
         if pool == "ram":
@@ -110,7 +112,7 @@ def _check_pool(pool: Any, name: str) -> Pool:
     raise ArgumentTypeError(f"{name}: {pool!r} is not a memory pool; expected 'ram' or ('gpu', i)")
 
 
-def _pool_key(pool: Pool) -> tuple[int, int]:
+def _pool_key(pool: BudgetPool) -> tuple[int, int]:
     # The one order used everywhere (iteration, check, reports): total, ram, then GPUs ascending.
     if pool == "total":
         return (0, 0)
@@ -119,7 +121,7 @@ def _pool_key(pool: Pool) -> tuple[int, int]:
     return (2, pool[1])
 
 
-def _pool_label(pool: Pool) -> str:
+def _pool_label(pool: BudgetPool) -> str:
     return {"total": "total", "ram": "RAM"}.get(pool) if isinstance(pool, str) else f"GPU {pool[1]}"
 
 
@@ -166,14 +168,14 @@ class Footprint(Mapping):
 
     __slots__ = ("_bytes",)
 
-    def __init__(self, per_pool: Mapping[Pool, int] | Iterable[tuple[Pool, int]] = (), /):
+    def __init__(self, per_pool: Mapping[BudgetPool, int] | Iterable[tuple[BudgetPool, int]] = (), /):
         if isinstance(per_pool, Mapping):
             items: Iterable = per_pool.items()
         elif isinstance(per_pool, Iterable) and not isinstance(per_pool, (str, bytes)):
             items = per_pool
         else:
             raise ArgumentTypeError(f"Footprint({per_pool!r}): expected a mapping or (pool, bytes) pairs")
-        acc: dict[Pool, int] = {}
+        acc: dict[BudgetPool, int] = {}
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise ArgumentTypeError(f"Footprint: {item!r} is not a (pool, bytes) pair")
@@ -217,10 +219,10 @@ class Footprint(Mapping):
         return cls(pairs)
 
     # Mapping protocol
-    def __getitem__(self, pool: Pool) -> int:
+    def __getitem__(self, pool: BudgetPool) -> int:
         return self._bytes[pool]
 
-    def __iter__(self) -> Iterator[Pool]:
+    def __iter__(self) -> Iterator[BudgetPool]:
         return iter(self._bytes)
 
     def __len__(self) -> int:
@@ -236,7 +238,7 @@ class Footprint(Mapping):
         return (Footprint, (list(self._bytes.items()),))
 
     # arithmetic
-    def __add__(self, other: Mapping[Pool, int]) -> Footprint:
+    def __add__(self, other: Mapping[BudgetPool, int]) -> Footprint:
         if not isinstance(other, Mapping):
             return NotImplemented
         return Footprint([*self._bytes.items(), *other.items()])
@@ -246,7 +248,7 @@ class Footprint(Mapping):
             return self
         return self.__add__(other)
 
-    def __sub__(self, other: Mapping[Pool, int]) -> Footprint:
+    def __sub__(self, other: Mapping[BudgetPool, int]) -> Footprint:
         if not isinstance(other, Mapping):
             return NotImplemented
         other = _as_footprint(other, "subtrahend")
@@ -284,6 +286,10 @@ class Footprint(Mapping):
 
     def __repr__(self) -> str:
         return f"Footprint({self._bytes!r})"
+
+
+#: A Footprint, or any mapping of pools to bytes (converted on use).
+FootprintLike = Union[Footprint, Mapping[BudgetPool, int]]
 
 
 def _as_footprint(value: Any, name: str) -> Footprint:
@@ -524,11 +530,11 @@ class ResolvedBudget:
         """True when no pool has a capacity: every check passes."""
         return self.total is None and self.ram is None and all(c is None for c in self.gpus)
 
-    def pools(self) -> list[Pool]:
+    def pools(self) -> list[BudgetPool]:
         """Every pool, in check order: ``"total"``, ``"ram"``, then ``("gpu", 0)``...``("gpu", n-1)``."""
         return ["total", "ram", *(("gpu", g) for g in range(len(self.gpus)))]
 
-    def capacity(self, pool: Pool) -> int | None:
+    def capacity(self, pool: BudgetPool) -> int | None:
         """The pool's capacity in bytes, None when unlimited."""
         if pool == "total":
             return self.total
@@ -538,17 +544,17 @@ class ResolvedBudget:
         self._check_gpu_exists(pool[1], "capacity")
         return self.gpus[pool[1]]
 
-    def capacities(self) -> dict[Pool, int | None]:
+    def capacities(self) -> dict[BudgetPool, int | None]:
         """{pool: capacity in bytes or None}, in check order."""
         return {p: self.capacity(p) for p in self.pools()}
 
-    def remaining(self, used: Footprint | Mapping[Pool, int] = Footprint()) -> dict[Pool, int | None]:
+    def remaining(self, used: FootprintLike = Footprint()) -> dict[BudgetPool, int | None]:
         """{pool: bytes left after ``used``, floored at 0; None when unlimited}, in check order."""
         used = self._footprint(used, "used")
         return {p: None if (cap := self.capacity(p)) is None else max(0, cap - self._in(used, p))
                 for p in self.pools()}
 
-    def check(self, required: Footprint | Mapping[Pool, int], used: Footprint | Mapping[Pool, int] = Footprint(),
+    def check(self, required: FootprintLike, used: FootprintLike = Footprint(),
               model_id: str | None = None) -> None:
         """Raise InsufficientMemoryError if ``required`` does not fit beside ``used`` (both bytes per pool).
 
@@ -569,7 +575,7 @@ class ResolvedBudget:
             if need > available:
                 raise InsufficientMemoryError(device=pool, required=need, available=available, model_id=model_id)
 
-    def fits(self, required: Footprint | Mapping[Pool, int], used: Footprint | Mapping[Pool, int] = Footprint()) -> bool:
+    def fits(self, required: FootprintLike, used: FootprintLike = Footprint()) -> bool:
         """Whether :meth:`check` would pass."""
         try:
             self.check(required, used)
@@ -582,7 +588,7 @@ class ResolvedBudget:
         return {"spec": self.spec.to_spec(), "total": self.total, "ram": self.ram,
                 "vram": dict(enumerate(self.gpus)), "system_memory": self.system_memory}
 
-    def describe(self, used: Footprint | Mapping[Pool, int] | None = None) -> str:
+    def describe(self, used: FootprintLike | None = None) -> str:
         """A table of the pools: budget, and with ``used``, what is used and left (GiB)."""
         used_fp = None if used is None else self._footprint(used, "used")
         sysmem = f"; system memory {_gib(self.system_memory)}" if self.system_memory is not None else ""
@@ -611,5 +617,5 @@ class ResolvedBudget:
         return fp
 
     @staticmethod
-    def _in(fp: Footprint, pool: Pool) -> int:
+    def _in(fp: Footprint, pool: BudgetPool) -> int:
         return fp.total() if pool == "total" else fp.get(pool, 0)

@@ -56,12 +56,12 @@ from ...features import hub
 from ...features.openai import chat as _openai_chat
 from ..server.params import ServerParams
 from ..server.server import Server
-from .budget import Footprint, MemoryBudget, Pool
+from .budget import BudgetPool, Footprint, MemoryBudget
 from .plan import Capability, LoadPlan, Mode, charge
 
 logger = logging.getLogger(__name__)
 
-Status = Literal["loading", "ready", "failed"]
+LoadStatus = Literal["loading", "ready", "failed"]
 
 _WORKER_PREFIX = "llama_ctypes-load"
 _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
@@ -77,12 +77,12 @@ class ModelInfo:
 
     id: str
     source: str  # a path, "hub:<repo>/<file>", or "model:<path>" for a Model handed in
-    status: Status
+    status: LoadStatus
     mode: Mode | None
     capabilities: tuple[Capability, ...]
     placement: tuple[str, ...]  # devices holding part of it ("CPU", "CUDA0", ...)
-    estimated: Mapping[Pool, int]  # llama.cpp's dry-run figures, what the budget counts
-    actual: Mapping[Pool, int] | None  # measured after loading (None while loading, or direct mode)
+    estimated: Mapping[BudgetPool, int]  # llama.cpp's dry-run figures, what the budget counts
+    actual: Mapping[BudgetPool, int] | None  # measured after loading (None while loading, or direct mode)
     default: bool
     error: str | None = None  # why a failed load failed (or the RPC worker a loaded model lost)
 
@@ -97,7 +97,7 @@ class ModelInfo:
 class _Entry:
     id: str
     source: str
-    status: Status = "loading"
+    status: LoadStatus = "loading"
     mode: Mode | None = None
     capabilities: tuple[Capability, ...] = ()
     estimate: MemoryUsage | None = None
