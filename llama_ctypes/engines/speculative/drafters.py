@@ -10,7 +10,7 @@ finished sequence. A session (or, later, a server slot) drives that cycle betwee
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -302,18 +302,8 @@ class DraftModel(ContextDrafter):
         lease, k = self._sync(context_tokens, k)
         if lease is None:
             return []
-        logits_of, append = lease.logits_view_fn(), lease.append_fn()
-        is_eog, p_min, out = lease.ctx.vocab.is_eog, self.p_min, []
-        for i in range(k):
-            row = logits_of(-1)
-            tok = int(row.argmax())
-            if p_min > 0.0 and _top_prob(row) < p_min:
-                break
-            out.append(tok)
-            if i == k - 1 or is_eog(tok):  # nothing worth drafting after an end of generation
-                break
-            append(tok)
-        return out
+        logits_of = lease.logits_view_fn()
+        return greedy_draft(k, lambda: logits_of(-1), lease.append_fn(), lease.ctx.vocab.is_eog, self.p_min, _top_prob)
 
     def draft_sampled(self, context_tokens: Sequence[int], k: int, params: "SamplingParams",
                       rng: np.random.Generator) -> tuple[list[int], list[np.ndarray]]:
@@ -343,6 +333,28 @@ class DraftModel(ContextDrafter):
             self._ctx.close()
         if self._owns_model:
             self._model.close()
+
+
+def greedy_draft(k: int, row: Callable[[], np.ndarray], advance: Callable[[int], None], is_eog: Callable[[int], bool],
+                 p_min: float, top_prob: Callable[[np.ndarray], float]) -> list[int]:
+    """Up to ``k`` argmax tokens, one per step: ``row()`` is the logits row the next token comes from,
+    ``advance(token)`` decodes that token so the next row follows it.
+
+    Stops at a row whose top probability (``top_prob``) is under ``p_min`` (that token is not drafted),
+    after an end of generation (nothing worth drafting follows it) and after the k-th token, which is
+    not decoded.
+    """
+    out: list[int] = []
+    for i in range(k):
+        logits = row()
+        tok = int(logits.argmax())
+        if p_min > 0.0 and top_prob(logits) < p_min:
+            break
+        out.append(tok)
+        if i == k - 1 or is_eog(tok):
+            break
+        advance(tok)
+    return out
 
 
 def _top_prob(row: np.ndarray) -> float:

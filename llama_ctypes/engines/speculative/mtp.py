@@ -34,7 +34,7 @@ from ...core.handle import Hold
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...errors import ArgumentTypeError, InvalidArgumentError
-from .drafters import ContextDrafter
+from .drafters import ContextDrafter, greedy_draft
 from .session import MAX_DRAFT, SpeculativeSession
 
 if TYPE_CHECKING:
@@ -220,19 +220,15 @@ class MTPDraft(ContextDrafter):
             lease.truncate(pos0)
         logits_of, is_eog, p_min = self._logits_of, self._is_eog, self.p_min
         state = self._state_before(pos0)
-        tok = int(context_tokens[-1])
         out: list[int] = []
+
+        def advance(tok: int) -> None:
+            row = lease.nextn_row(-1)  # the head's own row (copied into the next batch before it runs)
+            lease.decode_with_states([tok], [row.ctypes.data], output_last=True)
+
         try:
-            for i in range(k):
-                lease.decode_with_states([tok], [state.ctypes.data], output_last=True)
-                row = logits_of(-1)
-                tok = int(row.argmax())
-                if p_min > 0.0 and head_top_prob(row) < p_min:
-                    break
-                out.append(tok)
-                if i == k - 1 or is_eog(tok):  # nothing worth drafting after an end of generation
-                    break
-                state = lease.nextn_row(-1)  # the head's own row (copied into the next batch before it runs)
+            lease.decode_with_states([int(context_tokens[-1])], [state.ctypes.data], output_last=True)
+            out = greedy_draft(k, lambda: logits_of(-1), advance, is_eog, p_min, head_top_prob)
         finally:
             # The verification run re-decodes [pending] + drafts here with the target's own rows.
             if len(lease.tokens) > pos0:
