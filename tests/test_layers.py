@@ -161,3 +161,23 @@ def test_no_import_cycle_but_the_listed_ones():
 def test_the_cycle_check_finds_a_cycle():
     edges = [("p.a", "p.b", 1, []), ("p.b", "p.c", 1, []), ("p.c", "p.a", 1, []), ("p.c", "p.d", 1, [])]
     assert _cycles({"p.a", "p.b", "p.c", "p.d"}, edges) == [{"p.a", "p.b", "p.c"}]
+
+
+def test_names_moved_by_the_split_still_resolve_with_a_warning():
+    import warnings
+
+    import pytest
+
+    from llama_ctypes.core import rpc
+    from llama_ctypes.core.rpc import endpoints, worker
+    from llama_ctypes.engines import manager
+    from llama_ctypes.engines.manager.budget import BudgetPool
+
+    with pytest.warns(DeprecationWarning, match="core.rpc.endpoints.probe"):
+        assert rpc.probe is endpoints.probe
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert rpc.WorkerConfig is worker.WorkerConfig
+        assert manager.Pool is BudgetPool
+    with pytest.raises(AttributeError):
+        rpc.no_such_name  # noqa: B018

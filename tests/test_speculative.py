@@ -566,3 +566,25 @@ def test_draft_model_serves_one_session(tiny_model, tiny_drafter):
             lc.SpeculativeSession(tiny_model, drafter, **CTX)
     with pytest.raises(lc.ClosedError):
         lc.SpeculativeSession(tiny_model, drafter, **CTX)  # closed with its session
+
+
+@pytest.mark.parametrize("finish", ["read", "break"])
+def test_a_dropped_stream_is_freed_without_the_cycle_collector(tiny_model, finish):
+    # what a stream's run holds (tokens, pieces, the context and drafter references) goes with the stream
+    import gc
+    import weakref
+
+    with lc.SpeculativeSession(tiny_model, lc.NgramDraft(), n_draft=3, **CTX) as s:
+        gc.disable()
+        try:
+            st = s.stream("Once upon a time", max_tokens=6, temp=0, ignore_eos=True)
+            if finish == "read":
+                list(st)
+            else:
+                next(st)
+            run, stream = weakref.ref(st._g), weakref.ref(st)
+            del st
+            assert stream() is None and run() is None
+        finally:
+            gc.enable()
+        assert s.generate("Once upon a time", max_tokens=4, temp=0, ignore_eos=True).tokens  # the session is free

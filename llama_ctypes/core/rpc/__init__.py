@@ -4,7 +4,8 @@ Modules, lowest first: ``endpoints`` (validation and the probe; no native calls)
 (the backend's functions), ``watch`` (connection state), ``registration`` (what this process
 registered; called by ``core.backend`` while listing devices), ``client`` (using workers from
 this process) and ``worker`` (serving). This file imports none of them, so that
-``core.backend`` can reach ``registration`` without importing ``client``, which imports it.
+``core.backend`` can reach ``registration`` without importing ``client``, which imports it; the old
+flat names (``core.rpc.probe``, ...) still resolve, with a DeprecationWarning, on first use.
 
 A worker (``llama-ctypes rpc-server``, :func:`start_server`) offers its devices over TCP
 through ggml's own server loop. A process that loads a model with
@@ -29,3 +30,27 @@ use; the process, other models and new loads go on. Libraries built without the 
 The protocol has no authentication or encryption: bind workers to 127.0.0.1 or a
 private network only.
 """
+
+import importlib as _importlib
+import warnings as _warnings
+
+# The names this was one module with, before the split: still reachable as ``core.rpc.NAME`` (deprecated).
+_MOVED = {"client": ("add_rpc_servers", "connection_errors_supported", "registered_endpoints", "rpc_available",
+                     "RPCUse", "use"),
+          "endpoints": ("CONNECT_TIMEOUT_S", "DEFAULT_HOST", "DEFAULT_PORT", "parse_endpoint", "parse_endpoints",
+                        "probe"),
+          "watch": ("ConnectionWatch",),
+          "registration": ("device_memory",),
+          "worker": ("WorkerConfig", "default_cache_dir", "default_threads", "start_server")}
+_HOME = {name: module for module, names in _MOVED.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _warnings.warn(f"llama_ctypes.core.rpc.{name} moved to llama_ctypes.core.rpc.{module}.{name}",
+                   DeprecationWarning, stacklevel=2)
+    # (imported on first use, by name: a static import here would make this package import client,
+    # which imports core.backend, which imports registration through this package)
+    return getattr(_importlib.import_module(f"{__name__}.{module}"), name)

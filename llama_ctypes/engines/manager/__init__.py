@@ -12,3 +12,12 @@ from .manager import ModelInfo, ModelManager, ModelNotReadyError
 
 __all__ = ["AUTO_RAM_FRACTION", "BudgetPool", "Footprint", "MemoryBudget", "ResolvedBudget", "detect_system_memory",
            "ModelInfo", "ModelManager", "ModelNotReadyError"]
+
+
+def __getattr__(name: str):
+    if name == "Pool":  # the name before BudgetPool (core.memory.Pool is a device row's pool)
+        import warnings
+
+        warnings.warn("llama_ctypes.engines.manager.Pool is now BudgetPool", DeprecationWarning, stacklevel=2)
+        return BudgetPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

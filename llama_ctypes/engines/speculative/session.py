@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 from typing import Any, Iterator, Sequence
@@ -162,7 +163,9 @@ class _Generation:
         self.prompt, self.gparams, self.sparams = prompt, gparams, sparams
         self.run = SpecRun(logprobs=gparams.logprobs is not None)
         self.pieces: list[str] = []
-        self.control = control = RunControl(self._abort)
+        # (a function of the resources, not a bound method: the run state must not point back at this
+        # object, or a dropped stream would wait for the cycle collector)
+        self.control = control = RunControl(functools.partial(_abort, ctx, drafter))
         try:
             control.defer(ctx.hold().release)
             control.defer(drafter.hold().release)
@@ -176,10 +179,6 @@ class _Generation:
     @property
     def cancelled(self) -> bool:
         return self.control.cancelled
-
-    def _abort(self) -> None:
-        self.ctx.abort()
-        self.drafter.abort()
 
     def _verifier(self, lease: ContextLease, binding: SamplerBinding) -> Verifier:
         # The speculative-sampling rule where the drafter gives q and numpy reproduces p; else Match.
@@ -247,6 +246,11 @@ class _Generation:
         for ev in self.events_iter(None):
             if ev.text:
                 yield ev.text
+
+
+def _abort(ctx: Context, drafter: Drafter) -> None:
+    ctx.abort()
+    drafter.abort()
 
 
 class _StreamBase(GenerationResults, LazyStream):
