@@ -49,27 +49,35 @@ def test_assemble_stops_at_the_token_that_completes_a_stop_string():
         finally:
             closed.append(True)
 
-    items = list(assemble(tokens(), TextAssembler(Bytes(), ["STOP"]), run, pieces))
+    items = list(assemble(tokens(), TextAssembler(Bytes(), ["STOP"]), run, pieces, every_token=True))
     assert "".join(pieces) == "héllo "
     assert run.finish_reason == "stop"
     assert items[-1] == (None, "")  # the tail comes once, empty after a stop
     assert closed == [True]
     # the last token yielded is the one that completed the stop; nothing was read past it
     assert items[-2][0] == ord("P")
+    # without every_token: the same text, as non-empty pieces only
+    run2, pieces2 = Run(), []
+    assert "".join(assemble(iter(ids("héllo STOP never")), TextAssembler(Bytes(), ["STOP"]), run2, pieces2)) == \
+        "héllo " and run2.finish_reason == "stop" and pieces2 == pieces
 
 
 def test_assemble_flushes_an_incomplete_character_and_a_held_back_prefix_at_the_end():
     run, pieces = Run(), []
-    out = list(assemble(iter(ids("ok ST") + [0xC3]), TextAssembler(Bytes(), ["STOP"]), run, pieces))
+    out = list(assemble(iter(ids("ok ST") + [0xC3]), TextAssembler(Bytes(), ["STOP"]), run, pieces,
+                        every_token=True))
     assert out[-1] == (None, "ST\ufffd")
     assert "".join(pieces) == "ok ST\ufffd"
     assert run.finish_reason is None
+    plain = list(assemble(iter(ids("ok ST") + [0xC3]), TextAssembler(Bytes(), ["STOP"]), Run(), []))
+    assert plain[-1] == "ST\ufffd" and "" not in plain
 
 
 def test_assemble_a_stop_string_completed_by_the_flush():
     # an incomplete character becomes U+FFFD only at the flush: a stop string ending in it is seen there
     run, pieces = Run(), []
-    out = list(assemble(iter(ids("ab") + [0xC3]), TextAssembler(Bytes(), ["b\ufffd"]), run, pieces))
+    out = list(assemble(iter(ids("ab") + [0xC3]), TextAssembler(Bytes(), ["b\ufffd"]), run, pieces,
+                        every_token=True))
     assert run.finish_reason == "stop"
     assert "".join(pieces) == "a" and out[-1] == (None, "")
 
@@ -79,10 +87,16 @@ def test_assemble_propagates_an_error_with_no_tail():
         yield 65
         raise DecodeError("boom", code=-1)
 
-    gen = assemble(tokens(), TextAssembler(Bytes()), Run(), [])
+    gen = assemble(tokens(), TextAssembler(Bytes()), Run(), [], every_token=True)
     assert next(gen) == (65, "A")
     with pytest.raises(DecodeError):
         next(gen)
+
+
+def _run(control, tokens, run=None):
+    run = run if run is not None else Run()
+    with control.running(run):
+        yield from tokens
 
 
 def test_run_control_cancel_before_start_raises_and_never_aborts():
@@ -90,7 +104,7 @@ def test_run_control_cancel_before_start_raises_and_never_aborts():
     c = RunControl(lambda: aborts.append(1))
     c.cancel()
     with pytest.raises(CancelledError):
-        list(c.guard(iter([1, 2]), Run()))
+        list(_run(c, iter([1, 2])))
     assert aborts == [] and c.finished
 
 
@@ -103,7 +117,7 @@ def test_run_control_cancel_while_running_aborts_and_an_abort_becomes_cancelled_
         c.cancel()  # from "another thread", between two tokens: the decode in flight is aborted
         raise DecodeError("aborted", code=2)
 
-    g = c.guard(loop(), Run())
+    g = _run(c, loop())
     assert next(g) == 1
     with pytest.raises(CancelledError):
         next(g)
@@ -114,14 +128,13 @@ def test_run_control_cancel_while_running_aborts_and_an_abort_becomes_cancelled_
 
 def test_run_control_a_loop_that_returned_because_of_a_cancel_is_cancelled():
     c = RunControl(lambda: None)
-    run = Run()
 
     def loop():
         yield 1
         c.cancel()
 
     with pytest.raises(CancelledError):
-        list(c.guard(loop(), run))
+        list(_run(c, loop()))
     run2 = Run()
     run2.finish_reason = "length"  # ended by itself before the cancel was seen: a finished run
     c2 = RunControl(lambda: None)
@@ -130,7 +143,7 @@ def test_run_control_a_loop_that_returned_because_of_a_cancel_is_cancelled():
         yield 1
         c2.cancel()
 
-    assert list(c2.guard(loop2(), run2)) == [1]
+    assert list(_run(c2, loop2(), run2)) == [1]
 
 
 def test_run_control_other_decode_errors_pass_through():
@@ -141,7 +154,8 @@ def test_run_control_other_decode_errors_pass_through():
         yield
 
     with pytest.raises(DecodeError):
-        list(c.guard(loop(), Run()))
+        list(_run(c, loop()))
+    assert c.finished and not c.active
 
 
 def test_run_control_release_runs_once_in_order_and_reports_the_first_failure():

@@ -329,30 +329,30 @@ class _TextGeneration:
         return self.control.cancelled
 
     def tokens_iter(self) -> Iterator[int]:
-        """Generated token ids, with the context and the sampler claimed from the first to the end."""
-        lease = self.ctx.lease(held=True)
+        """Generated token ids, with the context and the sampler claimed from the first to the end;
+        everything the stream holds is released when it ends."""
         try:
-            binding = self.sampler.bind(lease, held=True)
-        except BaseException:
-            lease.release()
-            raise
-        control = self.control
-        try:
-            loop = token_loop(lease, binding.sample, self.prompt, self.params, self.run, lambda: control.cancelled)
-            yield from control.guard(loop, self.run)
-        finally:
-            binding.release()
-            lease.release()
-
-    def pieces_iter(self) -> Iterator[str]:
-        """The non-empty text pieces; everything is released when it ends."""
-        try:
-            text = TextAssembler.for_vocab(self.ctx.vocab, self.params.special, self.params.stop)
-            for _, out in assemble(self.tokens_iter(), text, self.run, self.pieces):
-                if out:
-                    yield out
+            lease = self.ctx.lease(held=True)
+            try:
+                binding = self.sampler.bind(lease, held=True)
+            except BaseException:
+                lease.release()
+                raise
+            control = self.control
+            try:
+                with control.running(self.run):
+                    yield from token_loop(lease, binding.sample, self.prompt, self.params, self.run,
+                                          lambda: control.cancelled)
+            finally:
+                binding.release()
+                lease.release()
         finally:
             self.control.release()
+
+    def pieces_iter(self) -> Iterator[str]:
+        """The non-empty text pieces (their tokens' resources released before the last one)."""
+        text = TextAssembler.for_vocab(self.ctx.vocab, self.params.special, self.params.stop)
+        return assemble(self.tokens_iter(), text, self.run, self.pieces)
 
 
 class GenerationResults:

@@ -9,6 +9,7 @@ request; its own run state is the request's status (engines/server/request.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
@@ -108,21 +109,26 @@ class TextAssembler:
         return out if self._stops.stopped else out + self._stops.flush()
 
 
-def assemble(tokens: Iterator[int], text: TextAssembler, run: Any,
-             pieces: list[str]) -> Iterator[tuple[int | None, str]]:
-    """``(token, text it releases)`` per token, then ``(None, tail)`` once at the end.
+def assemble(tokens: Iterator[int], text: TextAssembler, run: Any, pieces: list[str],
+             every_token: bool = False) -> Iterator[Any]:
+    """The text of ``tokens``: each non-empty piece (``every_token``: ``(token, text it releases)``
+    per token, then ``(None, tail)`` once at the end).
 
-    Every non-empty text goes to ``pieces`` before it is yielded. A stop string ends
-    the run (``run.finish_reason = "stop"``). ``tokens`` is closed before the tail is
-    yielded, so whatever it holds is released before the last item; an exception from
-    it (a cancel, a decode error) propagates with no tail.
+    Every non-empty text goes to ``pieces`` before it is yielded. A stop string ends the run
+    (``run.finish_reason = "stop"``). ``tokens`` is closed before the tail is yielded, so
+    whatever it holds is released before the last item; an exception from it (a cancel, a
+    decode error) propagates with no tail.
     """
+    push, keep = text.push, pieces.append
     try:
-        for tok in tokens:
-            out = text.push(tok)
+        for tok in tokens:  # (the hot loop of every single-sequence generation: kept flat)
+            out = push(tok)
             if out:
-                pieces.append(out)
-            yield tok, out
+                keep(out)
+                if not every_token:
+                    yield out
+            if every_token:
+                yield tok, out
             if text.stopped:
                 run.finish_reason = "stop"
                 break
@@ -136,8 +142,11 @@ def assemble(tokens: Iterator[int], text: TextAssembler, run: Any,
         if text.stopped:
             run.finish_reason = "stop"
         if tail:
-            pieces.append(tail)
-    yield None, tail
+            keep(tail)
+    if every_token:
+        yield None, tail
+    elif tail:
+        yield tail
 
 
 class RunControl:
@@ -154,7 +163,7 @@ class RunControl:
         self._lock = threading.Lock()
         self._releases: list[Callable[[], None]] = []
         self.cancelled = False
-        self.running = False  # the resources are claimed: a cancel must also abort
+        self.active = False  # the resources are claimed: a cancel must also abort
         self.finished = False
 
     def defer(self, release: Callable[[], None]) -> None:
@@ -177,23 +186,25 @@ class RunControl:
             if self.finished:
                 return
             self.cancelled = True
-            if self.running:
+            if self.active:
                 self._abort()
 
-    def guard(self, tokens: Iterator[int], run: Any) -> Iterator[int]:
-        """``tokens`` run under this control (its resources already claimed by the caller).
+    @contextlib.contextmanager
+    def running(self, run: Any) -> Iterator[None]:
+        """The run's decoding, its resources already claimed by the caller (``with control.running(run):``).
 
-        A cancel before the start, an abort caused by :meth:`cancel`, or a loop that
-        returned early because of one (``run.finish_reason`` still None) raise
-        ``CancelledError``; the run is finished when this generator ends.
+        A cancel before the start, an abort caused by :meth:`cancel`, or a loop that returned
+        early because of one (``run.finish_reason`` still None) raise ``CancelledError``; the
+        run is finished when the block ends. (A context manager, not a wrapping generator: it
+        costs nothing per token.)
         """
         with self._lock:
-            self.running = not self.cancelled
+            self.active = not self.cancelled
         try:
-            if not self.running:
+            if not self.active:
                 raise CancelledError("the generation was cancelled")
             try:
-                yield from tokens
+                yield
             except DecodeError as exc:
                 if self.cancelled and exc.code == ABORTED:
                     raise CancelledError("the generation was cancelled") from None
@@ -202,5 +213,5 @@ class RunControl:
                 raise CancelledError("the generation was cancelled")
         finally:
             with self._lock:
-                self.running = False
+                self.active = False
                 self.finished = True

@@ -213,7 +213,8 @@ class _Generation:
             control = self.control
             loop = speculative_loop(lease, self._verifier(lease, binding), self.drafter, self.prompt,
                                     self.gparams, self.n_draft, self.run, self.recorder, lambda: control.cancelled)
-            yield from control.guard(loop, self.run)
+            with control.running(self.run):
+                yield from loop
         finally:
             if started:
                 self.drafter.finish()
@@ -228,7 +229,7 @@ class _Generation:
         tail = ""
         try:
             # (the tokens' resources are released before the last events)
-            for n, (tok, out) in enumerate(assemble(self.tokens_iter(), text, run, self.pieces), 1):
+            for n, (tok, out) in enumerate(assemble(self.tokens_iter(), text, run, self.pieces, every_token=True), 1):
                 if tok is None:
                     tail = out
                     break
