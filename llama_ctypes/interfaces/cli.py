@@ -153,25 +153,52 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("model", nargs="?", help="GGUF file")
     p.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     p.add_argument("--config", help="TOML file listing several models (see docs/http_server.md)")
-    p.add_argument("--alias", help="the model's name in requests (default: the file name without .gguf)")
+    p.add_argument("--model", "-m", dest="model_flag", metavar="MODEL", help="GGUF file (as llama-server's -m)")
+    p.add_argument("--alias", "-a", help="the model's name in requests, or several comma-separated (as llama-server: "
+                                         "the id is the first in sorted order); default: the file name without .gguf")
+    p.add_argument("--tags", help="comma-separated tags listed with the model in /v1/models")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); default: $LLAMA_CTYPES_API_KEY")
     p.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml)")
     p.add_argument("--embedding", action="store_true", help="serve MODEL for embeddings/rerank (direct mode)")
-    p.add_argument("--n-parallel", "-np", type=int, help="requests decoded together (slots), default 4")
+    p.add_argument("--n-parallel", "--parallel", "-np", type=int, help="requests decoded together (slots), default 4")
     p.add_argument("--ctx-size", "-c", type=int, help="context tokens per slot, default 4096")
     p.add_argument("--batch-size", "-b", type=int, help="most tokens per decode, default 512")
+    p.add_argument("--ubatch-size", "-ub", type=int, help="physical batch size, default min(batch size, 512)")
+    p.add_argument("--cache-type-k", "-ctk", help="KV cache type of K (f16, q8_0, ...)")
+    p.add_argument("--cache-type-v", "-ctv", help="KV cache type of V (f16, q8_0, ...)")
+    p.add_argument("--swa-full", action="store_true", help="a full-size cache for sliding-window attention")
+    p.add_argument("--kv-unified", "-kvu", action="store_true",
+                   help="one KV buffer shared by all slots (the default here; see --no-kv-unified)")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="layers on the GPU (default -1: all)")
     p.add_argument("--threads", "-t", type=int, help="CPU threads")
-    p.add_argument("--flash-attn", "-fa", choices=["auto", "enabled", "disabled"])
+    p.add_argument("--flash-attn", "-fa", choices=["auto", "enabled", "disabled", "on", "off"])
     p.add_argument("--max-queue", type=int,
                    help="most requests waiting for a slot, per model (default 256); beyond it 429 (0: no limit)")
-    p.add_argument("--max-tokens", "-n", type=int,
+    p.add_argument("--max-tokens", "--n-predict", "-n", type=int,
                    help="default max_tokens of a request (default -1: until the answer or the context ends)")
     p.add_argument("--no-kv-unified", action="store_true",
                    help="a KV buffer per slot: output independent of batch-mates (no cross-slot prefix reuse)")
     p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
+    # Request defaults, as llama-server's sampling flags (a request's own fields win).
+    p.add_argument("--temp", type=float, help="default temperature of a request")
+    p.add_argument("--seed", "-s", type=int, help="default sampling seed of a request (-1: random)")
+    p.add_argument("--top-k", type=int, help="default top-k of a request")
+    p.add_argument("--top-p", type=float, help="default top-p of a request")
+    p.add_argument("--min-p", type=float, help="default min-p of a request")
+    # llama-server switches for behaviour that is always on here (accepted, so its command lines run):
+    p.add_argument("--cont-batching", "-cb", action="store_true",
+                   help="continuous batching (always on here)")
+    p.add_argument("--metrics", action="store_true", help="the Prometheus /metrics endpoint (always on here)")
+    p.add_argument("--jinja", action="store_true", help="render chat templates with Jinja (always, here)")
+    p.add_argument("--no-jinja", action="store_true",
+                   help="llama-server's legacy template path; here templates are still rendered with Jinja "
+                        "(a warning is logged; docs/http_server.md)")
+    slots = p.add_mutually_exclusive_group()
+    slots.add_argument("--slots", dest="slots", action="store_true", default=True,
+                       help="the /slots monitoring endpoint (default on)")
+    slots.add_argument("--no-slots", dest="slots", action="store_false", help="answer /slots with 501")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
     # What one request may ask for (a 400 beyond), and what clients may take (docs/http_server.md: Limits).
     limits = p.add_argument_group("limits")

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping, Sequence
 
 from ...core.context import Context
@@ -43,10 +44,27 @@ from .speculation import SlotDrafter, slot_drafter
 from .strategies import resolve
 from .streams import AsyncServerStream, ServerStream
 
-__all__ = ["Server", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError", "ServerParams",
-           "DEFAULT_MAX_QUEUE"]
+__all__ = ["Server", "SlotInfo", "ServerStream", "AsyncServerStream", "QueueFullError", "ServerClosedError",
+           "ServerParams", "DEFAULT_MAX_QUEUE"]
 
 logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One slot of a :class:`Server` at one moment (``Server.slots()``); token counts."""
+
+    id: int
+    n_ctx: int  # context tokens of the slot
+    speculative: bool  # the server drafts for it
+    is_processing: bool  # a request runs in it
+    request_id: int | None = None
+    n_prompt_tokens: int = 0
+    n_prompt_tokens_processed: int = 0  # prompt tokens computed (not taken from a cache)
+    n_prompt_tokens_cache: int = 0  # prompt tokens reused from a cache
+    n_decoded: int = 0  # tokens generated so far
+    n_remaining: int = -1  # tokens the request may still generate (-1: until its end or the context's)
+    n_cached: int = 0  # tokens whose KV the slot holds
+
 
 _RESERVED = ("n_seq_max", "embeddings")
 #: The one source of the Server's defaults (its signature and ``context_options`` read them).
@@ -435,6 +453,35 @@ class Server:
             "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
             if engine.scheduler.drafted else 0.0,
         }
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The request defaults given at construction (sampling and generation options), a copy."""
+        return dict(self._defaults)
+
+    def slots(self) -> list[SlotInfo]:
+        """What each slot is doing now (llama-server's ``/slots``), read on the scheduler thread between
+        two ticks. Raises ServerClosedError after :meth:`close`."""
+        if self._closed:
+            raise ServerClosedError("the server is closed")
+        engine, n_ctx, speculative = self._engine, self.n_ctx, self._drafter is not None
+
+        def read() -> list[SlotInfo]:
+            out = []
+            for slot in engine.pool.slots:
+                r = slot.request
+                if r is None:
+                    out.append(SlotInfo(slot.seq_id, n_ctx, speculative, False, n_cached=slot.n_past))
+                    continue
+                remaining = r.params.max_tokens - len(r.generated) if r.params.max_tokens > 0 else -1
+                out.append(SlotInfo(slot.seq_id, n_ctx, speculative, True, request_id=r.id,
+                                    n_prompt_tokens=len(r.prompt),
+                                    n_prompt_tokens_processed=max(0, r.n_prefilled - r.cached_tokens),
+                                    n_prompt_tokens_cache=r.cached_tokens, n_decoded=len(r.generated),
+                                    n_remaining=remaining, n_cached=slot.n_past))
+            return out
+
+        return engine.call(read)
 
     def kv_positions(self) -> list[int]:
         """Largest KV position held by each slot's sequence (-1 = empty); for tests and debugging.

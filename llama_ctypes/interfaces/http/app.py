@@ -28,10 +28,10 @@ from .errors import APIError
 from .limits import RequestLimits
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
-from .routes.chat import chat_completions
+from .routes.chat import apply_template, chat_completions
 from .routes.completions import completions
 from .routes.embeddings import embeddings, rerank
-from .routes.service import detokenize, health, metrics, models, tokenize
+from .routes.service import detokenize, health, metrics, models, props, slots, tokenize
 from .routing import ModelSettings, Router
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,9 @@ _ROUTES = [
     (("/metrics",), ["GET"], metrics, "metrics"),
     (("/tokenize",), ["POST"], tokenize, "tokenize"),
     (("/detokenize",), ["POST"], detokenize, "detokenize"),
+    (("/props",), ["GET", "POST"], props, "props"),
+    (("/slots",), ["GET"], slots, "slots"),
+    (("/apply-template",), ["POST"], apply_template, "apply_template"),
 ]
 _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
 
@@ -67,7 +70,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 def create_app(manager: ModelManager, *, api_key: str | None = None,
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               limits: RequestLimits | None = None, close_manager: bool = False) -> Starlette:
+               limits: RequestLimits | None = None, close_manager: bool = False,
+               slots_endpoint: bool = True) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -81,6 +85,7 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
         limits: what one request may ask for (:class:`RequestLimits`: choices, embedding inputs, tokenize
             bytes, schema sizes); beyond them, a 400 naming the limit.
         close_manager: close the manager when the app shuts down.
+        slots_endpoint: serve ``/slots`` (False: 501, as llama-server's ``--no-slots``).
     """
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
@@ -92,7 +97,8 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
         raise ValueError(f"limits={limits!r}: expected a RequestLimits")
     router = Router(manager, models)
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_key=api_key,
-                         max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager)
+                         max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
+                         slots_endpoint=slots_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -40,6 +40,7 @@ class AppContext:
     max_body_bytes: int = MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     close_manager: bool = False
+    slots_endpoint: bool = True  # /slots answers (llama-server's --slots / --no-slots)
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

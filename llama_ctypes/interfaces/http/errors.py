@@ -84,6 +84,12 @@ class Unavailable(APIError):
         super().__init__(message, headers={"Retry-After": str(RETRY_AFTER_S)}, **kw)
 
 
+class NotSupported(APIError):
+    """An endpoint this server was started without (llama-server's ERROR_TYPE_NOT_SUPPORTED)."""
+
+    status, type, code = 501, "not_supported_error", "not_supported"
+
+
 class InternalError(APIError):
     status, type, code = 500, "server_error", None
 

@@ -9,6 +9,7 @@ failed to load, answers 503.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -16,6 +17,16 @@ from ...core.model import Model
 from ...engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from ...engines.server import Server
 from .errors import BadRequest, NotFound, Unavailable
+
+logger = logging.getLogger(__name__)
+
+#: llama-server's template for a model that has none (llama.cpp's common/chat.cpp, CHATML_TEMPLATE_SRC).
+CHATML = ("{%- for message in messages -%}\n"
+          "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
+          "{%- endfor -%}\n"
+          "{%- if add_generation_prompt -%}\n"
+          "  {{- '<|im_start|>assistant\\n' -}}\n"
+          "{%- endif -%}")
 
 
 @dataclass(frozen=True)
@@ -25,7 +36,9 @@ class ModelSettings:
     chat_template: str | None = None
     """Jinja source or a built-in format name; None = the model's own template."""
     aliases: tuple[str, ...] = ()
-    """More names the ``model`` field may use."""
+    """More names the ``model`` field may use (listed in /v1/models; may include the id itself)."""
+    tags: tuple[str, ...] = ()
+    """Labels listed with the model in /v1/models (llama-server's ``--tags``)."""
 
 
 class Router:
@@ -35,6 +48,7 @@ class Router:
         self.manager = manager
         self.settings = dict(settings or {})
         self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
+        self._fallback_logged: set[str] = set()
 
     def resolve(self, name: str | None) -> ModelInfo:
         """The model a request names (raises NotFound, or Unavailable while it loads or after it failed)."""
@@ -56,6 +70,18 @@ class Router:
 
     def settings_of(self, model_id: str) -> ModelSettings:
         return self.settings.get(model_id, ModelSettings())
+
+    def chat_template_of(self, model_id: str, model: Model) -> str | None:
+        """The chat template requests to ``model_id`` use: the configured one, else the model's own (None),
+        else llama-server's fallback, ChatML (logged once per model)."""
+        configured = self.settings_of(model_id).chat_template
+        if configured is not None or model.chat_template is not None:
+            return configured
+        if model_id not in self._fallback_logged:
+            self._fallback_logged.add(model_id)
+            logger.warning("model %r has no chat template: using ChatML, as llama-server does (set one with "
+                           "--chat-template)", model_id)
+        return CHATML
 
     def server(self, name: str | None) -> tuple[str, Server]:
         """The batching server of the model a generation request names."""

@@ -40,13 +40,17 @@ API_KEY_ENV = "LLAMA_CTYPES_API_KEY"
 # CLI option → load option, applied to every model (a model's own config entry wins). Direct-mode
 # models (embeddings, reranking) take only the model and thread options.
 _CLI_LOAD_OPTIONS = {"n_parallel": "n_parallel", "ctx_size": "n_ctx", "batch_size": "n_batch",
+                     "ubatch_size": "n_ubatch", "cache_type_k": "type_k", "cache_type_v": "type_v",
                      "n_gpu_layers": "n_gpu_layers", "threads": "n_threads", "flash_attn": "flash_attn",
-                     "max_queue": "max_queue", "max_tokens": "max_tokens"}
+                     "max_queue": "max_queue", "max_tokens": "max_tokens",
+                     "temp": "temp", "seed": "seed", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+# llama-server's spellings of flash_attn values
+_FLASH_ATTN = {"on": "enabled", "off": "disabled"}
 _DIRECT_OPTIONS = ("n_gpu_layers", "n_threads", "n_threads_batch")
 #: A request without max_tokens runs until the end of its answer or of its slot's context (as llama-server).
 DEFAULT_MAX_TOKENS = -1
 # Keys of a config entry that belong to the HTTP layer, not to ModelManager.load.
-_HTTP_KEYS = ("chat_template", "aliases")
+_HTTP_KEYS = ("chat_template", "aliases", "tags")
 
 
 def _toml(path: Path) -> dict[str, Any]:
@@ -117,6 +121,17 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
                 if getattr(args, name, None) is not None}
     if "n_threads" in cli_opts:
         cli_opts["n_threads_batch"] = cli_opts["n_threads"]  # (llama-server: -tb defaults to -t)
+    if "flash_attn" in cli_opts:
+        cli_opts["flash_attn"] = _FLASH_ATTN.get(cli_opts["flash_attn"], cli_opts["flash_attn"])
+    if cli_opts.get("seed") is not None and cli_opts["seed"] < 0:
+        cli_opts["seed"] = None  # (llama-server: -1 = a random seed per request)
+    if getattr(args, "swa_full", False):
+        cli_opts["swa_full"] = True
+    if getattr(args, "kv_unified", False) and args.no_kv_unified:
+        raise ArgumentTypeError("pass either --kv-unified or --no-kv-unified")
+    if getattr(args, "no_jinja", False):
+        logger.warning("--no-jinja: chat templates are still rendered with Jinja here, from the model's own "
+                       "template (llama-server's legacy path approximates it; docs/http_server.md)")
     if args.no_kv_unified:
         cli_opts["kv_unified"] = False
     if args.no_cache_prompt:
@@ -139,8 +154,13 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
             cli_opts["tensor_split"] = [float(x) for x in args.tensor_split.split(",")]
         except ValueError:
             raise ArgumentTypeError(f"--tensor-split {args.tensor_split!r}: expected numbers such as 1,1") from None
+    model_arg = args.model
+    if getattr(args, "model_flag", None):
+        if model_arg:
+            raise ArgumentTypeError("pass the model once: MODEL or --model")
+        model_arg = args.model_flag
     if args.config:
-        if args.model or args.hub:
+        if model_arg or args.hub:
             raise ArgumentTypeError("pass either MODEL, --hub or --config")
         budget, specs = models_from_config(Path(args.config))
         specs = [_with_cli_options(spec, cli_opts) for spec in specs]
@@ -151,12 +171,19 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     if args.hub:
         source: Any = ("hub", args.hub[0], args.hub[1])
         name = Path(args.hub[1]).stem
-    elif args.model:
-        source = str(Path(args.model).expanduser())
-        name = Path(args.model).stem
+    elif model_arg:
+        source = str(Path(model_arg).expanduser())
+        name = Path(model_arg).stem
     else:
         raise ArgumentTypeError("no model: pass MODEL.gguf, --hub REPO FILE or --config models.toml")
-    spec: dict[str, Any] = {"id": args.alias or name, "source": source}
+    # (several aliases: the id is the first in sorted order, as llama-server's; all of them route to it)
+    aliases = sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()})
+    spec: dict[str, Any] = {"id": aliases[0] if aliases else name, "source": source}
+    if aliases:
+        spec["aliases"] = aliases
+    tags = [t.strip() for t in (getattr(args, "tags", None) or "").split(",") if t.strip()]
+    if tags:
+        spec["tags"] = tags
     if args.embedding:
         spec["mode"] = "direct"
     if args.chat_template:
@@ -168,7 +195,8 @@ def _split_http(spec: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     from .routing import ModelSettings
 
     load = {k: v for k, v in spec.items() if k not in _HTTP_KEYS}
-    settings = ModelSettings(chat_template=spec.get("chat_template"), aliases=tuple(spec.get("aliases", ())))
+    settings = ModelSettings(chat_template=spec.get("chat_template"), aliases=tuple(spec.get("aliases", ())),
+                             tags=tuple(spec.get("tags", ())))
     return load, settings
 
 
@@ -249,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             load, settings[spec["id"]] = _split_http(spec)
             loads.append((spec["id"], manager.load(**load, wait=False)))
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
-                         limits=limits, close_manager=True)
+                         limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True))
     except BaseException:
         manager.close()
         raise

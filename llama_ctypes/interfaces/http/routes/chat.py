@@ -84,7 +84,7 @@ async def chat_completions(request: Request, app: AppContext) -> Response:
     if body.n > app.limits.max_choices:
         raise over_limit("n", body.n, app.limits.max_choices, "--max-choices", param="n")
     model_id, server = app.router.server(body.model)
-    template = app.router.settings_of(model_id).chat_template
+    template = app.router.chat_template_of(model_id, server.model)
     try:
         plan, required = await anyio.to_thread.run_sync(
             functools.partial(_plan, server.model, body, template, app.limits.schema))
@@ -178,3 +178,13 @@ class _Reply:
             yield chunk
         if self.body.include_usage:
             yield self.envelope.usage_chunk(self._usage())
+
+
+@endpoint
+async def apply_template(request: Request, app: AppContext) -> Response:
+    """llama-server's /apply-template: the prompt text a chat request renders to (nothing generated)."""
+    body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
+    model_id, server = app.router.server(body.model)
+    template = app.router.chat_template_of(model_id, server.model)
+    plan, _ = await anyio.to_thread.run_sync(functools.partial(_plan, server.model, body, template, app.limits.schema))
+    return JSONResponse({"prompt": plan.prompt_text})

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /metrics; POST /tokenize, /detokenize (llama-server's shapes)."""
+"""GET /v1/models, /health, /metrics, /props, /slots; POST /tokenize, /detokenize (llama-server's shapes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..common import AppContext, endpoint, read_body
-from ..errors import Unavailable
+from ..errors import NotSupported, Unavailable
 from ..limits import over_limit
 from ..metrics import CONTENT_TYPE
 from ..schemas import DetokenizeRequest, TokenizeRequest, parse
@@ -22,7 +22,8 @@ async def models(request: Request, app: AppContext) -> Response:
     for info in app.router.manager.list():
         data.append({"id": info.id, "object": "model", "created": app.started, "owned_by": "llama_ctypes",
                      "status": info.status, "capabilities": list(info.capabilities),
-                     "aliases": list(app.router.settings_of(info.id).aliases)})
+                     "aliases": list(app.router.settings_of(info.id).aliases),
+                     "tags": list(app.router.settings_of(info.id).tags)})
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -92,3 +93,89 @@ async def detokenize(request: Request, app: AppContext) -> Response:
     _, model = app.router.model(body.model)
     text = await anyio.to_thread.run_sync(functools.partial(model.vocab.detokenize, body.tokens))
     return JSONResponse({"content": text})
+
+
+#: llama-server's name of each request default it reports (``default_generation_settings.params``).
+_PARAM_NAMES = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typ_p",
+                "penalty_repeat": "repeat_penalty", "penalty_last_n": "repeat_last_n",
+                "penalty_freq": "frequency_penalty", "penalty_present": "presence_penalty",
+                "dry_multiplier": "dry_multiplier", "mirostat": "mirostat", "seed": "seed",
+                "max_tokens": "n_predict", "stop": "stop", "ignore_eos": "ignore_eos", "cache_prompt": "cache_prompt"}
+#: llama-server's "default seed" (a random one per request)
+_RANDOM_SEED = 0xFFFFFFFF
+
+
+def _generation_settings(server: Any) -> dict[str, Any]:
+    from ....core.generation import GenerationParams
+    from ....core.params import split_options
+    from ....core.sampler import SamplingParams
+
+    sampling, gen = split_options(server.defaults, SamplingParams, GenerationParams, where="server defaults")
+    values = {**vars(SamplingParams(**sampling)), **vars(GenerationParams(**gen))}
+    params = {name: values[ours] for ours, name in _PARAM_NAMES.items()}
+    params["stop"] = list(params["stop"])
+    if params["seed"] is None:
+        params["seed"] = _RANDOM_SEED
+    return {"n_ctx": server.n_ctx, "params": params}
+
+
+def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str, Any]:
+    from ....core.backend import version_info
+
+    template = app.router.chat_template_of(model_id, model)
+    vocab = model.vocab
+    info = version_info()
+    return {
+        "default_generation_settings": _generation_settings(server) if server is not None else {},
+        "total_slots": server.n_parallel if server is not None else 0,
+        "model_alias": model_id,
+        "model_path": str(model.path),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": app.slots_endpoint, "endpoint_props": False, "endpoint_metrics": True,
+        "ui": False,
+        "chat_template": template or model.chat_template or "",
+        "bos_token": vocab.token_bytes(vocab.bos, True).decode("utf-8", "replace") if vocab.bos is not None else "",
+        "eos_token": vocab.token_bytes(vocab.eos, True).decode("utf-8", "replace") if vocab.eos is not None else "",
+        "build_info": f"llama_ctypes {info.package}, llama.cpp {info.llama_cpp}",
+        "is_sleeping": False,
+    }
+
+
+@endpoint
+async def props(request: Request, app: AppContext) -> Response:
+    """llama-server's /props for the model named by ``?model=`` (default: the default model).
+
+    POST (changing the properties) is refused with 501, as llama-server does without ``--props``."""
+    if request.method == "POST":
+        raise NotSupported("this server does not support changing global properties")
+    name = request.query_params.get("model") or None
+    info = app.router.resolve(name)
+    model_id, model = app.router.model(info.id)
+    server = None
+    if info.mode == "server":
+        _, server = app.router.server(info.id)
+    return JSONResponse(await anyio.to_thread.run_sync(_props, app, model_id, model, server))
+
+
+def _slot_json(slot: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": slot.id, "n_ctx": slot.n_ctx, "speculative": slot.speculative,
+                           "is_processing": slot.is_processing}
+    if slot.is_processing:
+        out.update(id_task=slot.request_id, n_prompt_tokens=slot.n_prompt_tokens,
+                   n_prompt_tokens_processed=slot.n_prompt_tokens_processed,
+                   n_prompt_tokens_cache=slot.n_prompt_tokens_cache,
+                   next_token=[{"has_next_token": True, "n_remain": slot.n_remaining, "n_decoded": slot.n_decoded}])
+    return out
+
+
+@endpoint
+async def slots(request: Request, app: AppContext) -> Response:
+    """llama-server's /slots: each slot of the model named by ``?model=``; 501 when started with
+    ``--no-slots``; with ``?fail_on_no_slot=1``, 503 when no slot is idle."""
+    if not app.slots_endpoint:
+        raise NotSupported("this server does not support the slots endpoint (started with --no-slots)")
+    _, server = app.router.server(request.query_params.get("model") or None)
+    infos = await anyio.to_thread.run_sync(server.slots)
+    if request.query_params.get("fail_on_no_slot") and not any(not s.is_processing for s in infos):
+        raise Unavailable("no slot available", code="no_slot_available")
+    return JSONResponse([_slot_json(s) for s in infos])

@@ -1,0 +1,125 @@
+"""llama-server's own API on ``llama-ctypes serve``: its command line, /props, /slots and the ChatML
+fallback for a model without a chat template (issue: speak llama-server's whole API).
+
+The server is started with llama-server's flag names, as llama.cpp's server tests start llama-server.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from http_helpers import ServeProcess, api_error
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_path):
+    folder = tmp_path_factory.mktemp("llama-server-api")
+    proc = ServeProcess(["--model", str(tiny_model_path), "--alias", "tinyllama-2,fim,code", "--tags", "chat,small",
+                         "--parallel", "2", "--ctx-size", "1024", "--batch-size", "64", "--ubatch-size", "32",
+                         "--temp", "0.8", "--seed", "42", "--n-predict", "16", "--no-jinja", "--cont-batching",
+                         "--metrics", "-fa", "off", "-ctk", "f16", "--kv-unified"], folder / "serve.log")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_models_list_every_alias_and_tag_and_take_the_first_alias_as_id(server):
+    (model,) = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+    assert model["id"] == "code"  # the first in sorted order, as llama-server
+    assert set(model["aliases"]) == {"tinyllama-2", "fim", "code"}
+    assert set(model["tags"]) == {"chat", "small"}
+    for name in ("tinyllama-2", "fim", "code"):  # every alias routes to it
+        r = httpx.post(f"{server.base_url}/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "code"  # responses name the model id
+
+
+def test_props_report_the_command_line(server, tiny_model_path):
+    props = httpx.get(f"{server.base_url}/props").json()
+    assert props["model_path"] == str(tiny_model_path)
+    assert props["total_slots"] == 2
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 1024  # per slot
+    assert settings["params"]["seed"] == 42 and settings["params"]["temperature"] == pytest.approx(0.8)
+    assert settings["params"]["n_predict"] == 16
+    assert props["endpoint_slots"] is True and props["modalities"] == {"vision": False, "video": False,
+                                                                         "audio": False}
+    assert "<|im_start|>" in props["chat_template"]  # the ChatML fallback of a model without a template
+    r = httpx.post(f"{server.base_url}/props", json={})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_n_predict_is_the_default_max_tokens(server):
+    body = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "Once upon a time",
+                                                                  "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_a_model_without_a_template_chats_in_chatml_and_says_so(server):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    # <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n is more tokens than "hi" alone
+    assert usage["prompt_tokens"] > 8
+    assert server.log().count("has no chat template: using ChatML") == 1
+
+
+def test_slots_show_a_running_request_and_fail_on_no_slot(server):
+    slots = httpx.get(f"{server.base_url}/slots").json()
+    assert [s["id"] for s in slots] == [0, 1]
+    assert all(s["n_ctx"] == 1024 and not s["is_processing"] and "params" not in s for s in slots)
+    # two long requests fill both slots: /slots shows them, and ?fail_on_no_slot answers 503
+    started = threading.Barrier(3)
+
+    def long_request():
+        started.wait()
+        httpx.post(f"{server.base_url}/v1/completions", timeout=120,
+                   json={"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True})
+
+    threads = [threading.Thread(target=long_request) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        for _ in range(200):
+            slots = httpx.get(f"{server.base_url}/slots").json()
+            if all(s["is_processing"] for s in slots):
+                break
+        assert all(s["is_processing"] for s in slots)
+        busy = slots[0]
+        assert busy["n_prompt_tokens"] > 0 and busy["next_token"][0]["n_remain"] <= 400
+        r = httpx.get(f"{server.base_url}/slots?fail_on_no_slot=1")
+        assert r.status_code == 503
+    finally:
+        for t in threads:
+            t.join()
+    assert httpx.get(f"{server.base_url}/slots?fail_on_no_slot=1").status_code == 200
+
+
+def test_no_slots_answers_501_in_llama_servers_shape(tmp_path, tiny_model_path):
+    proc = ServeProcess([str(tiny_model_path), "--no-slots", "-c", "256"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        r = httpx.get(f"{proc.base_url}/slots")
+        assert api_error(r, 501)["type"] == "not_supported_error"
+    finally:
+        proc.stop()
+
+
+def test_a_flag_serve_lacks_is_refused_not_swallowed(tmp_path, tiny_model_path):
+    proc = ServeProcess([str(tiny_model_path), "--grp-attn-n", "4"], tmp_path / "serve.log")
+    assert proc.proc.wait(timeout=60) == 2  # argparse's usage error, before anything loads
+    proc.stop()
+    assert "unrecognized arguments: --grp-attn-n 4" in proc.log()
+
+
+def test_apply_template_renders_without_generating(server):
+    r = httpx.post(f"{server.base_url}/apply-template",
+                   json={"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                                  "<|im_start|>assistant\n")
