@@ -77,7 +77,7 @@ def main() -> int:
     log = tempfile.NamedTemporaryFile(prefix="hostile-serve-", suffix=".log", delete=False)
     cwd = tempfile.gettempdir() if args.installed else ROOT  # (python -m finds the package of its cwd first)
     proc = subprocess.Popen([args.python, "-m", "llama_ctypes", "serve", str(model), "--port", str(port),
-                             "-np", "2", "-c", "1024", "--chat-template", "gemma", "--threads", str(args.threads)],
+                             "-np", "2", "-c", "2048", "--chat-template", "gemma", "--threads", str(args.threads)],
                             stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -126,7 +126,7 @@ def main() -> int:
 
     def ours(port: int) -> list[str]:
         return [sys.executable, "-m", "llama_ctypes", "serve", str(args.model), "--host", "127.0.0.1",
-                "--port", str(port), "--n-parallel", str(args.n_parallel), "--ctx-size", str(args.n_ctx),
+                "--port", str(port), "--n-parallel", str(args.n_parallel), "--ctx-size", str(args.n_ctx * args.n_parallel),
                 "--threads", str(args.threads), "--batch-size", "512"]
 
     def theirs(port: int) -> list[str]:

@@ -15,7 +15,7 @@ it exit with argparse's error, which fails the test and is counted in the report
 Printed: the pass count of each target, the tests that pass on llama-server and fail on ours (with the
 first line of each failure), those the other way round, and the flags ours refused. Slow (minutes per
 file); not part of the test command. Needs the suite's client packages (``pip install wget filelock
-openai`` and the ``anthropic`` package for the Anthropic tests; they are in the ``dev`` extra).
+openai``, and ``anthropic`` for the Anthropic tests).
 """
 
 from __future__ import annotations

@@ -178,7 +178,7 @@ def serve_soak(args: argparse.Namespace) -> int:
         model = assemble()
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="soak-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "llama_ctypes", "serve", str(model), "--port", str(port), "-np", "4", "-c", "1024",
+    cmd = [sys.executable, "-m", "llama_ctypes", "serve", str(model), "--port", str(port), "-np", "4", "-c", "4096",
            "--chat-template", "gemma", "--threads", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"

@@ -105,7 +105,7 @@ def client(tiny):
 @pytest.fixture(scope="module")
 def gemma_server(tmp_path_factory, gemma_path):
     folder = tmp_path_factory.mktemp("http-gemma")
-    server = ServeProcess([str(gemma_path), "-np", "2", "-c", "1024", "--no-kv-unified", "--chat-template", "gemma",
+    server = ServeProcess([str(gemma_path), "-np", "2", "-c", "2048", "--no-kv-unified", "--chat-template", "gemma",
                            "--threads", "1"], folder / "serve.log")
     try:
         server.wait_ready()
@@ -670,7 +670,7 @@ def test_shutdown_with_requests_in_flight(tmp_path, tiny_model_path):
     """SIGTERM: uvicorn waits 5 s for running requests, then cancels them. A stream still running ends
     with an error event and [DONE], a reply with a 503, and nothing is logged as a crash."""
     server = ServeProcess([str(tiny_model_path), "--chat-template", "chatml", "--threads", "1", "-np", "2",
-                           "-c", "8192"], tmp_path / "serve.log")
+                           "-c", "16384"], tmp_path / "serve.log")
     results: dict = {}
     try:
         server.wait_ready()

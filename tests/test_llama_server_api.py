@@ -17,7 +17,7 @@ from http_helpers import ServeProcess, api_error
 def server(tmp_path_factory, tiny_model_path):
     folder = tmp_path_factory.mktemp("llama-server-api")
     proc = ServeProcess(["--model", str(tiny_model_path), "--alias", "tinyllama-2,fim,code", "--tags", "chat,small",
-                         "--parallel", "2", "--ctx-size", "1024", "--batch-size", "64", "--ubatch-size", "32",
+                         "--parallel", "2", "--ctx-size", "2048", "--batch-size", "64", "--ubatch-size", "32",
                          "--temp", "0.8", "--seed", "42", "--n-predict", "16", "--no-jinja", "--cont-batching",
                          "--metrics", "-fa", "off", "-ctk", "f16", "--kv-unified"], folder / "serve.log")
     try:
@@ -101,7 +101,7 @@ def test_slots_show_a_running_request_and_fail_on_no_slot(server):
 
 
 def test_no_slots_answers_501_in_llama_servers_shape(tmp_path, tiny_model_path):
-    proc = ServeProcess([str(tiny_model_path), "--no-slots", "-c", "256"], tmp_path / "serve.log")
+    proc = ServeProcess([str(tiny_model_path), "--no-slots", "-c", "1024"], tmp_path / "serve.log")
     try:
         proc.wait_ready()
         r = httpx.get(f"{proc.base_url}/slots")
@@ -123,3 +123,12 @@ def test_apply_template_renders_without_generating(server):
     assert r.status_code == 200, r.text
     assert r.json()["prompt"] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                                   "<|im_start|>assistant\n")
+
+
+def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "What is the best book? " * 400}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "exceed_context_size_error"
+    assert error["code"] == "context_length_exceeded"  # (what OpenAI clients look for)
+    assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024

@@ -377,7 +377,7 @@ def test_serve_with_a_draft_model_over_http(tiny_model, tmp_path):
     prompts = PROMPTS[:2]
     refs = references(tiny_model, prompts, temp=0, max_tokens=24)
     server = ServeProcess([str(tiny_model.path), "--model-draft", str(tiny_model.path), "--draft-max", "3",
-                           "-np", "2", "-c", "256", "--threads", "1", "--no-kv-unified"], tmp_path / "serve.log")
+                           "-np", "2", "-c", "512", "--threads", "1", "--no-kv-unified"], tmp_path / "serve.log")
     try:
         server.wait_ready()
         with server.client() as http:

@@ -161,9 +161,15 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); default: $LLAMA_CTYPES_API_KEY")
     p.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml)")
-    p.add_argument("--embedding", action="store_true", help="serve MODEL for embeddings/rerank (direct mode)")
+    p.add_argument("--chat-template-file", help="a file of Jinja template source (as llama-server)")
+    p.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="serve MODEL for embeddings/rerank (direct mode)")
+    p.add_argument("--reranking", "--rerank", action="store_true",
+                   help="serve MODEL for /v1/rerank (direct mode, rank pooling), as llama-server")
+    p.add_argument("--pooling", choices=["none", "mean", "cls", "last", "rank"],
+                   help="pooling of embeddings (default: the model's own)")
     p.add_argument("--n-parallel", "--parallel", "-np", type=int, help="requests decoded together (slots), default 4")
-    p.add_argument("--ctx-size", "-c", type=int, help="context tokens per slot, default 4096")
+    p.add_argument("--ctx-size", "-c", type=int, help="context tokens of all slots together, as llama-server (each slot gets an equal share); default 4096 per slot")
     p.add_argument("--batch-size", "-b", type=int, help="most tokens per decode, default 512")
     p.add_argument("--ubatch-size", "-ub", type=int, help="physical batch size, default min(batch size, 512)")
     p.add_argument("--cache-type-k", "-ctk", help="KV cache type of K (f16, q8_0, ...)")

@@ -209,6 +209,18 @@ class ContextDrafter(Drafter):
         if ctx is not None:
             ctx.abort()
 
+    def close(self) -> None:
+        """Close the context (after a running stream ends) and what the drafter owns besides. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctx is not None:
+            self._ctx.close()
+        self._release_owned()
+
+    def _release_owned(self) -> None:
+        """Release what a subclass holds beyond its context (a model it loaded, a target it follows)."""
+
 
 class DraftModel(ContextDrafter):
     """Drafting with a second, smaller model that shares the target's vocabulary.
@@ -324,14 +336,8 @@ class DraftModel(ContextDrafter):
             append(tok)
         return out, q_rows
 
-    def close(self) -> None:
-        """Close the draft context (after a running stream ends) and a model loaded from a path."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._ctx is not None:
-            self._ctx.close()
-        if self._owns_model:
+    def _release_owned(self) -> None:
+        if self._owns_model:  # (a model loaded from a path)
             self._model.close()
 
 

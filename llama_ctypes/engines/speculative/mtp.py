@@ -247,14 +247,8 @@ class MTPDraft(ContextDrafter):
         if len(lease.tokens) > keep and not lease.truncate(keep):
             lease.clear()
 
-    def close(self) -> None:
-        """Close the MTP context (after a running stream ends) and let the target context go."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._ctx is not None:
-            self._ctx.close()
-        if self._target_hold is not None:
+    def _release_owned(self) -> None:
+        if self._target_hold is not None:  # let the target context go
             self._target_hold.release()
 
 

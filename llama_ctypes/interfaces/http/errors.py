@@ -58,6 +58,21 @@ class BadRequest(APIError):
     status, type, code = 400, "invalid_request_error", None
 
 
+class ContextExceeded(BadRequest):
+    """A prompt that does not fit a slot: llama-server's type, OpenAI's code, and the two sizes."""
+
+    type, code = "exceed_context_size_error", "context_length_exceeded"
+
+    def __init__(self, message: str, *, n_prompt_tokens: int, n_ctx: int, param: str | None = None):
+        super().__init__(message, param=param)
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["error"].update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+        return body
+
+
 class Unauthorized(APIError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
@@ -103,7 +118,7 @@ def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
     if isinstance(exc, (ServerClosedError, ClosedError, RPCConnectionError)):  # (RPC: the model lost a worker)
         return Unavailable(f"the model is not available: {exc}")
     if isinstance(exc, ContextOverflowError):
-        return BadRequest(str(exc), param=param, code="context_length_exceeded")
+        return ContextExceeded(str(exc), n_prompt_tokens=exc.n_tokens, n_ctx=exc.n_ctx, param=param)
     if isinstance(exc, SchemaError):
         return BadRequest(str(exc), param=param or "response_format", code="invalid_schema")
     if isinstance(exc, InsufficientMemoryError):

@@ -37,9 +37,11 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "LLAMA_CTYPES_API_KEY"
 
+# -c/--ctx-size is the whole context, as llama-server's: each of a model's n_parallel slots gets an equal share.
+_TOTAL_CTX = "n_ctx_total"
 # CLI option → load option, applied to every model (a model's own config entry wins). Direct-mode
 # models (embeddings, reranking) take only the model and thread options.
-_CLI_LOAD_OPTIONS = {"n_parallel": "n_parallel", "ctx_size": "n_ctx", "batch_size": "n_batch",
+_CLI_LOAD_OPTIONS = {"n_parallel": "n_parallel", "ctx_size": _TOTAL_CTX, "batch_size": "n_batch",
                      "ubatch_size": "n_ubatch", "cache_type_k": "type_k", "cache_type_v": "type_v",
                      "n_gpu_layers": "n_gpu_layers", "threads": "n_threads", "flash_attn": "flash_attn",
                      "max_queue": "max_queue", "max_tokens": "max_tokens",
@@ -112,7 +114,17 @@ def models_from_config(path: Path) -> tuple[Any, list[dict[str, Any]]]:
 def _with_cli_options(spec: dict[str, Any], cli_opts: Mapping[str, Any]) -> dict[str, Any]:
     if spec.get("mode") == "direct":
         return {**{k: v for k, v in cli_opts.items() if k in _DIRECT_OPTIONS}, **spec}
-    return {"max_tokens": DEFAULT_MAX_TOKENS, **cli_opts, **spec}
+    opts = dict(cli_opts)
+    total = opts.pop(_TOTAL_CTX, None)
+    out = {"max_tokens": DEFAULT_MAX_TOKENS, **opts, **spec}
+    if total is not None and "n_ctx" not in spec:
+        from ...engines.server.params import ServerParams
+
+        n_parallel = out.get("n_parallel", ServerParams.n_parallel)
+        if total < n_parallel:
+            raise ArgumentTypeError(f"--ctx-size {total}: under one token per slot ({n_parallel} slots)")
+        out["n_ctx"] = total // n_parallel
+    return out
 
 
 def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
@@ -154,6 +166,13 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
             cli_opts["tensor_split"] = [float(x) for x in args.tensor_split.split(",")]
         except ValueError:
             raise ArgumentTypeError(f"--tensor-split {args.tensor_split!r}: expected numbers such as 1,1") from None
+    template_file = getattr(args, "chat_template_file", None)
+    if template_file:
+        if args.chat_template:
+            raise ArgumentTypeError("pass either --chat-template or --chat-template-file")
+        if not Path(template_file).is_file():
+            raise ArgumentTypeError(f"--chat-template-file {template_file}: no such file")
+        args.chat_template = template_file
     model_arg = args.model
     if getattr(args, "model_flag", None):
         if model_arg:
@@ -175,7 +194,8 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         source = str(Path(model_arg).expanduser())
         name = Path(model_arg).stem
     else:
-        raise ArgumentTypeError("no model: pass MODEL.gguf, --hub REPO FILE or --config models.toml")
+        # No model: llama-server's router mode, an empty manager (models are added through the API)
+        return None, []
     # (several aliases: the id is the first in sorted order, as llama-server's; all of them route to it)
     aliases = sorted({a.strip() for a in (args.alias or "").split(",") if a.strip()})
     spec: dict[str, Any] = {"id": aliases[0] if aliases else name, "source": source}
@@ -184,8 +204,13 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     tags = [t.strip() for t in (getattr(args, "tags", None) or "").split(",") if t.strip()]
     if tags:
         spec["tags"] = tags
-    if args.embedding:
+    if args.embedding or getattr(args, "reranking", False):
         spec["mode"] = "direct"
+    pooling = "rank" if getattr(args, "reranking", False) else getattr(args, "pooling", None)
+    if pooling is not None:
+        if spec.get("mode") != "direct":
+            raise ArgumentTypeError("--pooling applies to embedding models: add --embedding")
+        spec["pooling"] = pooling
     if args.chat_template:
         spec["chat_template"] = template_source(args.chat_template)
     return None, [_with_cli_options(spec, cli_opts)]
@@ -276,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         for spec in specs:
             load, settings[spec["id"]] = _split_http(spec)
             loads.append((spec["id"], manager.load(**load, wait=False)))
+        if not specs:
+            logger.warning("no model given: serving with none loaded (llama-server's router mode)")
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
                          limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True))
     except BaseException:
@@ -296,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
 
     for model_id, future in loads:
         future.add_done_callback(lambda f, m=model_id: loaded(m, f))
-    print(f"llama-ctypes serve: http://{args.host}:{args.port} ({', '.join(s['id'] for s in specs)})",
+    print(f"llama-ctypes serve: http://{args.host}:{args.port} ({', '.join(s['id'] for s in specs) or 'no model'})",
           file=sys.stderr, flush=True)
     try:
         server.run()

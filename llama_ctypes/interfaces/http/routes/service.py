@@ -33,8 +33,8 @@ async def health(request: Request, app: AppContext) -> Response:
     if app.closing:
         raise Unavailable("the server is shutting down")
     infos = app.router.manager.list()
-    if not infos:
-        raise Unavailable("no model is loaded")
+    if not infos:  # (started without a model, as llama-server's router: nothing to wait for)
+        return JSONResponse({"status": "ok", "models": {}})
     loading = [i.id for i in infos if i.status == "loading"]
     if loading:
         raise Unavailable(f"loading model(s): {', '.join(loading)}", code="loading")
