@@ -13,7 +13,8 @@ from typing import Iterable
 from ...errors import InvalidArgumentError, RPCConnectionError
 from ...native import ggml_rpc_h as R
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "CONNECT_TIMEOUT_S", "parse_endpoint", "parse_endpoints", "split_endpoint", "probe"]
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "CONNECT_TIMEOUT_S", "parse_endpoint", "parse_endpoints", "split_endpoint",
+           "probe"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50052
