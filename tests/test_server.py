@@ -292,3 +292,22 @@ def test_server_options_are_validated(tiny_model, tiny_model_path):
     with lc.Server(model_path=tiny_model_path, n_parallel=2, temp=0, max_tokens=3) as owned:
         assert len(owned.generate("defaults apply").tokens) <= 3
     assert owned.model.closed  # a server that loaded its model closes it
+
+
+def test_slots_show_what_runs_where_and_refuse_after_close(tiny_model):
+    srv = lc.Server(model=tiny_model, n_parallel=2, n_ctx=256, temp=0, seed=7)
+    try:
+        assert srv.defaults["seed"] == 7 and srv.defaults["temp"] == 0
+        idle = srv.slots()
+        assert [s.id for s in idle] == [0, 1] and not any(s.is_processing for s in idle)
+        assert all(s.n_ctx == 256 for s in idle)
+        stream = srv.stream(PROMPTS[0], max_tokens=200, ignore_eos=True)
+        next(iter(stream))  # running: one slot holds it
+        busy = [s for s in srv.slots() if s.is_processing]
+        assert len(busy) == 1 and busy[0].n_prompt_tokens > 0 and busy[0].n_decoded >= 1
+        assert busy[0].n_remaining == 200 - busy[0].n_decoded
+        stream.close()
+    finally:
+        srv.close()
+    with pytest.raises(lc.ServerClosedError):
+        srv.slots()
