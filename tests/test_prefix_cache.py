@@ -148,7 +148,7 @@ def test_chat_completion_through_the_server_reports_cached_tokens(tiny_model):
     assert one["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert two["usage"]["prompt_tokens_details"]["cached_tokens"] > one["usage"]["prompt_tokens"] // 2
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text == two["choices"][0]["message"]["content"]
     with pytest.raises(TypeError, match="session"):
         lc.chat(tiny_model, messages, chat_template="chatml", session="c")

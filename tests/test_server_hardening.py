@@ -133,7 +133,7 @@ def test_chat_usage_with_a_slow_consumer_equals_the_model_path(server, tiny_mode
         time.sleep(0.03)
     assert chunks[-1]["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"] < 64
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     assert text == expected["choices"][0]["message"]["content"]
 
 

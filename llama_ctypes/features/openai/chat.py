@@ -13,7 +13,8 @@ from ...core.model import Model
 from ...core.target import GenerationTarget, as_target
 from .. import tool_calls
 from ..chat import ChatStream, Message, chat, stream_chat
-from .shapes import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, Envelope, finish_reason, usage
+from .shapes import (ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, Envelope, finish_reason, role_delta,
+                     usage)
 
 __all__ = ["chat_completion", "stream_chat_completion"]
 
@@ -74,7 +75,7 @@ def _choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, 
 
 def _chunks(envelope: Envelope, chat_stream: ChatStream) -> Iterator[ChatCompletionChunk]:
     try:
-        yield envelope.chunk(_choice({"role": "assistant", "content": ""}))  # type: ignore[misc]
+        yield envelope.chunk(_choice(role_delta()))  # type: ignore[misc]
         for kind, text in chat_stream.deltas():
             yield envelope.chunk(_choice({"reasoning_content" if kind == "reasoning" else "content": text}))  # type: ignore[misc]
         reply = chat_stream.reply()
@@ -86,7 +87,7 @@ def _chunks(envelope: Envelope, chat_stream: ChatStream) -> Iterator[ChatComplet
 def _tool_chunks(envelope: Envelope, plan: Any, text_stream: Any) -> Iterator[ChatCompletionChunk]:
     out = plan.output()
     with text_stream:
-        yield envelope.chunk(_choice({"role": "assistant", "content": ""}))  # type: ignore[misc]
+        yield envelope.chunk(_choice(role_delta()))  # type: ignore[misc]
         for piece in text_stream:
             for delta in out.feed(piece):
                 yield envelope.chunk(_choice(delta))  # type: ignore[misc]

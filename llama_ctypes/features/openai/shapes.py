@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
-__all__ = ["ChatCompletionMessage", "ChatCompletionChoice", "PromptTokensDetails", "CompletionUsage",
+__all__ = ["role_delta", "ChatCompletionMessage", "ChatCompletionChoice", "PromptTokensDetails", "CompletionUsage",
            "ChatCompletion", "ChatCompletionChunk", "Envelope", "FINISH_REASONS", "finish_reason", "usage",
            "input_usage", "new_id", "new_call_id"]
 
@@ -73,6 +73,12 @@ def finish_reason(reason: str | None, has_tool_calls: bool = False) -> str:
     if reason is None or reason == "length":
         return "length"
     return "tool_calls" if has_tool_calls else "stop"
+
+
+def role_delta() -> dict[str, Any]:
+    """The delta of a stream's first chunk: the role, and no content yet (``null``, as llama-server sends;
+    OpenAI clients read it as no text)."""
+    return {"role": "assistant", "content": None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> CompletionUsage:

@@ -20,7 +20,7 @@ from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.json_schema.limits import SchemaLimits, check_schema_size
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
-from ....features.openai.shapes import Envelope, finish_reason, usage
+from ....features.openai.shapes import Envelope, finish_reason, role_delta, usage
 from ....features.tool_calls import plan_chat
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
@@ -172,7 +172,7 @@ class _Reply:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         for i in range(len(self.streams)):
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            yield self._chunk([{"index": i, "delta": role_delta(), "logprobs": None,
                                 "finish_reason": None}])
         async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):
             yield chunk
