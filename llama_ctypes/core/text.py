@@ -44,6 +44,7 @@ class StopFilter:
         self.stops = tuple(stops)
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that appeared
 
     def feed(self, piece: str) -> str:
         """Text that can be emitted now; sets ``stopped`` when a stop string appears (it is dropped)."""
@@ -51,9 +52,10 @@ class StopFilter:
             return piece
         # Only the held-back text and the new piece are searched: what was emitted held no stop.
         self.pending += piece
-        hit = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
-            out, self.pending, self.stopped = self.pending[:hit], "", True
+        hit, word = min(((i, s) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0),
+                        default=(-1, None))
+        if word is not None:
+            out, self.pending, self.stopped, self.matched = self.pending[:hit], "", True, word
             return out
         keep = partial_suffix(self.pending, self.stops)
         out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
@@ -99,6 +101,11 @@ class TextAssembler:
     def stopped(self) -> bool:
         """A stop string appeared (it is not part of the text)."""
         return self._stops is not None and self._stops.stopped
+
+    @property
+    def stop_word(self) -> str | None:
+        """The stop string that ended the text (None while none has appeared)."""
+        return None if self._stops is None else self._stops.matched
 
     def flush(self) -> str:
         """The rest of the text at a natural end (eog, length); may complete a stop (see ``stopped``)."""

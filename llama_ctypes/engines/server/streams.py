@@ -89,6 +89,19 @@ class _RequestResults:
         """``"stop"``, ``"length"`` or ``"eog"`` after a natural end; None before it (or when cancelled)."""
         return self._consumer.finish_reason
 
+    def piece_tokens(self, index: int) -> list[int]:
+        """The generated tokens behind text piece ``index`` (0 = the first piece read): those after the
+        previous piece's, up to and including the one that completed it."""
+        ends = self.request.piece_ends
+        start = ends[index - 1] if index > 0 else 0
+        return self.request.generated[start:ends[index]]
+
+    @property
+    def stop_word(self) -> str | None:
+        """The stop string that ended the request (``finish_reason == "stop"``); None otherwise."""
+        text = self.request.text
+        return None if text is None else text.stop_word
+
     @property
     def tokens(self) -> list[int]:
         """Token ids generated so far (the scheduler's view: may run ahead of ``text``)."""

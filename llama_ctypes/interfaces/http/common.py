@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..._version import __version__
-from .errors import BodyTooLarge, Unavailable, from_exception
+from .errors import BodyTooLarge, Unavailable, from_exception, shape_of
 from .limits import RequestLimits
 from .metrics import Metrics
 from .routing import Router
@@ -41,6 +41,9 @@ class AppContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     close_manager: bool = False
     slots_endpoint: bool = True  # /slots answers (llama-server's --slots / --no-slots)
+    verbose: bool = False  # responses carry ``__verbose`` unless a request says otherwise (--verbose)
+    reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
+    spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 
@@ -77,7 +80,8 @@ Handler = Callable[[Request, AppContext], Awaitable[Response]]
 
 
 def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """An endpoint whose errors come out in OpenAI's shape (and a 499 when its client left)."""
+    """An endpoint whose errors come out in its API's shape (OpenAI's, or Anthropic's under
+    ``/v1/messages``), and a 499 when its client left."""
 
     @functools.wraps(fn)
     async def wrapper(request: Request) -> Response:
@@ -89,8 +93,8 @@ def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
             # The server cancels what is still running when its graceful shutdown times out; the
             # requests behind this one were cancelled on the way out. Answer instead of dying with
             # a traceback: the client can retry elsewhere.
-            return Unavailable("the server is shutting down").response()
+            return Unavailable("the server is shutting down").response(shape_of(request.url.path))
         except Exception as exc:  # noqa: BLE001 - every error becomes a response
-            return from_exception(exc).response()
+            return from_exception(exc).response(shape_of(request.url.path))
 
     return wrapper

@@ -50,8 +50,26 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, shape: str = "openai") -> JSONResponse:
+        """The JSON response; ``shape``: ``"openai"`` or ``"anthropic"`` (see :func:`shape_of`)."""
+        body = self.anthropic_body() if shape == "anthropic" else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+#: Anthropic's error types by HTTP status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
+
+
+def shape_of(path: str) -> str:
+    """The error shape of an endpoint: Anthropic's under ``/v1/messages``, OpenAI's elsewhere."""
+    return "anthropic" if path.startswith(("/v1/messages", "/messages")) else "openai"
 
 
 class BadRequest(APIError):
@@ -113,6 +131,8 @@ def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
     """The response for an exception raised while serving a request (logs the unexpected ones)."""
     if isinstance(exc, APIError):
         return exc
+    if param is None:
+        param = getattr(exc, "param", None)  # (a library error that names its field)
     if isinstance(exc, QueueFullError):
         return TooManyRequests(str(exc))
     if isinstance(exc, (ServerClosedError, ClosedError, RPCConnectionError)):  # (RPC: the model lost a worker)

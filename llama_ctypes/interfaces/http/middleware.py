@@ -11,7 +11,7 @@ from typing import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .common import AppContext
-from .errors import Unauthorized, Unavailable
+from .errors import Unauthorized, Unavailable, shape_of
 
 #: Paths that answer without the API key (as llama-server leaves its health check open).
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
@@ -41,10 +41,11 @@ class ServiceMiddleware:
 
         try:
             if ctx.api_key is not None and path not in OPEN_PATHS and not _authorized(scope, ctx.api_key):
-                await Unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')").response()(
-                    scope, receive, counting_send)
+                await Unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')").response(
+                    shape_of(path))(scope, receive, counting_send)
             elif ctx.closing and path not in OPEN_PATHS:
-                await Unavailable("the server is shutting down").response()(scope, receive, counting_send)
+                await Unavailable("the server is shutting down").response(shape_of(path))(
+                    scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
         finally:

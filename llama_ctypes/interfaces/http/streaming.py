@@ -42,16 +42,44 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
             return
 
 
+#: shape: (events named by their type, a final [DONE], Anthropic's error shape)
+_SHAPES = {"openai": (False, True, False), "responses": (True, False, False), "anthropic": (True, False, True),
+           "native": (False, False, False)}
+
+
 class EventStream:
     """An ASGI response streaming ``events`` (dicts) as SSE; ``on_close()`` runs however it ends.
 
-    An exception from the events after the first byte is sent as an ``{"error": ...}``
-    event (OpenAI's clients raise it), followed by ``[DONE]``.
+    ``shape="openai"`` (chat and text completions): ``data:`` lines and a final ``data: [DONE]``;
+    an exception from the events after the first byte is sent as an ``{"error": ...}`` event
+    (OpenAI's clients raise it), then ``[DONE]``. ``"responses"`` (OpenAI's Responses API): each
+    event is also named by its ``type`` (``event: response.created``), no ``[DONE]``.
+    ``"anthropic"``: named events, no ``[DONE]``, an error is Anthropic's ``error`` event.
+    ``"native"`` (llama-server's /completion): ``data:`` lines, no ``[DONE]``.
     """
 
-    def __init__(self, events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None]):
+    def __init__(self, events: AsyncIterator[dict[str, Any]], on_close: Callable[[], None], *,
+                 shape: str = "openai"):
+        if shape not in _SHAPES:
+            raise ValueError(f"shape={shape!r}: expected one of {sorted(_SHAPES)}")
         self.events = events
         self.on_close = on_close
+        self.named, self.done, self.anthropic = _SHAPES[shape]
+
+    def _event(self, data: dict[str, Any]) -> bytes:
+        if self.named:
+            return b"event: " + str(data.get("type", "message")).encode() + b"\n" + event(data)
+        return event(data)
+
+    def _error(self, error: Any) -> bytes:
+        body = error.anthropic_body() if self.anthropic else error.body()
+        if self.named and not self.anthropic:
+            body = {"type": "error", **body}  # (a Responses stream's events are named by their type)
+        return self._event(body)
+
+    def _done(self) -> bytes:
+        return b"data: [DONE]\n\n" if self.done else b""
+
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def body(data: bytes, more: bool = True) -> None:
@@ -69,12 +97,12 @@ class EventStream:
                     started = True
                     try:
                         async for data in self.events:
-                            await body(event(data))
+                            await body(self._event(data))
                     except _Gone:
                         raise
                     except Exception as exc:  # (cancellation is not an Exception: it passes)
-                        await body(event(from_exception(exc).body()))
-                    await body(b"data: [DONE]\n\n", more=False)
+                        await body(self._error(from_exception(exc)))
+                    await body(self._done(), more=False)
                     ended = True
                 except (_Gone, OSError):
                     pass
@@ -87,8 +115,8 @@ class EventStream:
             if started and not ended:
                 with anyio.move_on_after(1, shield=True):
                     try:
-                        await body(event(Unavailable("the server is shutting down").body()))
-                        await body(b"data: [DONE]\n\n", more=False)
+                        await body(self._error(Unavailable("the server is shutting down")))
+                        await body(self._done(), more=False)
                     except Exception:  # (gone, or the server refuses to send any more)
                         pass
         finally:
