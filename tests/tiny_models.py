@@ -53,8 +53,10 @@ def _ones(n: int) -> np.ndarray:
 
 def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
-                     chat_template: str | None = None) -> Path:
-    """A 2-layer ``llama`` model with random f32 weights (about 2 x n_vocab x n_embd floats)."""
+                     chat_template: str | None = None, fim_tokens: tuple[int, ...] | None = None) -> Path:
+    """A 2-layer ``llama`` model with random f32 weights (about 2 x n_vocab x n_embd floats).
+
+    ``fim_tokens``: ids of the fill-in-the-middle tokens (pre, suf, mid[, pad, rep, sep]) to declare."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama-test")
@@ -71,6 +73,8 @@ def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
     n_vocab = copy_tokenizer(writer, vocab_path)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for name, token in zip(("pre", "suf", "mid", "pad", "rep", "sep"), fim_tokens or ()):
+        writer.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
 
     w = _random(rng, 0.5)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from ctypes import create_string_buffer
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -47,6 +47,17 @@ def encode_text(text: str) -> bytes:
         raise TokenizationError(
             f"text holds a character that cannot be encoded as UTF-8 at index {exc.start} "
             f"({text[exc.start:exc.end]!r}, a lone surrogate?)") from None
+
+
+class FimTokens(NamedTuple):
+    """A vocabulary's fill-in-the-middle tokens (``Vocab.fim``); None where it has none."""
+
+    pre: int | None
+    suf: int | None
+    mid: int | None
+    pad: int | None
+    rep: int | None
+    sep: int | None
 
 
 class Vocab:
@@ -241,6 +252,14 @@ class Vocab:
     @property
     def sep(self) -> int | None:
         return self._special(self._lib.llama_vocab_sep)
+
+    @property
+    def fim(self) -> FimTokens:
+        """The fill-in-the-middle tokens (None where the vocabulary has none)."""
+        lib = self._lib
+        return FimTokens(*(self._special(fn) for fn in (lib.llama_vocab_fim_pre, lib.llama_vocab_fim_suf,
+                                                        lib.llama_vocab_fim_mid, lib.llama_vocab_fim_pad,
+                                                        lib.llama_vocab_fim_rep, lib.llama_vocab_fim_sep)))
 
     @property
     def add_bos(self) -> bool:

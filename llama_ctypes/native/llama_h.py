@@ -586,6 +586,12 @@ PROTOTYPES = [
     ("llama_vocab_fim_suf", [llama_vocab_p], llama_token),
     # llama_token llama_vocab_fim_mid(const struct llama_vocab * vocab);
     ("llama_vocab_fim_mid", [llama_vocab_p], llama_token),
+    # llama_token llama_vocab_fim_pad(const struct llama_vocab * vocab);
+    ("llama_vocab_fim_pad", [llama_vocab_p], llama_token),
+    # llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
+    ("llama_vocab_fim_rep", [llama_vocab_p], llama_token),
+    # llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
+    ("llama_vocab_fim_sep", [llama_vocab_p], llama_token),
     # int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len, llama_token * tokens,
     #                        int32_t n_tokens_max, bool add_special, bool parse_special);
     ("llama_tokenize", [llama_vocab_p, c_char_p, c_int32, _p_token, c_int32, c_bool, c_bool], c_int32),

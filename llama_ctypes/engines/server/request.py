@@ -105,6 +105,7 @@ class Request:
     cached_tokens: int = 0  # of those, tokens reused from a cache instead of computed
     seq_id: int | None = None  # the slot that served it
     generated: list[int] = field(default_factory=list)
+    piece_ends: list[int] = field(default_factory=list)  # len(generated) when each text piece was sent
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     cancel_requested: bool = False

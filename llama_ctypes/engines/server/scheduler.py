@@ -423,8 +423,10 @@ class Scheduler:
         text = request.text
         if text is not None:
             piece = text.push(tok)
-            if piece and not request.channel.put(piece):
-                request.cancel_requested = True  # its consumer is gone (its event loop was closed)
+            if piece:
+                request.piece_ends.append(len(request.generated))  # (before the piece is seen)
+                if not request.channel.put(piece):
+                    request.cancel_requested = True  # its consumer is gone (its event loop was closed)
             if text.stopped:
                 self.finish(slot, request, Status.FINISHED, "stop")
                 return
@@ -440,6 +442,7 @@ class Scheduler:
             if text.stopped:
                 reason = "stop"
             if piece:
+                request.piece_ends.append(len(request.generated))
                 request.channel.put(piece)
         self.finish(slot, request, Status.FINISHED, reason)
 

@@ -171,6 +171,7 @@ class Server:
             lease = self._lease = ctx.lease()  # the scheduler thread is its only user from now on
             self.n_parallel = n_parallel
             self.n_ctx = min(n_ctx, ctx.n_ctx_seq)
+            self.n_batch = n_batch
             self.batch_strategy = strategy
             self.speculative = speculative
             self.n_draft = n_draft if speculative is not None else 0
