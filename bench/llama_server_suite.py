@@ -122,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         print("llama-server is not built: LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py", file=sys.stderr)
         return 2
     files = [f.strip() for f in args.files.split(",") if f.strip()]
-    workdir = Path(tempfile.mkdtemp(prefix="llama-server-suite-"))
-    shutil.copytree(_source_tests(), workdir, dirs_exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="llama-server-suite-"))
+    source = _source_tests()
+    # The tests' own layout (tools/server/tests) next to the tree's models/, so that the paths they name
+    # (``../../../models/templates/...``) resolve, as they do in llama.cpp's checkout.
+    workdir = root / "tools" / "server" / "tests"
+    shutil.copytree(source, workdir)
+    (root / "models").symlink_to(source.parent.parent.parent / "models")
     launcher = workdir / "launch.py"
     launcher.write_text(LAUNCHER.format(python=sys.executable, model=model, llama_server=str(server)))
     launcher.chmod(0o755)
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         print(f"\nwork folder: {workdir}")
     else:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -21,7 +21,7 @@ def free_port() -> int:
 class ServeProcess:
     """``python -m llama_ctypes serve ARGS --port <free>`` until :meth:`stop`; its log goes to ``log_path``."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None):
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, host: str = "127.0.0.1"):
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -29,7 +29,7 @@ class ServeProcess:
         env = dict(os.environ)
         env.pop("LLAMA_CTYPES_API_KEY", None)
         cmd = [sys.executable, "-m", "llama_ctypes", "--log-level", "INFO", "serve", *args,
-               "--host", "127.0.0.1", "--port", str(self.port)]
+               "--host", host, "--port", str(self.port)]
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self._log = open(log_path, "wb")

@@ -6,6 +6,7 @@ The server is started with llama-server's flag names, as llama.cpp's server test
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -132,3 +133,96 @@ def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     assert r.status_code == 400 and error["type"] == "exceed_context_size_error"
     assert error["code"] == "context_length_exceeded"  # (what OpenAI clients look for)
     assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
+
+
+BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+
+
+def _chat(server, **body):
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": BOOK, "max_tokens": 4, **body},
+                      timeout=60)
+
+
+def test_timings_come_with_every_reply_and_with_every_chunk_when_asked(server):
+    reply = _chat(server).json()
+    t = reply["timings"]
+    assert t["predicted_n"] == reply["usage"]["completion_tokens"]
+    assert t["prompt_n"] + t["cache_n"] == reply["usage"]["prompt_tokens"]
+    assert t["predicted_per_second"] > 0 and t["prompt_ms"] > 0
+    chunks = []
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", timeout=60,
+                      json={"messages": BOOK, "max_tokens": 4, "stream": True, "timings_per_token": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    first, *rest = chunks
+    assert "timings" not in first and first["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert all("timings" in c for c in rest)
+    assert rest[-1]["choices"] == [] and rest[-1]["timings"]["predicted_n"] == rest[-1]["usage"]["completion_tokens"]
+
+
+def test_verbose_shows_the_rendered_prompt(server):
+    prompt = httpx.post(f"{server.base_url}/apply-template", json={"messages": BOOK}).json()["prompt"]
+    reply = _chat(server, verbose=True).json()
+    verbose = reply["__verbose"]
+    assert verbose["prompt"] == prompt and verbose["tokens_predicted"] == reply["usage"]["completion_tokens"]
+    assert verbose["content"] == reply["choices"][0]["message"]["content"]
+    assert "__verbose" not in _chat(server).json()
+
+
+def test_a_final_assistant_message_is_continued(server):
+    base = httpx.post(f"{server.base_url}/apply-template", json={"messages": BOOK}).json()["prompt"]
+    prefill = BOOK + [{"role": "assistant", "content": "Whill"}]
+    verbose = _chat(server, messages=prefill, verbose=True).json()["__verbose"]
+    assert verbose["prompt"] == base + "Whill"  # no end of turn: the model goes on with the same word
+    explicit = _chat(server, messages=prefill, verbose=True, add_generation_prompt=False,
+                     continue_final_message=True).json()["__verbose"]
+    assert explicit["prompt"] == verbose["prompt"]
+    r = _chat(server, messages=prefill, add_generation_prompt=True, continue_final_message=True)
+    assert api_error(r, 400, "continue_final_message")
+    r = _chat(server, messages=prefill + [{"role": "assistant", "content": "again"}])
+    assert "2 or more assistant messages" in api_error(r, 400, "messages")["message"]
+    finished = _chat(server, messages=prefill, verbose=True, continue_final_message=False).json()["__verbose"]
+    assert finished["prompt"].startswith(base + "Whill<|im_end|>")  # (explicitly false: a finished turn)
+
+
+def test_input_tokens_count_what_a_reply_reads(server):
+    count = httpx.post(f"{server.base_url}/v1/chat/completions/input_tokens", json={"messages": BOOK}).json()
+    assert count == {"input_tokens": _chat(server).json()["usage"]["prompt_tokens"]}
+    assert httpx.post(f"{server.base_url}/chat/completions/input_tokens",
+                      json={"messages": BOOK}).json() == count
+
+
+def test_grammar_and_json_schema_fields_constrain_the_reply(server):
+    reply = _chat(server, grammar='root ::= "a"{5,5}', max_tokens=8).json()
+    assert reply["choices"][0]["message"]["content"] == "aaaaa"
+    reply = _chat(server, json_schema={"const": "42"}, max_tokens=8).json()
+    assert reply["choices"][0]["message"]["content"] == '"42"'
+    text = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 8,
+                                                                 "grammar": 'root ::= "b"{3}'}).json()
+    assert text["choices"][0]["text"] == "bbb" and "timings" in text
+    assert "GBNF" in api_error(_chat(server, grammar="root ::= this is (not valid GBNF"), 400)["message"]
+    r = _chat(server, grammar='root ::= "a"', json_schema={"const": 1})
+    assert "cannot be combined" in api_error(r, 400)["message"]
+
+
+def test_several_listen_addresses(tmp_path, tiny_model_path):
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    proc = ServeProcess([str(tiny_model_path), "-c", "1024"], tmp_path / "serve.log", api_key="k",
+                        host="127.0.0.1,::1")
+    try:
+        proc.wait_ready()
+        for host in ("127.0.0.1", "[::1]"):
+            url = f"http://{host}:{proc.port}"
+            assert httpx.get(f"{url}/health").status_code == 200
+            assert httpx.post(f"{url}/v1/completions", json={}).status_code == 401
+            r = httpx.post(f"{url}/v1/completions", headers=proc.headers, json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        proc.stop()

@@ -704,3 +704,18 @@ def test_tiny_model_output_validates_at_high_temperature(tiny_model):
             else:
                 assert done.finish_reason == "length"
     assert finished >= 5
+
+
+def test_draft7_tuples_are_read_as_prefix_items(accepts):
+    # llama-server reads {"items": [...]} (drafts 4 to 7) as a tuple; the 2020-12 check refused it.
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+              "items": [{"type": "integer"}, {"type": "string", "maxLength": 3}], "additionalItems": False}
+    check_samples(draft7, accepts=accepts)
+    modern = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}],
+              "items": False}
+    assert lc.grammar.from_json_schema(draft7) == lc.grammar.from_json_schema(modern)
+    # without $schema too (the form says which draft it is)
+    assert lc.grammar.from_json_schema({k: v for k, v in draft7.items() if k != "$schema"}) == \
+        lc.grammar.from_json_schema(modern)
+    with pytest.raises(lc.SchemaError):  # a 2020-12 schema keeps 2020-12's meaning: items must be a schema
+        lc.grammar.from_json_schema({**draft7, "$schema": "https://json-schema.org/draft/2020-12/schema"})

@@ -49,6 +49,9 @@ class ChatParams:
     that offer the choice; None = the template's default (llama-server passes True)."""
     add_generation_prompt: bool = True
     """End the prompt with the assistant turn's opening."""
+    continue_final_message: bool = False
+    """The last message is an assistant's reply to continue (a prefill): the prompt ends with its text,
+    without the end of its turn. Needs ``add_generation_prompt=False``."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """More variables for the template (``reasoning_effort="low"``, ...); not the renderer's own
     (``messages``, ``tools``, ``add_generation_prompt``, ``bos_token``, ``eos_token``): InvalidArgumentError."""
@@ -56,6 +59,9 @@ class ChatParams:
     """Separate thinking from the answer for templates that think."""
 
     def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidArgumentError("continue_final_message=True needs add_generation_prompt=False (the prompt "
+                                       "ends inside the last assistant message, not at a new turn)")
         if self.tools is not None and not all(isinstance(t, Mapping) for t in self.tools):
             raise InvalidArgumentError("tools must be a list of tool definitions (dicts)")
         check_template_kwargs(self.template_kwargs)
@@ -153,9 +159,39 @@ def render_prompt(model: Model, messages: Sequence[Message], params: ChatParams)
     if params.system is not None and not (msgs and msgs[0].get("role") == "system"):
         msgs.insert(0, {"role": "system", "content": params.system})
     template = template_for(model, params)
+    if params.continue_final_message:
+        return continue_final(lambda ms: template.render(ms, add_generation_prompt=False, tools=params.tools,
+                                                         **chat_variables(params)), msgs), template
     text = template.render(msgs, add_generation_prompt=params.add_generation_prompt, tools=params.tools,
                            **chat_variables(params))
     return text, template
+
+
+#: Put after the text of a message to continue, to find where that text ends in the rendered prompt.
+_CONTINUE_MARK = "\u2063lc-continue\u2063"
+
+
+def continue_final(render: Any, messages: Sequence[Message]) -> str:
+    """The prompt that continues the last message (an assistant's, with text and no tool calls):
+    ``render(messages)`` cut right after that message's text, so the model goes on writing it.
+
+    Raises InvalidArgumentError when the conversation cannot be continued, or when the template
+    does not keep the message's text as it is.
+    """
+    if not messages or messages[-1].get("role") != "assistant":
+        raise InvalidArgumentError("continue_final_message needs an assistant message last")
+    last = messages[-1]
+    if last.get("tool_calls"):
+        raise InvalidArgumentError("cannot continue an assistant message that contains tool calls")
+    content = last.get("content") or ""
+    if not isinstance(content, str):
+        raise InvalidArgumentError("the assistant message to continue must have text content")
+    text = render([*messages[:-1], {**last, "content": content + _CONTINUE_MARK}])
+    cut = text.rfind(_CONTINUE_MARK)
+    if cut < 0:
+        raise InvalidArgumentError("the chat template does not write the last assistant message as it is, "
+                                   "so it cannot be continued")
+    return text[:cut]
 
 
 def chat_variables(params: ChatParams) -> dict[str, Any]:

@@ -276,7 +276,9 @@ def formatter_for(model: Model, template: str | None = None) -> ChatFormatter:
 def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
               tool_choice: Any = "auto", parallel_tool_calls: bool | None = None, chat_template: str | None = None,
               enable_thinking: bool | None = None, template_kwargs: Mapping[str, Any] | None = None,
-              json_schema: Mapping[str, Any] | None = None, schema_limits: SchemaLimits | None = None) -> ChatPlan:
+              json_schema: Mapping[str, Any] | None = None, schema_limits: SchemaLimits | None = None,
+              add_generation_prompt: bool = True, continue_final_message: bool = False,
+              parse_reasoning: bool = True) -> ChatPlan:
     """Prepare a chat request (OpenAI fields) for generation on ``model``.
 
     With tools (and ``tool_choice`` other than ``"none"``), llama.cpp's chat code renders
@@ -285,6 +287,10 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     schema converter). ``parallel_tool_calls`` defaults to False. ``enable_thinking``:
     None = the template's default. ``schema_limits`` bounds the tools' schemas (default
     :data:`~llama_ctypes.core.json_schema.limits.DEFAULT_SCHEMA_LIMITS`).
+    ``add_generation_prompt`` and ``continue_final_message``: as :class:`~llama_ctypes.ChatParams`
+    (a continued message cannot be combined with tools: their formats start a new turn).
+    ``parse_reasoning=False``: a thinking model's reasoning stays in the content, markers included
+    (llama-server's ``reasoning_format: none``).
     """
     tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
     kwargs = check_template_kwargs(template_kwargs or {})
@@ -292,7 +298,8 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
         enable_thinking = kwargs["enable_thinking"]
     if not tools or mode == "none":
         params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs,
-                            tools=tools)
+                            tools=tools, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message)
         text, template = render_prompt(model, messages, params)
         formats = formats_for_template(template.source)
         options: dict[str, Any] = {}
@@ -302,24 +309,29 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
             options["json_schema"] = json_schema
 
         def output() -> ChatOutput:
-            splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
-            return _SplitterOutput(splitter)
+            if not (formats and parse_reasoning):
+                return _SplitterOutput(None)
+            return _SplitterOutput(ReasoningSplitter(formats, opens_inside_reasoning(text, formats)))
 
         return ChatPlan(prompt_tokens(model, text), options, output, None, text)
 
     if json_schema is not None:
         raise InvalidArgumentError("response_format with a JSON schema cannot be combined with tools")
+    if continue_final_message:
+        raise InvalidArgumentError("continuing the last assistant message cannot be combined with tools "
+                                   "(a tool-call format starts a new turn)")
     if chat_template is not None and "{" not in chat_template:
         # A llama.cpp built-in format name: no Jinja for llama.cpp's chat code to analyse.
         return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
-                             enable_thinking, kwargs)
+                             enable_thinking, kwargs, add_generation_prompt)
     formatter = formatter_for(model, chat_template)
     fmt = formatter.apply(messages, tools=tools, tool_choice=mode, parallel_tool_calls=bool(parallel_tool_calls),
                           enable_thinking=True if enable_thinking is None else enable_thinking,
-                          template_kwargs=kwargs)
+                          template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
+                          reasoning_format="deepseek" if parse_reasoning else "none")
     if not fmt.caps.get("supports_tool_calls", False):
         return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
-                             enable_thinking, kwargs)
+                             enable_thinking, kwargs, add_generation_prompt)
     options = {}
     if fmt.grammar:
         if not fmt.grammar_lazy:
@@ -487,8 +499,9 @@ class _GenericOutput(ChatOutput):
 
 def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]], mode: str,
                   parallel: bool, chat_template: str | None, enable_thinking: bool | None,
-                  kwargs: dict[str, Any]) -> ChatPlan:
-    params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs)
+                  kwargs: dict[str, Any], add_generation_prompt: bool = True) -> ChatPlan:
+    params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs,
+                        add_generation_prompt=add_generation_prompt)
     text, _ = render_prompt(model, _generic_messages(messages, tools, mode, parallel), params)
     options = {"json_schema": _generic_schema(tools, mode, parallel)}
     return ChatPlan(prompt_tokens(model, text), options, _GenericOutput, None, text)

@@ -157,7 +157,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--alias", "-a", help="the model's name in requests, or several comma-separated (as llama-server: "
                                          "the id is the first in sorted order); default: the file name without .gguf")
     p.add_argument("--tags", help="comma-separated tags listed with the model in /v1/models")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on, or several comma-separated (e.g. 127.0.0.1,::1), as llama-server")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); default: $LLAMA_CTYPES_API_KEY")
     p.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml)")
@@ -205,6 +206,13 @@ def _add_serve_parser(sub) -> None:
     slots.add_argument("--slots", dest="slots", action="store_true", default=True,
                        help="the /slots monitoring endpoint (default on)")
     slots.add_argument("--no-slots", dest="slots", action="store_false", help="answer /slots with 501")
+    p.add_argument("--verbose", "-v", "--log-verbose", action="store_true",
+                   help="debug logging, and llama-server's __verbose object in generation responses")
+    p.add_argument("--reasoning-format", "-rf", choices=["auto", "none", "deepseek", "deepseek-legacy"],
+                   default="auto", help="where a thinking model's reasoning goes: 'none' leaves it in the content; "
+                                        "the others put it in reasoning_content (the default, 'auto')")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="/infill prompts in suffix/prefix/middle order (for models trained that way)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")
     # What one request may ask for (a 400 beyond), and what clients may take (docs/http_server.md: Limits).
     limits = p.add_argument_group("limits")

@@ -133,6 +133,12 @@ def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLi
             schema = json.loads(schema)
         except (ValueError, RecursionError) as exc:
             raise SchemaError(f"the JSON schema is not valid JSON: {exc}") from exc
+    if isinstance(schema, Mapping) and _tuple_form(schema):
+        check_schema_size([schema], limits, hint=_LIMITS_HINT)  # (before the rewrite walks it)
+        try:
+            schema = _prefix_items(schema)
+        except RecursionError:
+            raise SchemaTooLargeError("the JSON schema is nested too deeply to convert") from None
     check_schema(schema, limits)
     limits = DEFAULT_SCHEMA_LIMITS if limits is None else limits
     key = (json.dumps(schema), limits.max_nodes)  # property order matters: the grammar keeps it
@@ -146,6 +152,31 @@ def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLi
     gbnf = _link(_convert(json.dumps(prepared.schema)), prepared.rules, prepared.key_sets)
     _GRAMMARS.put(key, gbnf)
     return gbnf
+
+
+def _tuple_form(schema: Mapping[str, Any]) -> bool:
+    """The schema writes tuples as drafts 4 to 7 did (``"items": [...]``), and names no later draft."""
+    draft = schema.get("$schema")
+    if draft is not None and not any(d in str(draft) for d in ("draft-04", "draft-06", "draft-07")):
+        return False
+    return '"items": [' in json.dumps(schema)
+
+
+def _prefix_items(node: Any) -> Any:
+    """Drafts 4-7's tuples in today's words: ``items: [A, B]`` and ``additionalItems: S`` become
+    ``prefixItems: [A, B]`` and ``items: S`` (llama.cpp's converter reads both forms the same way)."""
+    if isinstance(node, list):
+        return [_prefix_items(x) for x in node]
+    if not isinstance(node, Mapping):
+        return node
+    out = {k: _prefix_items(v) for k, v in node.items()}
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
+    if "$schema" in out:
+        del out["$schema"]  # (now in 2020-12's words)
+    return out
 
 
 class _GrammarCache:

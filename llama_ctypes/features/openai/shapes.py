@@ -15,7 +15,7 @@ from typing import Any, Literal, TypedDict
 
 __all__ = ["role_delta", "ChatCompletionMessage", "ChatCompletionChoice", "PromptTokensDetails", "CompletionUsage",
            "ChatCompletion", "ChatCompletionChunk", "Envelope", "FINISH_REASONS", "finish_reason", "usage",
-           "input_usage", "new_id", "new_call_id"]
+           "input_usage", "timings", "new_id", "new_call_id"]
 
 
 class ChatCompletionMessage(TypedDict, total=False):
@@ -86,6 +86,27 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def timings(t: Any) -> dict[str, Any]:
+    """llama-server's ``timings`` object from a generation's :class:`~llama_ctypes.Timings` (milliseconds):
+    the prompt tokens read from the cache (``cache_n``) and evaluated (``prompt_n``), the tokens generated
+    (``predicted_n``, timed from the first token to the last), and their rates."""
+    prompt_n = t.prompt_tokens - t.cached_tokens
+    predicted_n = t.generated_tokens
+
+    def per_token(ms: float, n: int) -> float:
+        return ms / n if n > 0 else 0.0
+
+    def per_second(ms: float, n: int) -> float:
+        return n * 1e3 / ms if ms > 0 else 0.0
+
+    return {"cache_n": t.cached_tokens, "prompt_n": prompt_n, "prompt_ms": t.prompt_ms,
+            "prompt_per_token_ms": per_token(t.prompt_ms, prompt_n),
+            "prompt_per_second": per_second(t.prompt_ms, prompt_n),
+            "predicted_n": predicted_n, "predicted_ms": t.generation_ms,
+            "predicted_per_token_ms": per_token(t.generation_ms, predicted_n),
+            "predicted_per_second": per_second(t.generation_ms, predicted_n)}
 
 
 def input_usage(prompt_tokens: int) -> dict[str, int]:

@@ -28,9 +28,13 @@ from .errors import APIError
 from .limits import RequestLimits
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
-from .routes.chat import apply_template, chat_completions
+from .routes.chat import apply_template, chat_completions, input_tokens
 from .routes.completions import completions
 from .routes.embeddings import embeddings, rerank
+from .routes.messages import count_tokens, messages
+from .routes.native import completion, infill
+from .routes.responses import input_tokens as response_input_tokens
+from .routes.responses import responses
 from .routes.service import detokenize, health, metrics, models, props, slots, tokenize
 from .routing import ModelSettings, Router
 
@@ -40,6 +44,15 @@ logger = logging.getLogger(__name__)
 _ROUTES = [
     (("/v1/chat/completions", "/chat/completions"), ["POST"], chat_completions, "chat_completions"),
     (("/v1/completions", "/completions"), ["POST"], completions, "completions"),
+    (("/completion",), ["POST"], completion, "completion"),
+    (("/infill",), ["POST"], infill, "infill"),
+    (("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ["POST"], input_tokens,
+     "input_tokens"),
+    (("/v1/responses", "/responses"), ["POST"], responses, "responses"),
+    (("/v1/responses/input_tokens", "/responses/input_tokens"), ["POST"], response_input_tokens,
+     "response_input_tokens"),
+    (("/v1/messages",), ["POST"], messages, "messages"),
+    (("/v1/messages/count_tokens",), ["POST"], count_tokens, "count_tokens"),
     (("/v1/embeddings", "/embeddings"), ["POST"], embeddings, "embeddings"),
     (("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"), ["POST"], rerank, "rerank"),
     (("/v1/models", "/models"), ["GET"], models, "models"),
@@ -71,7 +84,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(manager: ModelManager, *, api_key: str | None = None,
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                limits: RequestLimits | None = None, close_manager: bool = False,
-               slots_endpoint: bool = True) -> Starlette:
+               slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
+               spm_infill: bool = False) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -86,7 +100,15 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
             bytes, schema sizes); beyond them, a 400 naming the limit.
         close_manager: close the manager when the app shuts down.
         slots_endpoint: serve ``/slots`` (False: 501, as llama-server's ``--no-slots``).
+        verbose: generation responses carry llama-server's ``__verbose`` debug object (the rendered prompt,
+            the raw output, ...) unless a request sets ``"verbose": false``.
+        reasoning_format: ``"none"`` leaves a thinking model's reasoning in the content; ``"auto"``,
+            ``"deepseek"`` and ``"deepseek-legacy"`` put it in ``reasoning_content`` (a request's own
+            ``reasoning_format`` wins).
+        spm_infill: ``/infill`` prompts put the suffix before the prefix (for models trained that way).
     """
+    if reasoning_format not in ("auto", "none", "deepseek", "deepseek-legacy"):
+        raise ValueError(f"reasoning_format={reasoning_format!r}: expected auto, none, deepseek or deepseek-legacy")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
     if api_key is not None and not api_key:
@@ -98,7 +120,8 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
     router = Router(manager, models)
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_key=api_key,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
-                         slots_endpoint=slots_endpoint)
+                         slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
+                         spm_infill=spm_infill)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

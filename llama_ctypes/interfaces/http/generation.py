@@ -17,6 +17,7 @@ from starlette.requests import Request
 
 from ...engines.server import Server
 from ...errors import CancelledError
+from ...features.openai.shapes import timings
 from .schemas import SamplingFields
 from .streaming import until_disconnect
 
@@ -46,10 +47,26 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["penalty_repeat"] = req.repeat_penalty
     if req.ignore_eos is not None:
         opts["ignore_eos"] = req.ignore_eos
+    if req.cache_prompt is not None:
+        opts["cache_prompt"] = req.cache_prompt
     if req.logit_bias:
         # OpenAI: -100 bans the token (llama.cpp: a bias of -inf)
         opts["logit_bias"] = {int(k): (float("-inf") if v <= -100 else v) for k, v in req.logit_bias.items()}
     return opts
+
+
+#: llama-server's ``stop_type`` for a finish reason.
+_STOP_TYPES = {"eog": "eos", "stop": "word", "length": "limit"}
+
+
+def verbose_fields(stream: Any, prompt_text: str, text: str) -> dict[str, Any]:
+    """llama-server's ``__verbose`` object of a finished request: the prompt as rendered, the raw output,
+    token counts, how it stopped, its timings."""
+    return {"prompt": prompt_text, "content": text, "tokens": list(stream.tokens),
+            "tokens_predicted": len(stream.tokens), "tokens_evaluated": stream.prompt_tokens,
+            "tokens_cached": stream.timings.cached_tokens,
+            "stop_type": _STOP_TYPES.get(stream.finish_reason or "", "none"), "stopping_word": stream.stop_word or "",
+            "truncated": False, "timings": timings(stream.timings)}
 
 
 def merge_options(user: dict[str, Any], required: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
 _INT32_MAX = 2**31 - 1
 
-_UNSUPPORTED_PARTS = {"image_url": "images", "input_audio": "audio", "file": "files", "input_image": "images"}
+_UNSUPPORTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file", "input_image": "image"}
 
 
 class _Body(BaseModel):
@@ -87,8 +87,8 @@ class Message(BaseModel):
         for i, part in enumerate(content):
             kind = part.get("type")
             if kind in _UNSUPPORTED_PARTS:
-                raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} ({kind!r}) are not supported "
-                                 "by this server (text only)")
+                raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported by this "
+                                 f"server ({kind!r}; text only)")
             if kind != "text":
                 raise ValueError(f"content part {i}: unknown type {kind!r} (expected 'text')")
             if not isinstance(part.get("text"), str):
@@ -128,6 +128,13 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # llama-server's extensions
+    grammar: str | None = None  # GBNF the output must follow
+    json_schema: dict[str, Any] | None = None  # a JSON Schema the output must follow
+    cache_prompt: bool | None = None  # keep the slot's KV for a later request with the same prefix
+    timings_per_token: bool = False  # every streamed chunk carries ``timings``
+    verbose: bool | None = None  # the response carries ``__verbose`` (default: ``serve --verbose``)
+    id_slot: int | None = None  # accepted; the scheduler places requests (see docs/http_server.md)
 
     @field_validator("logit_bias")
     @classmethod
@@ -164,12 +171,169 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    reasoning_format: Literal["auto", "none", "deepseek", "deepseek-legacy"] | None = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        constraints = [name for name in ("grammar", "json_schema", "response_format")
+                       if getattr(self, name) is not None and not (
+                           name == "response_format" and self.response_format.schema() is None)]  # type: ignore
+        if len(constraints) > 1:
+            raise ValueError(f"{' and '.join(constraints)} cannot be combined: give one constraint")
+        if self.grammar is not None and self.tools and self.tool_choice != "none":
+            raise ValueError("a custom grammar cannot be combined with tools")
         return self
+
+    def output_schema(self) -> Mapping[str, Any] | None:
+        """The JSON Schema the reply must follow (``response_format``, or llama-server's ``json_schema``)."""
+        if self.json_schema is not None:
+            return self.json_schema
+        return self.response_format.schema() if self.response_format is not None else None
+
+    def continuation(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message) as llama-server decides them: a conversation
+        that ends with an assistant's text continues it (a prefill) unless continue_final_message says
+        otherwise (an explicit false renders it as a finished turn)."""
+        add = True if self.add_generation_prompt is None else self.add_generation_prompt
+        cont = bool(self.continue_final_message)
+        msgs = self.messages
+        if self.continue_final_message is None and msgs and msgs[-1].role == "assistant" \
+                and not msgs[-1].tool_calls:  # (a pending tool call is no text to continue)
+            if len(msgs) >= 2 and msgs[-2].role == "assistant":
+                raise BadRequest("cannot have 2 or more assistant messages at the end of the list",
+                                 param="messages")
+            return False, True
+        if cont and add:
+            raise BadRequest("add_generation_prompt and continue_final_message cannot both be true",
+                             param="continue_final_message")
+        return add, cont
+
+
+class MessagesCountRequest(_Body):
+    """Anthropic's ``/v1/messages/count_tokens`` body (blocks are checked as they are converted:
+    :func:`llama_ctypes.features.anthropic.to_openai`)."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class MessagesRequest(MessagesCountRequest):
+    """Anthropic's ``/v1/messages`` body (``max_tokens`` may be left out, as llama-server allows)."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, le=_INT32_MAX)
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, stop: list[str] | None) -> list[str] | None:
+        return SamplingFields._stops(stop)  # type: ignore[no-any-return]
+
+
+class ResponsesCountRequest(_Body):
+    """OpenAI's ``/v1/responses/input_tokens`` body (items are checked as they are converted:
+    :func:`llama_ctypes.features.openai.responses.to_chat`)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]] = ""
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ResponsesRequest(ResponsesCountRequest):
+    """OpenAI's ``/v1/responses`` body (and llama-server's sampling extensions)."""
+
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, le=_INT32_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+    store: bool | None = None  # (nothing is stored either way: the server is stateless)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    timings_per_token: bool = False
+    verbose: bool | None = None
+    cache_prompt: bool | None = None
+
+
+#: Most alternatives per token of llama-server's ``n_probs``.
+MAX_N_PROBS = 100
+
+
+class NativeCompletionRequest(_Body):
+    """llama-server's ``/completion`` body (its field names; the prompt is checked as it is tokenized)."""
+
+    model: str | None = None
+    prompt: Any = ""
+    n_predict: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=-1)  # (llama-server's alias of n_predict)
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, le=_INT32_MAX)
+    top_p: float | None = Field(None, ge=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None  # -1: a random one
+    stop: list[str] | None = None
+    stream: bool = False
+    n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    post_sampling_probs: bool = False
+    cache_prompt: bool | None = None
+    return_tokens: bool = False
+    logit_bias: list[Any] | dict[str, Any] | None = None
+    ignore_eos: bool | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
+    response_fields: list[str] | None = None
+    timings_per_token: bool = False
+    repeat_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    id_slot: int | None = None  # accepted; the scheduler places requests (see docs/http_server.md)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: list[str] | None) -> list[str] | None:
+        return SamplingFields._stops(stop)  # type: ignore[no-any-return]
+
+
+class InfillRequest(NativeCompletionRequest):
+    """llama-server's ``/infill`` body: the text around the gap, and more files for context."""
+
+    input_prefix: str | list[Any]
+    input_suffix: str | list[Any]
+    input_extra: list[Any] | None = None
+    prompt: str = ""
+
+
+class ConvertedChatRequest(ChatCompletionRequest):
+    """A chat request converted from another API: an empty conversation is allowed (llama-server renders
+    whatever the template makes of it)."""
+
+    messages: list[Message] = Field(default_factory=list)
 
 
 class CompletionRequest(SamplingFields):
@@ -278,16 +442,27 @@ def parse(cls: type[T], body: bytes) -> T:
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        first = errors[0]
-        if first["type"] == "json_invalid":
-            raise BadRequest(f"the body is not valid JSON: {first['msg']}", code="invalid_json") from None
-        if first["type"] == "model_type" and not first["loc"]:
-            raise BadRequest("the body must be a JSON object") from None
-        param = param_name(first["loc"])
-        msg = first["msg"]
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        if first["type"] == "missing":
-            msg = "this field is required"
-        raise BadRequest(f"invalid '{param}': {msg}" if param else msg, param=param) from None
+        raise _bad_request(exc) from None
+
+
+def parse_object(cls: type[T], fields: Mapping[str, Any]) -> T:
+    """Validate fields built by the server (a request converted from another API) as :func:`parse` does."""
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        raise _bad_request(exc) from None
+
+
+def _bad_request(exc: ValidationError) -> BadRequest:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return BadRequest(f"the body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] == "model_type" and not first["loc"]:
+        return BadRequest("the body must be a JSON object")
+    param = param_name(first["loc"])
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if first["type"] == "missing":
+        msg = "this field is required"
+    return BadRequest(f"invalid '{param}': {msg}" if param else msg, param=param)

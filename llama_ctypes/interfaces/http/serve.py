@@ -277,6 +277,30 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return requests, connections
 
 
+def listen_sockets(hosts: list[str], port: int) -> list[Any]:
+    """Bound sockets on every address (llama-server's ``--host a,b``); a host that cannot be bound stops
+    the server with the reason, as a single host does."""
+    import socket
+
+    out = []
+    try:
+        for host in hosts:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            family, kind, proto, _, address = infos[0]
+            sock = socket.socket(family, kind, proto)
+            out.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # (its IPv4 twin is listed apart)
+            sock.bind(address)
+            sock.set_inheritable(True)
+    except OSError as exc:
+        for sock in out:
+            sock.close()
+        raise SystemExit(f"llama-ctypes serve: cannot listen on {host}:{port}: {exc}") from None
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the models in the background and serve until interrupted."""
     try:
@@ -292,8 +316,15 @@ def run(args: argparse.Namespace) -> int:
     limits, connections = limits_from_args(args)
     pin_mmap_threshold()  # (before the models load and the worker threads start)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    hosts = [h.strip() for h in args.host.split(",") if h.strip()]
+    if not hosts:
+        raise SystemExit(f"llama-ctypes serve: --host {args.host!r}: no address")
+    for host in hosts:
+        if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+            logger.warning("serving on %s without an API key: anyone who can reach it can use it", host)
+    verbose = bool(getattr(args, "verbose", False))
+    if verbose:
+        logging.getLogger("llama_ctypes").setLevel(logging.DEBUG)
     manager = ModelManager(memory_budget=budget)
     settings = {}
     try:
@@ -304,12 +335,15 @@ def run(args: argparse.Namespace) -> int:
         if not specs:
             logger.warning("no model given: serving with none loaded (llama-server's router mode)")
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
-                         limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True))
+                         limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True),
+                         verbose=verbose, reasoning_format=getattr(args, "reasoning_format", "auto"),
+                         spm_infill=getattr(args, "spm_infill", False))
     except BaseException:
         manager.close()
         raise
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level in ("debug", "info"),
+    sockets = listen_sockets(hosts, args.port) if len(hosts) > 1 else None
+    config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level=level, access_log=level in ("debug", "info"),
                             lifespan="on", timeout_graceful_shutdown=5, log_config=None,
                             http=guarded_protocol(connections), timeout_keep_alive=connections.keep_alive_timeout)
     server = uvicorn.Server(config)
@@ -323,12 +357,15 @@ def run(args: argparse.Namespace) -> int:
 
     for model_id, future in loads:
         future.add_done_callback(lambda f, m=model_id: loaded(m, f))
-    print(f"llama-ctypes serve: http://{args.host}:{args.port} ({', '.join(s['id'] for s in specs) or 'no model'})",
+    urls = ", ".join(f"http://{'[' + h + ']' if ':' in h else h}:{args.port}" for h in hosts)
+    print(f"llama-ctypes serve: {urls} ({', '.join(s['id'] for s in specs) or 'no model'})",
           file=sys.stderr, flush=True)
     try:
-        server.run()
+        server.run(sockets=sockets)
     finally:
         manager.close()  # (also when uvicorn could not start: the lifespan never ran)
+        for sock in sockets or ():
+            sock.close()
     if failed:
         for line in failed:
             print(f"llama-ctypes serve: error: loading {line}", file=sys.stderr)

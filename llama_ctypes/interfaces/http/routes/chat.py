@@ -20,11 +20,20 @@ from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.json_schema.limits import SchemaLimits, check_schema_size
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
-from ....features.openai.shapes import Envelope, finish_reason, role_delta, usage
+from ....features.openai.shapes import Envelope, finish_reason, role_delta, timings, usage
 from ....features.tool_calls import plan_chat
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
-from ..generation import cancel_all, chat_logprobs, gather_all, merge_options, new_logprobs, sampling_options, submit
+from ..generation import (
+    cancel_all,
+    chat_logprobs,
+    gather_all,
+    merge_options,
+    new_logprobs,
+    sampling_options,
+    submit,
+    verbose_fields,
+)
 from ..limits import over_limit
 from ..schemas import ChatCompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
@@ -47,22 +56,27 @@ def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[st
     return thinking, kwargs
 
 
-def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None,
-          limits: SchemaLimits) -> tuple[Any, dict[str, Any]]:
+def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, limits: SchemaLimits,
+          reasoning_format: str = "auto") -> tuple[Any, dict[str, Any]]:
     """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
     converts the JSON schema to a grammar)."""
     thinking, kwargs = _template_options(body)
-    schema = body.response_format.schema() if body.response_format is not None else None
+    add_generation_prompt, continue_final = body.continuation()
+    schema = body.output_schema()
     if schema is not None:  # (tools are measured by plan_chat, before llama.cpp's chat code converts them)
         check_schema_size([schema], limits, what="the response_format schema", hint=_SCHEMA_HINT)
     plan = plan_chat(model, [m.for_template() for m in body.messages], tools=body.tools,
                      tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
                      parallel_tool_calls=body.parallel_tool_calls, chat_template=chat_template,
-                     enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema, schema_limits=limits)
+                     enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema, schema_limits=limits,
+                     add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                     parse_reasoning=(body.reasoning_format or reasoning_format) != "none")
     options = dict(plan.options)
     if options.get("json_schema") is not None:
         # converted here, off the event loop (the server's sampler would do it on submission)
         options["grammar"] = json_schema_to_gbnf(options.pop("json_schema"), limits)
+    if body.grammar is not None:
+        options["grammar"] = body.grammar
     return plan, options
 
 
@@ -78,24 +92,40 @@ def _truncated(stream: Any) -> bool:
     return stream.finish_reason in (None, "length")
 
 
-@endpoint
-async def chat_completions(request: Request, app: AppContext) -> Response:
-    body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
-    if body.n > app.limits.max_choices:
-        raise over_limit("n", body.n, app.limits.max_choices, "--max-choices", param="n")
+async def plan_request(app: AppContext, body: ChatCompletionRequest) -> tuple[str, Any, Any, dict[str, Any]]:
+    """(model id, its server, the chat plan, the generation options) of a chat request: rendered,
+    tokenized and its schema compiled in a worker thread. Nothing is submitted."""
     model_id, server = app.router.server(body.model)
     template = app.router.chat_template_of(model_id, server.model)
     try:
         plan, required = await anyio.to_thread.run_sync(
-            functools.partial(_plan, server.model, body, template, app.limits.schema))
+            functools.partial(_plan, server.model, body, template, app.limits.schema, app.reasoning_format))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
-        raise from_exception(e, param="response_format" if body.response_format is not None else "tools") from None
+        param = "json_schema" if body.json_schema is not None else \
+            "response_format" if body.response_format is not None else "tools"
+        raise from_exception(e, param=param) from None
     opts = merge_options(sampling_options(body, body.max_completion_tokens or body.max_tokens), required)
     if body.logprobs:
         opts["logprobs"] = body.top_logprobs or 0
-    streams = await submit(request, server, [plan.prompt], opts, body.n)
+    return model_id, server, plan, opts
+
+
+async def start_chat(request: Request, app: AppContext, body: ChatCompletionRequest) -> tuple[str, Any, list]:
+    """(model id, chat plan, the choices' async streams) of a chat request submitted to its model's server
+    (``body.n`` requests, queued as one unit)."""
+    if body.n > app.limits.max_choices:
+        raise over_limit("n", body.n, app.limits.max_choices, "--max-choices", param="n")
+    model_id, server, plan, opts = await plan_request(app, body)
+    return model_id, plan, await submit(request, server, [plan.prompt], opts, body.n)
+
+
+@endpoint
+async def chat_completions(request: Request, app: AppContext) -> Response:
+    body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
+    model_id, plan, streams = await start_chat(request, app, body)
     try:
-        reply = _Reply(app, model_id, body, streams, [plan.output() for _ in streams], len(plan.prompt))
+        reply = _Reply(app, model_id, body, streams, [plan.output() for _ in streams], len(plan.prompt),
+                       plan.prompt_text)
     except BaseException:
         cancel_all(streams)
         raise
@@ -109,11 +139,20 @@ class _Reply:
     """One chat request's choices, as one response or as a stream of chunks."""
 
     def __init__(self, app: AppContext, model_id: str, body: ChatCompletionRequest, streams: list, outputs: list,
-                 prompt_tokens: int):
+                 prompt_tokens: int, prompt_text: str):
         self.app, self.model_id, self.body = app, model_id, body
         self.streams, self.outputs = streams, outputs
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens, self.prompt_text = prompt_tokens, prompt_text
         self.envelope = Envelope("chat", model_id, SYSTEM_FINGERPRINT, body.include_usage)
+        self.verbose = app.verbose if body.verbose is None else body.verbose
+
+    def _extras(self, response: dict[str, Any]) -> dict[str, Any]:
+        """llama-server's fields on a finished response: ``timings`` (of the first choice), ``__verbose``."""
+        first = self.streams[0]
+        response["timings"] = timings(first.timings)
+        if self.verbose:
+            response["__verbose"] = verbose_fields(first, self.prompt_text, self.outputs[0].text)
+        return response
 
     def _usage(self) -> dict[str, Any]:
         cached = min((s.timings.cached_tokens for s in self.streams), default=0)
@@ -136,7 +175,7 @@ class _Reply:
 
     async def complete(self) -> dict[str, Any]:
         choices = await gather_all([self._choice(i) for i in range(len(self.streams))], self.streams)
-        return self.envelope.response(choices, self._usage())
+        return self._extras(self.envelope.response(choices, self._usage()))
 
     # ---- a stream of chunks ----
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,14 +200,21 @@ class _Reply:
                 new, sent = new_logprobs(stream, sent)
                 pending += new
             for delta in deltas:
-                yield self._chunk([choice(delta)])
+                chunk = self._chunk([choice(delta)])
+                if self.body.timings_per_token:
+                    chunk["timings"] = timings(stream.timings)
+                yield chunk
         for delta in await out.aend(_truncated(stream)):
             yield self._chunk([choice(delta)])
         if want_logprobs:
             pending += new_logprobs(stream, sent)[0]
         message = out.message
         self._done(stream)
-        yield self._chunk([choice({}, _finish_reason(stream, message))])
+        last = self._chunk([choice({}, _finish_reason(stream, message))])
+        last["timings"] = timings(stream.timings)
+        if self.verbose:
+            last["__verbose"] = verbose_fields(stream, self.prompt_text, out.text)
+        yield last
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         for i in range(len(self.streams)):
@@ -177,14 +223,20 @@ class _Reply:
         async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):
             yield chunk
         if self.body.include_usage:
-            yield self.envelope.usage_chunk(self._usage())
+            yield self._extras(self.envelope.usage_chunk(self._usage()))
+
+
+@endpoint
+async def input_tokens(request: Request, app: AppContext) -> Response:
+    """llama-server's ``/v1/chat/completions/input_tokens``: the prompt's token count (nothing generated)."""
+    body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
+    _, _, plan, _ = await plan_request(app, body)
+    return JSONResponse({"input_tokens": len(plan.prompt)})
 
 
 @endpoint
 async def apply_template(request: Request, app: AppContext) -> Response:
     """llama-server's /apply-template: the prompt text a chat request renders to (nothing generated)."""
     body = parse(ChatCompletionRequest, await read_body(request, app.max_body_bytes))
-    model_id, server = app.router.server(body.model)
-    template = app.router.chat_template_of(model_id, server.model)
-    plan, _ = await anyio.to_thread.run_sync(functools.partial(_plan, server.model, body, template, app.limits.schema))
+    _, _, plan, _ = await plan_request(app, body)
     return JSONResponse({"prompt": plan.prompt_text})

@@ -15,9 +15,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ....core.generation import GenerationParams
+from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.prompt import prompt_tokens
-from ....features.openai.shapes import Envelope, finish_reason, usage
+from ....errors import SchemaError
+from ....features.openai.shapes import Envelope, finish_reason, timings, usage
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
+from ..errors import BadRequest, from_exception
 from ..generation import cancel_all, completion_logprobs, gather_all, new_logprobs, sampling_options, submit
 from ..limits import over_limit
 from ..schemas import CompletionRequest, parse
@@ -32,6 +35,20 @@ def _tokenize(model: Any, prompts: list, n_ctx: int, echo: bool) -> tuple[list[l
     return ids, texts
 
 
+def _constraint(body: CompletionRequest, limits: Any) -> dict[str, Any]:
+    """The grammar option of llama-server's ``grammar`` or ``json_schema`` field (a worker thread)."""
+    if body.grammar is not None and body.json_schema is not None:
+        raise BadRequest("grammar and json_schema cannot be combined: give one constraint", param="json_schema")
+    if body.grammar is not None:
+        return {"grammar": body.grammar}
+    if body.json_schema is not None:
+        try:
+            return {"grammar": json_schema_to_gbnf(body.json_schema, limits)}
+        except SchemaError as e:
+            raise from_exception(e, param="json_schema") from None
+    return {}
+
+
 @endpoint
 async def completions(request: Request, app: AppContext) -> Response:
     body = parse(CompletionRequest, await read_body(request, app.max_body_bytes))
@@ -43,6 +60,7 @@ async def completions(request: Request, app: AppContext) -> Response:
     ids, echoed = await anyio.to_thread.run_sync(
         functools.partial(_tokenize, server.model, prompts, server.n_ctx, body.echo))
     opts = sampling_options(body, body.max_tokens)
+    opts.update(await anyio.to_thread.run_sync(functools.partial(_constraint, body, app.limits.schema)))
     if body.logprobs is not None:
         opts["logprobs"] = body.logprobs
     streams = await submit(request, server, ids, opts, body.n)
@@ -84,7 +102,7 @@ class _Reply:
 
     async def complete(self) -> dict[str, Any]:
         choices = await gather_all([self._choice(i) for i in range(len(self.streams))], self.streams)
-        return self.envelope.response(choices, self._usage())
+        return {**self.envelope.response(choices, self._usage()), "timings": timings(self.streams[0].timings)}
 
     def _chunk(self, index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
         return self.envelope.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
@@ -101,8 +119,10 @@ class _Reply:
             offset += len(piece)
         rest = new_logprobs(stream, sent)[0] if self.body.logprobs is not None else []
         self._done(stream)
-        yield self._chunk(index, "", self._logprobs(rest, offset) if rest else None,
-                          finish_reason(stream.finish_reason))
+        last = self._chunk(index, "", self._logprobs(rest, offset) if rest else None,
+                           finish_reason(stream.finish_reason))
+        last["timings"] = timings(stream.timings)
+        yield last
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         async for chunk in merge([self._choice_chunks(i) for i in range(len(self.streams))]):

@@ -105,18 +105,27 @@ _PARAM_NAMES = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_
 _RANDOM_SEED = 0xFFFFFFFF
 
 
-def _generation_settings(server: Any) -> dict[str, Any]:
+def generation_settings(server: Any, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """llama-server's generation settings (its names) of a request with ``options`` (server option names;
+    the rest from the server's defaults). Extra keys of ``options`` without a server name (``stream``,
+    ``n_probs``) pass as they are."""
     from ....core.generation import GenerationParams
     from ....core.params import split_options
     from ....core.sampler import SamplingParams
 
-    sampling, gen = split_options(server.defaults, SamplingParams, GenerationParams, where="server defaults")
+    merged = {**server.defaults, **{k: v for k, v in (options or {}).items() if k in _PARAM_NAMES}}
+    sampling, gen = split_options(merged, SamplingParams, GenerationParams, where="server defaults")
     values = {**vars(SamplingParams(**sampling)), **vars(GenerationParams(**gen))}
     params = {name: values[ours] for ours, name in _PARAM_NAMES.items()}
     params["stop"] = list(params["stop"])
     if params["seed"] is None:
         params["seed"] = _RANDOM_SEED
-    return {"n_ctx": server.n_ctx, "params": params}
+    params.update({k: v for k, v in (options or {}).items() if k not in _PARAM_NAMES and k in ("stream", "n_probs")})
+    return params
+
+
+def _generation_settings(server: Any) -> dict[str, Any]:
+    return {"n_ctx": server.n_ctx, "params": generation_settings(server)}
 
 
 def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str, Any]:
