@@ -42,14 +42,14 @@ class ServeProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        """Wait for /health to answer 200 (every model loaded)."""
+    def wait_ready(self, timeout: float = 180.0, path: str = "/health") -> None:
+        """Wait for /health (at ``path``) to answer 200 (every model loaded)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base_url}{path}", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

@@ -11,7 +11,7 @@ import threading
 
 import httpx
 import pytest
-from http_helpers import ServeProcess, api_error
+from http_helpers import ServeProcess, api_error, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -224,5 +224,88 @@ def test_several_listen_addresses(tmp_path, tiny_model_path):
             assert httpx.post(f"{url}/v1/completions", json={}).status_code == 401
             r = httpx.post(f"{url}/v1/completions", headers=proc.headers, json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_cors_keys_and_prefix_as_llama_server(tmp_path, tiny_model_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# the team's keys\nkey-one\n\nkey-two\n")
+    proc = ServeProcess([str(tiny_model_path), "-c", "1024", "--api-key-file", str(keys), "--api-prefix", "/llama",
+                         "--cors-origins", "localhost"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready(path="/llama/health")
+        url = f"{proc.base_url}/llama"
+        for key in ("key-one", "key-two"):
+            r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+        assert api_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+        assert httpx.get(f"{proc.base_url}/v1/models", headers={"x-api-key": "key-one"}).status_code == 404
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+        for origin, allowed in (("http://localhost:5173", True), ("http://[::1]", True),
+                                ("http://localhost.evil.com", False), ("https://example.org", False)):
+            r = httpx.options(f"{url}/v1/chat/completions", headers={"Origin": origin, **preflight})
+            assert r.status_code == 200  # (a preflight needs no key)
+            assert r.headers.get("access-control-allow-origin") == (origin if allowed else None)
+            if allowed:
+                assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+                assert r.headers["access-control-allow-credentials"] == "true"
+            r = httpx.get(f"{url}/v1/models", headers={"Origin": origin, "x-api-key": "key-two"})
+            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    finally:
+        proc.stop()
+
+
+def _status(url: str, model_id: str) -> str:
+    return next(m["status"]["value"] for m in httpx.get(f"{url}/models").json()["data"] if m["id"] == model_id)
+
+
+def test_router_loads_unloads_and_evicts_the_least_recently_used(tmp_path, tiny_model_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("a", "b", "c"):
+        (folder / f"{name}.gguf").symlink_to(tiny_model_path)
+    (folder / "mmproj-x.gguf").symlink_to(tiny_model_path)  # (a projector is not a model)
+    proc = ServeProcess(["--models-dir", str(folder), "--models-max", "2", "-c", "512", "--parallel", "1"],
+                        tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        url = proc.base_url
+        props = httpx.get(f"{url}/props").json()
+        assert props["role"] == "router" and props["max_instances"] == 2 and props["models_autoload"] is True
+        assert {m["id"]: m["status"]["value"] for m in httpx.get(f"{url}/models").json()["data"]} == \
+            {"a": "unloaded", "b": "unloaded", "c": "unloaded"}
+        # a request naming an unloaded model loads it first (autoload)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200 and r.json()["model"] == "a" and _status(url, "a") == "loaded"
+        assert httpx.post(f"{url}/models/load", json={"model": "b"}).json() == {"success": True}
+        assert wait_for(lambda: _status(url, "b") == "loaded", 60)
+        httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2}, timeout=60)
+        # a third model: the least recently used idle one (b) makes room
+        assert httpx.post(f"{url}/models/load", json={"model": "c"}).json() == {"success": True}
+        assert wait_for(lambda: _status(url, "c") == "loaded", 60)
+        assert _status(url, "b") == "unloaded" and _status(url, "a") == "loaded"
+        assert httpx.post(f"{url}/models/unload", json={"model": "a"}).json() == {"success": True}
+        assert _status(url, "a") == "unloaded"
+        assert api_error(httpx.post(f"{url}/models/load", json={"model": "nope"}), 404)
+        assert api_error(httpx.post(f"{url}/models/load", json={"model": "c"}), 400, "model")
+        assert api_error(httpx.post(f"{url}/models/unload", json={"model": "a"}), 400, "model")
+    finally:
+        proc.stop()
+
+
+def test_without_autoload_an_unloaded_model_answers_503(tmp_path, tiny_model_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "only.gguf").symlink_to(tiny_model_path)
+    proc = ServeProcess(["--models-dir", str(folder), "--no-models-autoload", "-c", "512"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        r = httpx.post(f"{proc.base_url}/v1/completions", json={"model": "only", "prompt": "x", "max_tokens": 2})
+        assert api_error(r, 503)["code"] == "model_not_loaded"
+        assert httpx.post(f"{proc.base_url}/models/load", json={"model": "only"}).status_code == 200
+        assert wait_for(lambda: _status(proc.base_url, "only") == "loaded", 60)
+        r = httpx.post(f"{proc.base_url}/v1/completions", json={"model": "only", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
     finally:
         proc.stop()

@@ -153,6 +153,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("model", nargs="?", help="GGUF file")
     p.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
     p.add_argument("--config", help="TOML file listing several models (see docs/http_server.md)")
+    p.add_argument("--models-dir", help="serve the GGUF files of this folder, each loaded when first used "
+                                        "(llama-server's router mode)")
+    p.add_argument("--models-max", type=int, help="most models loaded at once; loading another frees the least "
+                                                  "recently used idle one (as llama-server)")
+    p.add_argument("--no-models-autoload", action="store_true",
+                   help="a request naming an unloaded model gets 503; POST /models/load loads it")
     p.add_argument("--model", "-m", dest="model_flag", metavar="MODEL", help="GGUF file (as llama-server's -m)")
     p.add_argument("--alias", "-a", help="the model's name in requests, or several comma-separated (as llama-server: "
                                          "the id is the first in sorted order); default: the file name without .gguf")
@@ -160,7 +166,12 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on, or several comma-separated (e.g. 127.0.0.1,::1), as llama-server")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); default: $LLAMA_CTYPES_API_KEY")
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer KEY), or any of several "
+                                     "comma-separated; default: $LLAMA_CTYPES_API_KEY")
+    p.add_argument("--api-key-file", help="a file of API keys, one per line (as llama-server)")
+    p.add_argument("--api-prefix", help="serve every endpoint under this path prefix, e.g. /llama")
+    p.add_argument("--cors-origins", help="browser origins let in: '*' (default, as llama-server), 'localhost', "
+                                          "or a comma-separated list of origins")
     p.add_argument("--chat-template", help="Jinja template file, or a built-in format name (e.g. chatml)")
     p.add_argument("--chat-template-file", help="a file of Jinja template source (as llama-server)")
     p.add_argument("--embedding", "--embeddings", action="store_true",

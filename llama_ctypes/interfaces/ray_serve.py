@@ -51,7 +51,7 @@ PROMPT_KEY_LENGTH = 512
 CONSISTENT_HASH_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 
 _CHAT_PATHS = ("/chat/completions",)
-_COMPLETION_PATHS = ("/completions",)
+_COMPLETION_PATHS = ("/completions", "/completion")
 
 
 def _digest(value: Any) -> str:

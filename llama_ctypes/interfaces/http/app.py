@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import AsyncIterator, Mapping
+from typing import AsyncIterator, Mapping, Sequence
 
 import anyio
 from starlette.applications import Starlette
@@ -23,7 +23,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ...engines.manager import ModelManager
+from .catalog import Catalog
 from .common import MAX_BODY_BYTES, AppContext
+from .cors import CorsPolicy
 from .errors import APIError
 from .limits import RequestLimits
 from .metrics import Metrics
@@ -35,7 +37,7 @@ from .routes.messages import count_tokens, messages
 from .routes.native import completion, infill
 from .routes.responses import input_tokens as response_input_tokens
 from .routes.responses import responses
-from .routes.service import detokenize, health, metrics, models, props, slots, tokenize
+from .routes.service import detokenize, health, load_model, metrics, models, props, slots, tokenize, unload_model
 from .routing import ModelSettings, Router
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,8 @@ logger = logging.getLogger(__name__)
 #: (paths, methods, endpoint, the endpoint's label in the metrics)
 _ROUTES = [
     (("/v1/chat/completions", "/chat/completions"), ["POST"], chat_completions, "chat_completions"),
-    (("/v1/completions", "/completions"), ["POST"], completions, "completions"),
-    (("/completion",), ["POST"], completion, "completion"),
+    (("/v1/completions",), ["POST"], completions, "completions"),
+    (("/completion", "/completions"), ["POST"], completion, "completion"),  # (llama-server's own shape)
     (("/infill",), ["POST"], infill, "infill"),
     (("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ["POST"], input_tokens,
      "input_tokens"),
@@ -56,6 +58,8 @@ _ROUTES = [
     (("/v1/embeddings", "/embeddings"), ["POST"], embeddings, "embeddings"),
     (("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"), ["POST"], rerank, "rerank"),
     (("/v1/models", "/models"), ["GET"], models, "models"),
+    (("/models/load",), ["POST"], load_model, "models_load"),
+    (("/models/unload",), ["POST"], unload_model, "models_unload"),
     (("/health", "/v1/health"), ["GET"], health, "health"),
     (("/metrics",), ["GET"], metrics, "metrics"),
     (("/tokenize",), ["POST"], tokenize, "tokenize"),
@@ -81,11 +85,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=dict(exc.headers or {}))
 
 
-def create_app(manager: ModelManager, *, api_key: str | None = None,
+def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = None,
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                limits: RequestLimits | None = None, close_manager: bool = False,
                slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
-               spm_infill: bool = False) -> Starlette:
+               spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
+               catalog: Catalog | None = None, router_mode: bool = False) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -93,7 +98,7 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
             reranking one in ``direct`` mode). Loads may still be running: the model answers 503
             (and /health too) until it is ready.
         api_key: when set, every endpoint but /health needs ``Authorization: Bearer <key>``
-            (or ``X-Api-Key``).
+            (or ``X-Api-Key``); several keys: any of them.
         models: per-model HTTP settings by id (chat template, aliases).
         max_body_bytes: larger request bodies are refused with 413 while they are read.
         limits: what one request may ask for (:class:`RequestLimits`: choices, embedding inputs, tokenize
@@ -106,22 +111,35 @@ def create_app(manager: ModelManager, *, api_key: str | None = None,
             ``"deepseek"`` and ``"deepseek-legacy"`` put it in ``reasoning_content`` (a request's own
             ``reasoning_format`` wins).
         spm_infill: ``/infill`` prompts put the suffix before the prefix (for models trained that way).
+        cors_origins: browser origins answered with CORS headers: ``"*"`` (any, as llama-server),
+            ``"localhost"``, or a comma-separated list (see :class:`~.cors.CorsPolicy`).
+        api_prefix: serve every path under this prefix (``"/llama"``: ``/llama/v1/models``), as
+            llama-server's ``--api-prefix``.
+        catalog: models the server may load and unload while serving (:class:`~.catalog.Catalog`:
+            llama-server's router mode, ``/models/load``, ``/models/unload``, ``--models-max``).
+        router_mode: ``/props`` without ``?model=`` describes the router (several models or none).
     """
     if reasoning_format not in ("auto", "none", "deepseek", "deepseek-legacy"):
         raise ValueError(f"reasoning_format={reasoning_format!r}: expected auto, none, deepseek or deepseek-legacy")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
-    if api_key is not None and not api_key:
-        raise ValueError("api_key must not be empty (None disables the check)")
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key) if api_key is not None else ()
+    if api_key is not None and (not keys or not all(isinstance(k, str) and k for k in keys)):
+        raise ValueError("api_key must be a non-empty string or a list of them (None disables the check)")
+    if api_prefix and (not api_prefix.startswith("/") or api_prefix.endswith("/")):
+        raise ValueError(f"api_prefix={api_prefix!r}: expected a path such as '/llama' (no trailing slash)")
     if limits is None:
         limits = RequestLimits()
     elif not isinstance(limits, RequestLimits):
         raise ValueError(f"limits={limits!r}: expected a RequestLimits")
-    router = Router(manager, models)
-    context = AppContext(router=router, metrics=Metrics(router.server_stats), api_key=api_key,
+    if catalog is not None and catalog.manager is not manager:
+        raise ValueError("the catalog must be over the same manager")
+    router = Router(manager, models, catalog)
+    context = AppContext(router=router, metrics=Metrics(router.server_stats), api_keys=keys,
+                         cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
-                         spm_infill=spm_infill)
+                         spm_infill=spm_infill, router_mode=router_mode)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -14,6 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..._version import __version__
+from .cors import CorsPolicy
 from .errors import BodyTooLarge, Unavailable, from_exception, shape_of
 from .limits import RequestLimits
 from .metrics import Metrics
@@ -36,7 +37,9 @@ class AppContext:
 
     router: Router
     metrics: Metrics
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no key is asked for
+    cors: CorsPolicy = field(default_factory=lambda: CorsPolicy("*"))
+    api_prefix: str = ""  # every path is served under it (--api-prefix)
     max_body_bytes: int = MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     close_manager: bool = False
@@ -44,6 +47,7 @@ class AppContext:
     verbose: bool = False  # responses carry ``__verbose`` unless a request says otherwise (--verbose)
     reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
     spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
+    router_mode: bool = False  # several models (or none) rather than one: /props describes the router
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

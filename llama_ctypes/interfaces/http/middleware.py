@@ -1,4 +1,4 @@
-"""The ASGI layer around every endpoint: request counting, the API key, refusal while closing.
+"""The ASGI layer around every endpoint: request counting, the API keys, CORS, refusal while closing.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware), so streamed responses pass through untouched.
 """
@@ -11,14 +11,27 @@ from typing import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .common import AppContext
-from .errors import Unauthorized, Unavailable, shape_of
+from .errors import NotFound, Unauthorized, Unavailable, shape_of
 
 #: Paths that answer without the API key (as llama-server leaves its health check open).
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
 
+#: What a CORS preflight is told (llama-server's answer).
+_PREFLIGHT = [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
+              (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"86400")]
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
 
 class ServiceMiddleware:
-    """Counts every request by endpoint and status, checks the API key, refuses work while closing."""
+    """Counts every request by endpoint and status, answers CORS preflights, checks the API keys, refuses
+    work while closing. With an API prefix (llama-server's ``--api-prefix``), only paths under it are
+    served, and routing sees them without it."""
 
     def __init__(self, app: ASGIApp, context: AppContext, endpoint_of: Callable[[str], str]):
         self.app = app
@@ -31,16 +44,34 @@ class ServiceMiddleware:
             return
         ctx = self.context
         path = scope["path"]
+        outside = False
+        if ctx.api_prefix:
+            # ASGI's convention: the path keeps the prefix, root_path names it (routing takes it off)
+            outside = path != ctx.api_prefix and not path.startswith(ctx.api_prefix + "/")
+            path = path[len(ctx.api_prefix):] or "/"
+            scope = {**scope, "root_path": scope.get("root_path", "") + ctx.api_prefix}
         status = 500  # (unless a response starts)
+        cors = ctx.cors.headers(_header(scope, b"origin"))
 
         async def counting_send(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if cors:
+                    message = {**message, "headers": [*message.get("headers", []), *cors]}
             await send(message)
 
         try:
-            if ctx.api_key is not None and path not in OPEN_PATHS and not _authorized(scope, ctx.api_key):
+            if outside:
+                await NotFound("not found (this server answers under its --api-prefix)", code="not_found").response()(
+                    scope, receive, counting_send)
+            elif scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method") is not None:
+                # a browser's preflight: answered before the API key is asked for, as llama-server does
+                await counting_send({"type": "http.response.start", "status": 200,
+                                     "headers": [*_PREFLIGHT, (b"content-length", b"0")] if cors else
+                                     [(b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+            elif ctx.api_keys and path not in OPEN_PATHS and not _authorized(scope, ctx.api_keys):
                 await Unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')").response(
                     shape_of(path))(scope, receive, counting_send)
             elif ctx.closing and path not in OPEN_PATHS:
@@ -52,7 +83,7 @@ class ServiceMiddleware:
             ctx.metrics.request_done(self.endpoint_of(path), status)
 
 
-def _authorized(scope: Scope, key: str) -> bool:
+def _authorized(scope: Scope, keys: tuple[str, ...]) -> bool:
     given = None
     for name, value in scope["headers"]:
         if name == b"authorization":
@@ -61,4 +92,7 @@ def _authorized(scope: Scope, key: str) -> bool:
                 given = token.strip()
         elif name == b"x-api-key":
             given = value.decode("latin-1").strip()
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+    if given is None:
+        return False
+    # (every key is compared, so the time taken says nothing of which one nearly matched)
+    return sum(hmac.compare_digest(given.encode(), key.encode()) for key in keys) > 0

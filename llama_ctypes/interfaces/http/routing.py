@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping
 from ...core.model import Model
 from ...engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from ...engines.server import Server
+from .catalog import Catalog
 from .errors import BadRequest, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -44,15 +45,25 @@ class ModelSettings:
 class Router:
     """Resolves model names and hands out the Server (generation) or the Model (embeddings, tokens)."""
 
-    def __init__(self, manager: ModelManager, settings: Mapping[str, ModelSettings] | None = None):
+    def __init__(self, manager: ModelManager, settings: Mapping[str, ModelSettings] | None = None,
+                 catalog: Catalog | None = None):
         self.manager = manager
         self.settings = dict(settings or {})
+        self.catalog = catalog if catalog is not None else Catalog(manager)
         self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
         self._fallback_logged: set[str] = set()
+
+    async def prepare(self, name: str | None) -> None:
+        """Before resolving a request's model: load it when it is a catalog entry not loaded yet (autoload)."""
+        await self.catalog.ensure(name)
 
     def resolve(self, name: str | None) -> ModelInfo:
         """The model a request names (raises NotFound, or Unavailable while it loads or after it failed)."""
         infos = {i.id: i for i in self.manager.list()}
+        entry = self.catalog.find(name)
+        if entry is not None and entry.id not in infos:
+            raise Unavailable(f"the model {entry.id!r} is not loaded (POST /models/load loads it)",
+                              code="model_not_loaded")
         if name in infos:
             info = infos[name]  # type: ignore[index]
         elif name in self._aliases and self._aliases[name] in infos:
@@ -62,6 +73,7 @@ class Router:
         else:
             known = ", ".join(sorted(infos)) or "none"
             raise NotFound(f"the model {name!r} does not exist (models: {known})", param="model")
+        self.catalog.touch(info.id)
         if info.status == "loading":
             raise Unavailable(f"the model {info.id!r} is loading")
         if info.status == "failed":

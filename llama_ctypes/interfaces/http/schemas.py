@@ -401,6 +401,12 @@ class TokenizeRequest(_Body):
     with_pieces: bool = False
 
 
+class ModelRequest(_Body):
+    """``{"model": id}`` (llama-server's /models/load and /models/unload)."""
+
+    model: str = Field(min_length=1)
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -52,7 +53,7 @@ _DIRECT_OPTIONS = ("n_gpu_layers", "n_threads", "n_threads_batch")
 #: A request without max_tokens runs until the end of its answer or of its slot's context (as llama-server).
 DEFAULT_MAX_TOKENS = -1
 # Keys of a config entry that belong to the HTTP layer, not to ModelManager.load.
-_HTTP_KEYS = ("chat_template", "aliases", "tags")
+_HTTP_KEYS = ("chat_template", "aliases", "tags", "load")
 
 
 def _toml(path: Path) -> dict[str, Any]:
@@ -104,11 +105,32 @@ def models_from_config(path: Path) -> tuple[Any, list[dict[str, Any]]]:
             entry["source"] = ("hub", hub[0], hub[1])
         if "chat_template" in entry:
             entry["chat_template"] = template_source(entry["chat_template"], base)
+        if not isinstance(entry.get("load", True), bool):
+            raise InvalidArgumentError(f"{path}: model {entry['id']!r}: load must be true or false")
         aliases = entry.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise InvalidArgumentError(f"{path}: model {entry['id']!r}: aliases must be a list of strings")
         out.append(entry)
     return data.get("memory_budget"), out
+
+
+def models_in_dir(folder: Path) -> list[dict[str, Any]]:
+    """A catalog entry (not loaded until used) per GGUF file of ``folder`` (llama-server's ``--models-dir``);
+    the id is the file name without ``.gguf``. Split files count once (their first part)."""
+    if not folder.is_dir():
+        raise ArgumentTypeError(f"--models-dir {folder}: no such folder")
+    out = []
+    for path in sorted(folder.glob("*.gguf")):
+        stem = path.stem
+        split = re.search(r"-(\d{5})-of-\d{5}$", stem)
+        if split is not None and split.group(1) != "00001":
+            continue  # (a later part of a split model: llama.cpp loads it from the first)
+        if stem.startswith("mmproj"):
+            continue  # (a projector, not a model)
+        out.append({"id": stem, "source": str(path), "load": False})
+    if not out:
+        raise ArgumentTypeError(f"--models-dir {folder}: no .gguf file in it")
+    return out
 
 
 def _with_cli_options(spec: dict[str, Any], cli_opts: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,10 +200,18 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         if model_arg:
             raise ArgumentTypeError("pass the model once: MODEL or --model")
         model_arg = args.model_flag
+    models_dir = getattr(args, "models_dir", None)
+    if models_dir and (model_arg or args.hub):
+        raise ArgumentTypeError("pass either MODEL, --hub or --models-dir")
+    dir_specs = models_in_dir(Path(models_dir)) if models_dir else []
+    if dir_specs and not args.config:
+        return None, [_with_cli_options(spec, cli_opts) for spec in dir_specs]
     if args.config:
         if model_arg or args.hub:
             raise ArgumentTypeError("pass either MODEL, --hub or --config")
         budget, specs = models_from_config(Path(args.config))
+        known = {s["id"] for s in specs}
+        specs += [s for s in dir_specs if s["id"] not in known]
         specs = [_with_cli_options(spec, cli_opts) for spec in specs]
         if args.chat_template:
             for spec in specs:
@@ -277,6 +307,24 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     return requests, connections
 
 
+def api_keys(args: argparse.Namespace) -> list[str] | None:
+    """The keys a request may carry: ``--api-key`` (comma-separated, as llama-server), the lines of
+    ``--api-key-file``, else ``$LLAMA_CTYPES_API_KEY``; None: no key is asked for."""
+    keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise SystemExit(f"llama-ctypes serve: --api-key-file {path}: {exc}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise SystemExit(f"llama-ctypes serve: --api-key-file {path} holds no key")
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    return keys or None
+
+
 def listen_sockets(hosts: list[str], port: int) -> list[Any]:
     """Bound sockets on every address (llama-server's ``--host a,b``); a host that cannot be bound stops
     the server with the reason, as a single host does."""
@@ -308,14 +356,16 @@ def run(args: argparse.Namespace) -> int:
 
         from ...engines.manager import ModelManager
         from .app import create_app
+        from .catalog import Catalog, CatalogEntry
         from .connections import guarded_protocol
     except ImportError as exc:
         raise SystemExit(f"llama-ctypes serve needs the server extra: pip install 'llama_ctypes[server]' ({exc})")
 
     budget, specs = model_specs(args)
+    router_mode = not (args.model or getattr(args, "model_flag", None) or args.hub)
     limits, connections = limits_from_args(args)
     pin_mmap_threshold()  # (before the models load and the worker threads start)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = api_keys(args)
     hosts = [h.strip() for h in args.host.split(",") if h.strip()]
     if not hosts:
         raise SystemExit(f"llama-ctypes serve: --host {args.host!r}: no address")
@@ -328,16 +378,25 @@ def run(args: argparse.Namespace) -> int:
     manager = ModelManager(memory_budget=budget)
     settings = {}
     try:
-        loads = []
+        catalog = Catalog(manager, max_loaded=getattr(args, "models_max", None) or None,
+                          autoload=not getattr(args, "no_models_autoload", False))
         for spec in specs:
             load, settings[spec["id"]] = _split_http(spec)
-            loads.append((spec["id"], manager.load(**load, wait=False)))
+            catalog.add(CatalogEntry(spec["id"], load, tuple(spec.get("aliases", ())), spec.get("load", True)))
+        # (the ones a config loads at start; a server with --no-models-autoload loads only on request)
+        starting = [e for e in catalog.entries.values() if e.autoload and (catalog.autoload or len(specs) == 1)]
+        if catalog.max_loaded is not None:
+            starting = starting[:catalog.max_loaded]
+        loads = [(e.id, catalog.load(e.id)) for e in starting]
         if not specs:
             logger.warning("no model given: serving with none loaded (llama-server's router mode)")
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
                          limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True),
                          verbose=verbose, reasoning_format=getattr(args, "reasoning_format", "auto"),
-                         spm_infill=getattr(args, "spm_infill", False))
+                         spm_infill=getattr(args, "spm_infill", False),
+                         cors_origins=getattr(args, "cors_origins", None) or "*",
+                         api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
+                         catalog=catalog, router_mode=router_mode)
     except BaseException:
         manager.close()
         raise

@@ -95,6 +95,7 @@ def _truncated(stream: Any) -> bool:
 async def plan_request(app: AppContext, body: ChatCompletionRequest) -> tuple[str, Any, Any, dict[str, Any]]:
     """(model id, its server, the chat plan, the generation options) of a chat request: rendered,
     tokenized and its schema compiled in a worker thread. Nothing is submitted."""
+    await app.router.prepare(body.model)
     model_id, server = app.router.server(body.model)
     template = app.router.chat_template_of(model_id, server.model)
     try:

@@ -56,6 +56,7 @@ async def completions(request: Request, app: AppContext) -> Response:
     if len(prompts) * body.n > app.limits.max_choices:  # (before tokenizing anything)
         raise over_limit(f"{len(prompts)} prompts × n={body.n} requests", len(prompts) * body.n,
                          app.limits.max_choices, "--max-choices", param="prompt")
+    await app.router.prepare(body.model)
     model_id, server = app.router.server(body.model)
     ids, echoed = await anyio.to_thread.run_sync(
         functools.partial(_tokenize, server.model, prompts, server.n_ctx, body.echo))

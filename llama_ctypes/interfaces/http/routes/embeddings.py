@@ -38,6 +38,7 @@ async def embeddings(request: Request, app: AppContext) -> Response:
     texts = body.texts()
     if len(texts) > app.limits.max_inputs:
         raise over_limit("inputs", len(texts), app.limits.max_inputs, "--max-inputs", param="input")
+    await app.router.prepare(body.model)
     info = app.router.resolve(body.model)
     if "embed" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} cannot embed (load it with mode='direct'; "
@@ -74,6 +75,7 @@ async def rerank(request: Request, app: AppContext) -> Response:
     body = parse(RerankRequest, await read_body(request, app.max_body_bytes))
     if len(body.documents) > app.limits.max_inputs:
         raise over_limit("documents", len(body.documents), app.limits.max_inputs, "--max-inputs", param="documents")
+    await app.router.prepare(body.model)
     info = app.router.resolve(body.model)
     if "rerank" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} is not a reranking model (it can {', '.join(info.capabilities)})",

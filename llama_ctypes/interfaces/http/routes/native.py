@@ -233,6 +233,7 @@ async def _serve(request: Request, app: AppContext, body: NativeCompletionReques
 @endpoint
 async def completion(request: Request, app: AppContext) -> Response:
     body = parse(NativeCompletionRequest, await read_body(request, app.max_body_bytes))
+    await app.router.prepare(body.model)
     model_id, server = app.router.server(body.model)
     vocab = server.model.vocab
 
@@ -246,6 +247,7 @@ async def completion(request: Request, app: AppContext) -> Response:
 @endpoint
 async def infill(request: Request, app: AppContext) -> Response:
     body = parse(InfillRequest, await read_body(request, app.max_body_bytes))
+    await app.router.prepare(body.model)
     model_id, server = app.router.server(body.model)
     vocab = server.model.vocab
     fim = vocab.fim

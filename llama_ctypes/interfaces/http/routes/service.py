@@ -9,22 +9,57 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ....errors import AlreadyLoadedError
 from ..common import AppContext, endpoint, read_body
-from ..errors import NotSupported, Unavailable
+from ..errors import BadRequest, NotSupported, Unavailable
 from ..limits import over_limit
 from ..metrics import CONTENT_TYPE
-from ..schemas import DetokenizeRequest, TokenizeRequest, parse
+from ..schemas import DetokenizeRequest, ModelRequest, TokenizeRequest, parse
 
 
 @endpoint
 async def models(request: Request, app: AppContext) -> Response:
+    """Every model: loaded, loading, failed, and (router mode) the catalog's unloaded ones. ``status`` is
+    llama-server's object (``{"value": "loaded" | "loading" | "unloaded" | "failed", "args": [...]}``)."""
+    catalog = app.router.catalog
     data = []
+    listed = set()
     for info in app.router.manager.list():
+        listed.add(info.id)
         data.append({"id": info.id, "object": "model", "created": app.started, "owned_by": "llama_ctypes",
-                     "status": info.status, "capabilities": list(info.capabilities),
+                     "status": catalog.describe(info.id), "capabilities": list(info.capabilities),
                      "aliases": list(app.router.settings_of(info.id).aliases),
                      "tags": list(app.router.settings_of(info.id).tags)})
+    for entry in catalog.entries.values():
+        if entry.id not in listed:
+            data.append({"id": entry.id, "object": "model", "created": app.started, "owned_by": "llama_ctypes",
+                         "status": catalog.describe(entry.id), "capabilities": [],
+                         "aliases": list(entry.aliases), "tags": list(app.router.settings_of(entry.id).tags)})
     return JSONResponse({"object": "list", "data": data})
+
+
+async def _model_field(request: Request, app: AppContext) -> str:
+    body = parse(ModelRequest, await read_body(request, app.max_body_bytes))
+    return body.model
+
+
+@endpoint
+async def load_model(request: Request, app: AppContext) -> Response:
+    """llama-server's POST /models/load ``{"model": id}``: starts loading a catalog entry (poll /models)."""
+    model_id = await _model_field(request, app)
+    try:
+        app.router.catalog.load(model_id)
+    except AlreadyLoadedError as exc:
+        raise BadRequest(str(exc), param="model") from None
+    return JSONResponse({"success": True})
+
+
+@endpoint
+async def unload_model(request: Request, app: AppContext) -> Response:
+    """llama-server's POST /models/unload ``{"model": id}``: frees a model (its requests end with 503)."""
+    model_id = await _model_field(request, app)
+    await anyio.to_thread.run_sync(app.router.catalog.unload, model_id)
+    return JSONResponse({"success": True})
 
 
 @endpoint
@@ -82,6 +117,7 @@ async def tokenize(request: Request, app: AppContext) -> Response:
     size = len(body.content.encode("utf-8", "surrogatepass"))
     if size > app.limits.max_tokenize_bytes:
         raise over_limit("content bytes", size, app.limits.max_tokenize_bytes, "--max-tokenize-bytes", param="content")
+    await app.router.prepare(body.model)
     _, model = app.router.model(body.model)
     tokens = await anyio.to_thread.run_sync(functools.partial(_tokenize, model, body))
     return JSONResponse({"tokens": tokens})
@@ -90,6 +126,7 @@ async def tokenize(request: Request, app: AppContext) -> Response:
 @endpoint
 async def detokenize(request: Request, app: AppContext) -> Response:
     body = parse(DetokenizeRequest, await read_body(request, app.max_body_bytes))
+    await app.router.prepare(body.model)
     _, model = app.router.model(body.model)
     text = await anyio.to_thread.run_sync(functools.partial(model.vocab.detokenize, body.tokens))
     return JSONResponse({"content": text})
@@ -158,6 +195,15 @@ async def props(request: Request, app: AppContext) -> Response:
     if request.method == "POST":
         raise NotSupported("this server does not support changing global properties")
     name = request.query_params.get("model") or None
+    if app.router_mode and name is None:
+        from ....core.backend import version_info
+
+        catalog = app.router.catalog
+        info = version_info()
+        return JSONResponse({"role": "router", "max_instances": catalog.max_loaded or 0,
+                             "models_autoload": catalog.autoload,
+                             "build_info": f"llama_ctypes {info.package}, llama.cpp {info.llama_cpp}"})
+    await app.router.prepare(name)
     info = app.router.resolve(name)
     model_id, model = app.router.model(info.id)
     server = None
