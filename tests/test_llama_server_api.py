@@ -309,3 +309,78 @@ def test_without_autoload_an_unloaded_model_answers_503(tmp_path, tiny_model_pat
         assert r.status_code == 200
     finally:
         proc.stop()
+
+
+def test_slots_save_restore_and_erase_as_llama_server(tmp_path, tiny_model_path):
+    saves = tmp_path / "slots"
+    proc = ServeProcess([str(tiny_model_path), "-c", "2048", "--parallel", "2", "--slot-save-path", str(saves)],
+                        tmp_path / "serve.log")
+
+    def complete(prompt: str, slot: int) -> dict:
+        r = httpx.post(f"{proc.base_url}/completion", timeout=60, json={
+            "prompt": prompt, "id_slot": slot, "cache_prompt": True, "n_predict": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["id_slot"] == slot
+        return r.json()
+
+    def action(slot: int, what: str, **body) -> httpx.Response:
+        return httpx.post(f"{proc.base_url}/slots/{slot}?action={what}", json=body or None, timeout=60)
+
+    try:
+        proc.wait_ready()
+        first = complete("What is the capital of France?", 1)
+        n_prompt = first["tokens_evaluated"]
+        assert first["timings"]["prompt_n"] == n_prompt  # nothing cached yet
+        saved = action(1, "save", filename="slot1.bin").json()
+        assert saved["n_saved"] == n_prompt + 4 - 1  # (the last token was sampled, never decoded)
+        assert (saves / "slot1.bin").stat().st_size == saved["n_written"]
+        second = complete("What is the capital of Germany?", 1)
+        assert second["timings"]["prompt_n"] < n_prompt  # the common start came from slot 1's cache
+        restored = action(0, "restore", filename="slot1.bin").json()
+        assert restored["n_restored"] == saved["n_saved"]
+        third = complete("What is the capital of Germany?", 0)
+        assert third["timings"]["prompt_n"] == second["timings"]["prompt_n"]  # slot 0 now holds slot 1's start
+        assert action(0, "erase").json() == {"id_slot": 0, "n_erased": third["tokens_evaluated"] + 4 - 1}
+        assert complete("What is the capital of Germany?", 0)["timings"]["prompt_n"] == third["tokens_evaluated"]
+        # names that would leave the folder, files that are not states, slots that do not exist
+        outside = tmp_path / "outside.bin"
+        outside.write_bytes(b"x")
+        (saves / "link.bin").symlink_to(outside)
+        for name in ("../outside.bin", "a/b.bin", "..", "", " x", "link.bin", "nul\x00.bin"):
+            assert api_error(action(0, "save", filename=name), 400, "filename")
+        assert not (tmp_path / "b.bin").exists() and outside.read_bytes() == b"x"
+        (saves / "junk.bin").write_bytes(b"not a state file at all")
+        error = api_error(action(0, "restore", filename="junk.bin"), 400, "filename")
+        assert error["message"].startswith("junk.bin: not a llama.cpp sequence state file")
+        assert api_error(action(0, "restore", filename="missing.bin"), 400, "filename")
+        assert api_error(action(7, "erase"), 400)
+        assert api_error(action(0, "dance"), 400, "action")
+        r = httpx.post(f"{proc.base_url}/completion", json={"prompt": "x", "id_slot": 5})
+        assert "id_slot=5" in api_error(r, 400)["message"]
+    finally:
+        proc.stop()
+    proc = ServeProcess([str(tiny_model_path), "-c", "1024"], tmp_path / "serve2.log")
+    try:
+        proc.wait_ready()
+        r = httpx.post(f"{proc.base_url}/slots/0?action=erase")
+        assert api_error(r, 501)["type"] == "not_supported_error"
+    finally:
+        proc.stop()
+
+
+def test_requests_pinned_to_one_slot_take_turns(server):
+    bodies = [{"prompt": f"Story {i}:", "id_slot": 0, "n_predict": 6, "temperature": 0} for i in range(3)]
+    results = []
+
+    def run(body):
+        results.append(httpx.post(f"{server.base_url}/completion", json=body, timeout=120).json())
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r["id_slot"] for r in results) == [0, 0, 0]
+    reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "messages": BOOK, "max_tokens": 4, "n": 2, "id_slot": 1})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 2  # (two choices, one slot: in turn)

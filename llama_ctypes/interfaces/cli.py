@@ -222,6 +222,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-format", "-rf", choices=["auto", "none", "deepseek", "deepseek-legacy"],
                    default="auto", help="where a thinking model's reasoning goes: 'none' leaves it in the content; "
                                         "the others put it in reasoning_content (the default, 'auto')")
+    p.add_argument("--slot-save-path", help="folder for POST /slots/{id}?action=save|restore files (as llama-server)")
     p.add_argument("--spm-infill", action="store_true",
                    help="/infill prompts in suffix/prefix/middle order (for models trained that way)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")

@@ -110,6 +110,7 @@ class Request:
     finish_reason: str | None = None
     cancel_requested: bool = False
     queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
+    pin: int | None = None  # the slot it must run in (llama-server's id_slot); None: any
     speculative: bool = True  # draft for it when the server speculates
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
     drafted: int = 0  # draft tokens verified so far

@@ -149,6 +149,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
         self._admitting: collections.deque[Request] = collections.deque()  # taken, not yet in a slot
+        self._pinned = 0  # waiting requests pinned to a slot (the plain take() runs while there are none)
         self.closing = False
         self.failure: BaseException | None = None
         self.prompt_tokens_evaluated = 0
@@ -175,6 +176,8 @@ class Scheduler:
             else:
                 for request in requests:
                     request.queued = True
+                    if request.pin is not None:
+                        self._pinned += 1
                 self._waiting.extend(requests)
                 self.cond.notify()
                 return
@@ -204,6 +207,8 @@ class Scheduler:
             if queued:
                 request.queued = False
                 self._waiting.remove(request)
+                if request.pin is not None:
+                    self._pinned -= 1
             else:
                 self.cond.notify()
         if queued:  # no longer reachable by the scheduler thread: end it here
@@ -223,14 +228,35 @@ class Scheduler:
         return bool(self._waiting or self._admitting or self.pool.n_active)
 
     def take(self) -> None:
-        """Move waiting requests into admission, one per free slot. The caller holds ``cond``."""
+        """Move waiting requests into admission, one per free slot. The caller holds ``cond``.
+
+        A request pinned to a slot (``Request.pin``) is taken only when that slot is free and not
+        promised to another; it waits meanwhile, without holding up the requests behind it."""
         n = self.pool.n_free - len(self._admitting)
         waiting = self._waiting
-        while n > 0 and waiting:
-            request = waiting.popleft()
-            request.queued = False
-            self._admitting.append(request)
-            n -= 1
+        if n <= 0 or not waiting:
+            return
+        if not self._pinned and not any(r.pin is not None for r in self._admitting):
+            while n > 0 and waiting:
+                request = waiting.popleft()
+                request.queued = False
+                self._admitting.append(request)
+                n -= 1
+            return
+        promised = {r.pin for r in self._admitting if r.pin is not None}
+        free = {s.seq_id for s in self.pool.slots if s.free} - promised
+        kept: collections.deque[Request] = collections.deque()
+        for request in waiting:
+            if n > 0 and (request.pin is None or request.pin in free):
+                if request.pin is not None:
+                    free.discard(request.pin)
+                    self._pinned -= 1
+                request.queued = False
+                self._admitting.append(request)
+                n -= 1
+            else:
+                kept.append(request)
+        self._waiting = kept
 
     def admit(self) -> list[Slot]:
         """Give each taken request its slot (prefix reuse may copy, save or restore KV state)."""
@@ -242,7 +268,9 @@ class Scheduler:
                 queue.popleft()
                 self.finish(None, request, Status.CANCELLED)
                 continue
-            slot = self.pool.acquire(request)
+            promised = frozenset(r.pin for r in queue if r is not request and r.pin is not None) \
+                if self._pinned_admitting(queue) else frozenset()
+            slot = self.pool.acquire(request, promised)
             queue.popleft()
             request.status = Status.RUNNING
             request.started = time.perf_counter()
@@ -255,6 +283,10 @@ class Scheduler:
                     "queue_wait_ms": (request.started - request.arrived) * 1e3,
                     "prompt_tokens": len(request.prompt)}, {"id": request.id})
         return admitted
+
+    @staticmethod
+    def _pinned_admitting(queue: collections.deque[Request]) -> bool:
+        return any(r.pin is not None for r in queue)
 
     def draft_asks(self) -> list[DraftAsk]:
         """What to draft before this tick's :meth:`schedule`: one ask per decoding slot whose request
@@ -488,6 +520,7 @@ class Scheduler:
             self.closing = True
             waiting = list(self._waiting)
             self._waiting.clear()
+            self._pinned = 0
             for request in waiting:
                 request.queued = False
         waiting += self._admitting

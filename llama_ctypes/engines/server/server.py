@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from ...core.context import Context
 from ...core.generation import Completion, GenerationParams
@@ -33,7 +33,7 @@ from ...core.params import ContextParams, ModelParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplingParams
 from ...core.text import TextAssembler
-from ...errors import ArgumentTypeError, CancelledError, InvalidArgumentError
+from ...errors import ArgumentTypeError, BusyError, CancelledError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from ..speculative.mtp import MTPDraft
 from .engine import Engine
@@ -295,6 +295,13 @@ class Server:
             raise InvalidArgumentError("requests cannot be submitted from the server's own scheduler thread")
         opts = dict(opts)
         session = opts.pop("session", None)
+        pin = opts.pop("id_slot", None)
+        if pin is not None and (isinstance(pin, bool) or not isinstance(pin, int)):
+            raise ArgumentTypeError(f"id_slot={pin!r}: expected a slot number")
+        if pin is not None and pin < 0:
+            pin = None  # (llama-server: -1 = any slot)
+        if pin is not None and pin >= self.n_parallel:
+            raise InvalidArgumentError(f"id_slot={pin}: this server has slots 0 to {self.n_parallel - 1}")
         speculative = opts.pop("speculative", True)
         if not isinstance(speculative, bool):
             raise ArgumentTypeError(f"speculative={speculative!r}: expected a bool (per request: opt out with False)")
@@ -315,7 +322,7 @@ class Server:
         try:
             text = TextAssembler.for_vocab(vocab, params.special, params.stop)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
-                              speculative=speculative)
+                              speculative=speculative, pin=pin)
         except BaseException:
             sampler.close()
             raise
@@ -483,6 +490,39 @@ class Server:
             return out
 
         return engine.call(read)
+
+    def save_slot(self, slot_id: int, path: str | os.PathLike) -> int:
+        """Write the tokens and KV state an idle slot holds to ``path`` (llama.cpp's sequence state file,
+        as llama-server's ``/slots/{id}?action=save``); returns the number of tokens saved.
+
+        Raises InvalidArgumentError for an unknown slot, BusyError while the slot serves a request."""
+        return self._slot_call(slot_id, lambda slot: self._engine.pool.save_file(slot, path))
+
+    def restore_slot(self, slot_id: int, path: str | os.PathLike) -> int:
+        """Load a file written by :meth:`save_slot` (or by llama-server) into an idle slot: a later request
+        whose prompt starts with the same tokens reuses that KV. Returns the number of tokens restored.
+
+        Raises InvalidArgumentError when the file is not a sequence state of this model."""
+        return self._slot_call(slot_id, lambda slot: self._engine.pool.restore_file(slot, path))
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Drop what an idle slot holds (its tokens and KV); returns how many tokens it held."""
+        return self._slot_call(slot_id, self._engine.pool.erase)
+
+    def _slot_call(self, slot_id: int, fn: Callable[[Any], int]) -> int:
+        if self._closed:
+            raise ServerClosedError("the server is closed")
+        if isinstance(slot_id, bool) or not isinstance(slot_id, int) or not 0 <= slot_id < self.n_parallel:
+            raise InvalidArgumentError(f"slot {slot_id!r}: this server has slots 0 to {self.n_parallel - 1}")
+        pool = self._engine.pool
+
+        def run() -> int:
+            slot = pool.slots[slot_id]
+            if not slot.free:
+                raise BusyError(f"slot {slot_id} is serving a request")
+            return fn(slot)
+
+        return self._engine.call(run)
 
     def kv_positions(self) -> list[int]:
         """Largest KV position held by each slot's sequence (-1 = empty); for tests and debugging.

@@ -19,11 +19,16 @@ its end is still held (``KVOps.complete``), as llama-server checks.
 from __future__ import annotations
 
 import itertools
+import os
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
 
 from ... import telemetry
 from ...core.prompt import common_prefix
+from ...errors import InvalidArgumentError
 from .prompt_cache import PromptCache
 from .request import Request
 
@@ -60,6 +65,46 @@ class Slot:
     @property
     def n_past(self) -> int:
         return len(self.tokens)
+
+
+#: llama.cpp's sequence state files: magic 'ggsq' (LLAMA_STATE_SEQ_MAGIC) and LLAMA_STATE_SEQ_VERSION.
+_SEQ_MAGIC, _SEQ_VERSION = 0x67677371, 3
+#: llama-server packs a slot's tokens behind this header: LLAMA_TOKEN_NULL, a version, the token count.
+_PACKED = -1
+
+
+def write_state_file(path: str | os.PathLike, tokens: Sequence[int], state: Any) -> None:
+    """A sequence state file as ``llama_state_seq_save_file`` writes it: magic, version, the token count,
+    the tokens (int32), then the sequence's state (``llama_state_seq_get_data``)."""
+    with open(path, "wb") as f:
+        f.write(struct.pack("<III", _SEQ_MAGIC, _SEQ_VERSION, len(tokens)))
+        f.write(np.asarray(tokens, dtype="<i4").tobytes())
+        f.write(memoryview(state).cast("B"))
+
+
+def read_state_file(path: str | os.PathLike) -> tuple[list[int], np.ndarray]:
+    """(tokens, state) of a sequence state file, ours or llama-server's (whose tokens may be packed)."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+        if len(head) != 12:
+            raise InvalidArgumentError(f"{path}: not a sequence state file (too short)")
+        magic, version, n = struct.unpack("<III", head)
+        if magic != _SEQ_MAGIC or version != _SEQ_VERSION:
+            raise InvalidArgumentError(f"{path}: not a llama.cpp sequence state file of version {_SEQ_VERSION}")
+        raw = f.read(4 * n)
+        if len(raw) != 4 * n:
+            raise InvalidArgumentError(f"{path}: the file ends inside its token list")
+        tokens = np.frombuffer(raw, dtype="<i4").tolist()
+        state = np.frombuffer(f.read(), dtype=np.uint8)
+    if tokens and tokens[0] == _PACKED:  # llama-server's packed tokens: NULL, version, count, tokens, media
+        if len(tokens) < 3 or tokens[2] > len(tokens) - 3:
+            raise InvalidArgumentError(f"{path}: a packed token list that does not hold its own count")
+        packed, tokens = tokens[3 + tokens[2]:], tokens[3:3 + tokens[2]]
+        if packed:
+            raise InvalidArgumentError(f"{path}: the slot held images or audio, which this server cannot restore")
+    if any(t < 0 for t in tokens):
+        raise InvalidArgumentError(f"{path}: the slot held images or audio, which this server cannot restore")
+    return tokens, state
 
 
 @dataclass
@@ -108,15 +153,21 @@ class SlotPool:
             return 0  # a sliding-window cache already dropped cells this prefix needs
         return c
 
-    def acquire(self, request: Request) -> Slot | None:
-        """A free slot for ``request`` with as much of its prompt in KV as the caches allow."""
-        free = [s for s in self.slots if s.free]
+    def acquire(self, request: Request, promised: frozenset[int] = frozenset()) -> Slot | None:
+        """A free slot for ``request`` with as much of its prompt in KV as the caches allow: its pinned
+        slot (``request.pin``), else any free slot not ``promised`` to a pinned request."""
+        if request.pin is not None:
+            free = [s for s in self.slots if s.free and s.seq_id == request.pin]
+        else:
+            free = [s for s in self.slots if s.free and s.seq_id not in promised]
         if not free:
             return None
         prompt = request.prompt
         cache = request.params.cache_prompt
         slot = None
-        if cache and request.session is not None:
+        if request.pin is not None:
+            slot = free[0]
+        elif cache and request.session is not None:
             slot = next((s for s in free if s.session == request.session), None)
         if slot is None and cache:
             reuse = {s.seq_id: self._reusable(s, prompt) for s in free}
@@ -133,7 +184,7 @@ class SlotPool:
             telemetry.emit("server.prefix_instability", {
                 "cached_tokens": len(slot.tokens), "common_tokens": common_prefix(slot.tokens, prompt)},
                 {"id": request.id, "session": request.session, "seq_id": slot.seq_id})
-        if cache:
+        if cache and request.pin is None:  # (a pinned request reads its own slot's cache, as llama-server)
             reused = self._better_source(slot, prompt, reused)
         self._keep_prefix(slot, reused)
         slot.request = request
@@ -202,6 +253,35 @@ class SlotPool:
             return False
         del slot.tokens[keep:]
         return True
+
+    # ---- slot files (llama-server's /slots/{id}?action=save|restore|erase) ------------------------
+    def save_file(self, slot: Slot, path: str | os.PathLike) -> int:
+        """Write a free slot's tokens and KV state in llama.cpp's sequence state format; the token count."""
+        write_state_file(path, slot.tokens, self.kv.save(slot.seq_id))
+        return len(slot.tokens)
+
+    def restore_file(self, slot: Slot, path: str | os.PathLike) -> int:
+        """Load a sequence state file into a free slot (what it held is dropped first); the token count."""
+        tokens, state = read_state_file(path)
+        self._evict(slot)
+        if not self.kv.restore(slot.seq_id, state):
+            self.kv.forget(slot.seq_id)
+            raise InvalidArgumentError(f"{path}: llama.cpp refused the state (another model or context size?)")
+        if not self.kv.complete(slot.seq_id, len(tokens)):
+            self.kv.forget(slot.seq_id)
+            raise InvalidArgumentError(f"{path}: the state holds fewer positions than its {len(tokens)} tokens")
+        slot.tokens = list(tokens)
+        slot.session = None
+        slot.last_used = next(self._clock)
+        return len(tokens)
+
+    def erase(self, slot: Slot) -> int:
+        """Drop a free slot's tokens and KV (not into the RAM cache: erased is erased); the token count."""
+        n = len(slot.tokens)
+        self.kv.forget(slot.seq_id)
+        slot.tokens = []
+        slot.session = None
+        return n
 
     # ---- release and eviction ---------------------------------------------------------------------
     def release(self, slot: Slot, keep: bool) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+from pathlib import Path
 from typing import AsyncIterator, Mapping, Sequence
 
 import anyio
@@ -37,7 +39,18 @@ from .routes.messages import count_tokens, messages
 from .routes.native import completion, infill
 from .routes.responses import input_tokens as response_input_tokens
 from .routes.responses import responses
-from .routes.service import detokenize, health, load_model, metrics, models, props, slots, tokenize, unload_model
+from .routes.service import (
+    detokenize,
+    health,
+    load_model,
+    metrics,
+    models,
+    props,
+    slot_action,
+    slots,
+    tokenize,
+    unload_model,
+)
 from .routing import ModelSettings, Router
 
 logger = logging.getLogger(__name__)
@@ -66,6 +79,7 @@ _ROUTES = [
     (("/detokenize",), ["POST"], detokenize, "detokenize"),
     (("/props",), ["GET", "POST"], props, "props"),
     (("/slots",), ["GET"], slots, "slots"),
+    (("/slots/{id_slot}",), ["POST"], slot_action, "slot_action"),
     (("/apply-template",), ["POST"], apply_template, "apply_template"),
 ]
 _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
@@ -90,7 +104,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                limits: RequestLimits | None = None, close_manager: bool = False,
                slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
-               catalog: Catalog | None = None, router_mode: bool = False) -> Starlette:
+               catalog: Catalog | None = None, router_mode: bool = False,
+               slot_save_path: str | os.PathLike | None = None) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -118,7 +133,14 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         catalog: models the server may load and unload while serving (:class:`~.catalog.Catalog`:
             llama-server's router mode, ``/models/load``, ``/models/unload``, ``--models-max``).
         router_mode: ``/props`` without ``?model=`` describes the router (several models or none).
+        slot_save_path: a folder for ``/slots/{id}?action=save|restore`` files (None: 501, as llama-server
+            without ``--slot-save-path``); file names cannot leave it.
     """
+    save_path = None
+    if slot_save_path is not None:
+        save_path = Path(slot_save_path).expanduser().resolve()
+        if not save_path.is_dir():
+            raise ValueError(f"slot_save_path={str(slot_save_path)!r}: no such folder")
     if reasoning_format not in ("auto", "none", "deepseek", "deepseek-legacy"):
         raise ValueError(f"reasoning_format={reasoning_format!r}: expected auto, none, deepseek or deepseek-legacy")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
@@ -139,7 +161,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
-                         spm_infill=spm_infill, router_mode=router_mode)
+                         spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

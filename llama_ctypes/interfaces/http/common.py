@@ -8,6 +8,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
@@ -48,6 +49,7 @@ class AppContext:
     reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
     spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
     router_mode: bool = False  # several models (or none) rather than one: /props describes the router
+    slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

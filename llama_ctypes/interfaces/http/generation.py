@@ -49,6 +49,8 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["ignore_eos"] = req.ignore_eos
     if req.cache_prompt is not None:
         opts["cache_prompt"] = req.cache_prompt
+    if req.id_slot is not None:
+        opts["id_slot"] = req.id_slot
     if req.logit_bias:
         # OpenAI: -100 bans the token (llama.cpp: a bias of -inf)
         opts["logit_bias"] = {int(k): (float("-inf") if v <= -100 else v) for k, v in req.logit_bias.items()}

@@ -134,7 +134,7 @@ class SamplingFields(_Body):
     cache_prompt: bool | None = None  # keep the slot's KV for a later request with the same prefix
     timings_per_token: bool = False  # every streamed chunk carries ``timings``
     verbose: bool | None = None  # the response carries ``__verbose`` (default: ``serve --verbose``)
-    id_slot: int | None = None  # accepted; the scheduler places requests (see docs/http_server.md)
+    id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
 
     @field_validator("logit_bias")
     @classmethod
@@ -312,7 +312,7 @@ class NativeCompletionRequest(_Body):
     repeat_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    id_slot: int | None = None  # accepted; the scheduler places requests (see docs/http_server.md)
+    id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
 
     @field_validator("stop")
     @classmethod

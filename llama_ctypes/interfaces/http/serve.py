@@ -325,6 +325,15 @@ def api_keys(args: argparse.Namespace) -> list[str] | None:
     return keys or None
 
 
+def slot_folder(path: str | None) -> Path | None:
+    """``--slot-save-path``: the folder (made if missing, as llama-server does)."""
+    if not path:
+        return None
+    folder = Path(path).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def listen_sockets(hosts: list[str], port: int) -> list[Any]:
     """Bound sockets on every address (llama-server's ``--host a,b``); a host that cannot be bound stops
     the server with the reason, as a single host does."""
@@ -396,7 +405,8 @@ def run(args: argparse.Namespace) -> int:
                          spm_infill=getattr(args, "spm_infill", False),
                          cors_origins=getattr(args, "cors_origins", None) or "*",
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
-                         catalog=catalog, router_mode=router_mode)
+                         catalog=catalog, router_mode=router_mode,
+                         slot_save_path=slot_folder(getattr(args, "slot_save_path", None)))
     except BaseException:
         manager.close()
         raise

@@ -122,6 +122,8 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
         opts["seed"] = random.getrandbits(31) if body.seed < 0 else body.seed % _SEED_MOD
     if body.stop:
         opts["stop"] = list(body.stop)
+    if body.id_slot is not None:
+        opts["id_slot"] = body.id_slot
     if body.n_probs:
         opts["logprobs"] = body.n_probs
     if body.logit_bias:

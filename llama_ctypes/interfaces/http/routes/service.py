@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+import json
+import re
+import time
+from pathlib import Path
 from typing import Any
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....errors import AlreadyLoadedError
+from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, Unavailable
 from ..limits import over_limit
@@ -234,3 +238,64 @@ async def slots(request: Request, app: AppContext) -> Response:
     if request.query_params.get("fail_on_no_slot") and not any(not s.is_processing for s in infos):
         raise Unavailable("no slot available", code="no_slot_available")
     return JSONResponse([_slot_json(s) for s in infos])
+
+
+#: A slot file's name: one path component, no control or reserved characters (llama-server's check).
+_FILENAME = re.compile(r'^[^/\\\x00-\x1f\x7f<>:"|?*]{1,255}$')
+
+
+def _slot_file(app: AppContext, filename: Any) -> Path:
+    """The path of a slot file inside ``--slot-save-path``; a name that could leave that folder is refused."""
+    if not isinstance(filename, str) or not _FILENAME.match(filename) or filename in (".", "..") \
+            or filename != filename.strip():
+        raise BadRequest("invalid filename: one file name, without a path", param="filename")
+    folder = app.slot_save_path
+    path = (folder / filename).resolve()
+    if path.parent != folder:  # (a symbolic link in the folder that points elsewhere)
+        raise BadRequest("invalid filename: it leads out of the slot save folder", param="filename")
+    return path
+
+
+@endpoint
+async def slot_action(request: Request, app: AppContext) -> Response:
+    """llama-server's ``POST /slots/{id}?action=save|restore|erase`` (``{"filename": ...}`` for the first two),
+    on the model named by ``?model=``; 501 unless started with ``--slot-save-path``."""
+    if app.slot_save_path is None:
+        raise NotSupported("this server does not support slots actions: start it with --slot-save-path")
+    try:
+        slot_id = int(request.path_params["id_slot"])
+    except ValueError:
+        raise BadRequest("invalid slot id", param="id_slot") from None
+    action = request.query_params.get("action")
+    if action not in ("save", "restore", "erase"):
+        raise BadRequest(f"invalid action {action!r}: expected save, restore or erase", param="action")
+    raw = await read_body(request, app.max_body_bytes)
+    name = request.query_params.get("model") or None
+    await app.router.prepare(name)
+    _, server = app.router.server(name)
+    start = time.perf_counter()
+    try:
+        if action == "erase":
+            n = await anyio.to_thread.run_sync(server.erase_slot, slot_id)
+            return JSONResponse({"id_slot": slot_id, "n_erased": n})
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise BadRequest("the body is not valid JSON", code="invalid_json") from None
+        path = _slot_file(app, body.get("filename") if isinstance(body, dict) else None)
+        if action == "save":
+            n = await anyio.to_thread.run_sync(server.save_slot, slot_id, path)
+            return JSONResponse({"id_slot": slot_id, "filename": path.name, "n_saved": n,
+                                 "n_written": path.stat().st_size,
+                                 "timings": {"save_ms": (time.perf_counter() - start) * 1e3}})
+        if not path.is_file():
+            raise BadRequest(f"no slot file named {path.name!r}", param="filename")
+        try:
+            n = await anyio.to_thread.run_sync(server.restore_slot, slot_id, path)
+        except InvalidArgumentError as exc:  # (the folder's path is the server's business, not the client's)
+            raise BadRequest(str(exc).replace(str(path), path.name), param="filename") from None
+        return JSONResponse({"id_slot": slot_id, "filename": path.name, "n_restored": n,
+                             "n_read": path.stat().st_size,
+                             "timings": {"restore_ms": (time.perf_counter() - start) * 1e3}})
+    except BusyError as exc:
+        raise Unavailable(str(exc), code="slot_busy") from None
