@@ -384,3 +384,34 @@ def test_requests_pinned_to_one_slot_take_turns(server):
     reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
         "messages": BOOK, "max_tokens": 4, "n": 2, "id_slot": 1})
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 2  # (two choices, one slot: in turn)
+
+
+def _events(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{server.base_url}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_progress_reports_the_prompt_as_it_is_read(server):
+    long = [{"role": "user", "content": "This is a test. " * 40}]  # several 64-token batches
+    chunks = _events(server, "/v1/chat/completions", {"messages": long, "max_tokens": 3, "stream": True,
+                                                       "return_progress": True})
+    reports = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    assert len(reports) >= 3 and reports[0]["processed"] == reports[0]["cache"]
+    assert [r["processed"] for r in reports] == sorted({r["processed"] for r in reports})  # rising
+    assert reports[-1]["processed"] == reports[-1]["total"]
+    assert all(r["total"] == reports[0]["total"] and r["cache"] == reports[0]["cache"] for r in reports)
+    first_text = next(i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get("content"))
+    assert max(i for i, c in enumerate(chunks) if "prompt_progress" in c) < first_text
+    # again: the prompt now comes from the cache, and the first report says so
+    again = [c["prompt_progress"] for c in _events(server, "/v1/chat/completions", {
+        "messages": long, "max_tokens": 3, "stream": True, "return_progress": True}) if "prompt_progress" in c]
+    assert again[0]["cache"] == again[0]["processed"] > 0
+    native = _events(server, "/completion", {"prompt": "This is a test. " * 40, "n_predict": 2, "stream": True,
+                                            "return_progress": True})
+    assert [c["prompt_progress"]["processed"] for c in native if "prompt_progress" in c][-1] > 0
+    responses = _events(server, "/v1/responses", {"input": "This is a test. " * 40, "max_output_tokens": 2,
+                                                  "stream": True, "return_progress": True})
+    assert any(e["type"] == "response.in_progress" and "prompt_progress" in e for e in responses)
+    plain = _events(server, "/v1/chat/completions", {"messages": long, "max_tokens": 3, "stream": True})
+    assert not any("prompt_progress" in c for c in plain)

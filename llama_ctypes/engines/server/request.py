@@ -30,6 +30,17 @@ class Status(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Sent on a request's channel while its prompt is read (when asked): prompt tokens in all, read
+    from the cache, read so far (cache included), and milliseconds since it got its slot."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+
+
+@dataclass(frozen=True)
 class End:
     """Sentinel put on a request's channel when it ends normally."""
 
@@ -111,6 +122,7 @@ class Request:
     cancel_requested: bool = False
     queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
     pin: int | None = None  # the slot it must run in (llama-server's id_slot); None: any
+    progress: bool = False  # send Progress items while the prompt is read (llama-server's return_progress)
     speculative: bool = True  # draft for it when the server speculates
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
     drafted: int = 0  # draft tokens verified so far

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 from ... import telemetry
 from ...core.logprobs import TokenLogprob
 from ...errors import CancelledError, ClosedError, LlamaError
-from .request import End, Request, Status
+from .request import End, Progress, Request, Status
 from .slots import Slot, SlotPool
 from .strategies import BatchStrategy
 
@@ -105,6 +105,11 @@ class TickPlan:
     @property
     def n_outputs(self) -> int:
         return sum(len(s.sample) for s in self.steps)
+
+
+def _progress(request: Request, now: float) -> None:
+    request.channel.put(Progress(len(request.prompt), request.cached_tokens, request.n_prefilled,
+                                 (now - (request.started or now)) * 1e3))
 
 
 def _own_copy(error: BaseException) -> BaseException:
@@ -278,6 +283,8 @@ class Scheduler:
             binding = request.binding = self.bind(request)
             slot.sample = getattr(binding, "sample", binding)
             admitted.append(slot)
+            if request.progress:  # (first: what the cache holds, before any prompt is computed)
+                _progress(request, request.started)
             if telemetry.enabled("server.request.start"):
                 telemetry.emit("server.request.start", {
                     "queue_wait_ms": (request.started - request.arrived) * 1e3,
@@ -388,6 +395,8 @@ class Scheduler:
                 n_prompt = min(n_prompt, len(tokens))
                 request.n_prefilled += n_prompt
                 self.prompt_tokens_evaluated += n_prompt
+                if request.progress:
+                    _progress(request, now)
             for _ in step.sample:
                 tok = outputs[k]  # type: ignore[index]
                 entry = logprobs[k] if logprobs is not None else None

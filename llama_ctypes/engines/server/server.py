@@ -296,6 +296,9 @@ class Server:
         opts = dict(opts)
         session = opts.pop("session", None)
         pin = opts.pop("id_slot", None)
+        progress = opts.pop("progress", False)
+        if not isinstance(progress, bool):
+            raise ArgumentTypeError(f"progress={progress!r}: expected True or False")
         if pin is not None and (isinstance(pin, bool) or not isinstance(pin, int)):
             raise ArgumentTypeError(f"id_slot={pin!r}: expected a slot number")
         if pin is not None and pin < 0:
@@ -322,7 +325,7 @@ class Server:
         try:
             text = TextAssembler.for_vocab(vocab, params.special, params.stop)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
-                              speculative=speculative, pin=pin)
+                              speculative=speculative, pin=pin, progress=progress)
         except BaseException:
             sampler.close()
             raise
@@ -331,7 +334,8 @@ class Server:
     def stream(self, prompt: str, **opts: Any) -> ServerStream:
         """Stream text pieces for ``prompt``. Per-request options: sampling (temp, seed, grammar,
         json_schema, ...) and generation (max_tokens, stop, logprobs, ...); ``session`` is accepted
-        for affinity. Raises QueueFullError at once when the queue is full."""
+        for affinity; ``id_slot=N`` runs it in slot N (waiting for that slot; -1: any); ``progress=True``
+        reports the prompt's reading (``AsyncServerStream.events()``). Raises QueueFullError at once when the queue is full."""
         return ServerStream(self, self._request(prompt, opts, None))
 
     def stream_tokens(self, tokens: Sequence[int], **opts: Any) -> ServerStream:

@@ -10,12 +10,12 @@ its request (see ``core.generation.LazyStream``).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator
 
 from ...core.generation import Completion, LazyStream, Timings
 from ...core.logprobs import TokenLogprob
 from ...errors import CancelledError
-from .request import End, Request
+from .request import End, Progress, Request
 
 if TYPE_CHECKING:
     from .server import Server
@@ -27,7 +27,7 @@ class _Consumer:
     """The consumer's end of a request: collects its text pieces (and logprob entries), ends on End,
     raises its error."""
 
-    __slots__ = ("server", "engine", "request", "pieces", "logprobs", "finish_reason", "error")
+    __slots__ = ("server", "engine", "request", "pieces", "logprobs", "finish_reason", "error", "progress")
 
     def __init__(self, server: "Server", request: Request):
         self.server = server  # a stream keeps its server alive (the server never refers to its streams)
@@ -38,6 +38,7 @@ class _Consumer:
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
+        self.progress: Progress | None = None  # the last prompt progress report (when asked for)
 
     def handle(self, item: Any) -> str:
         """The text of one channel item ("" at the end); sets finish_reason at the end; raises errors."""
@@ -49,6 +50,9 @@ class _Consumer:
             return ""
         if isinstance(item, End):
             self.finish_reason = item.finish_reason
+            return ""
+        if item.__class__ is Progress:
+            self.progress = item
             return ""
         self.error = item
         raise item
@@ -187,6 +191,18 @@ class AsyncServerStream(_RequestResults):
         return self
 
     async def __anext__(self) -> str:
+        return await self._next(False)  # type: ignore[return-value]
+
+    async def events(self) -> AsyncIterator[str | Progress]:
+        """The text pieces, and the prompt's :class:`~.request.Progress` reports between them (a request
+        submitted with ``progress=True``)."""
+        while True:
+            try:
+                yield await self._next(True)
+            except StopAsyncIteration:
+                return
+
+    async def _next(self, with_progress: bool) -> str | Progress:
         consumer = self._consumer
         channel = self.request.channel
         if asyncio.get_running_loop() is not channel.loop:
@@ -205,6 +221,8 @@ class AsyncServerStream(_RequestResults):
             out = consumer.handle(item)  # raises the request's error
             if out:
                 return out
+            if with_progress and item.__class__ is Progress:
+                return item
         raise StopAsyncIteration
 
     async def completion(self) -> Completion:

@@ -23,7 +23,7 @@ __all__ = ["ResponseRequestError", "to_chat", "response_object", "response_usage
 
 #: Fields passed to the chat request as they are (OpenAI's, and llama-server's sampling extensions).
 _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p", "seed",
-           "timings_per_token", "verbose", "cache_prompt", "chat_template_kwargs", "user")
+           "timings_per_token", "verbose", "cache_prompt", "return_progress", "chat_template_kwargs", "user")
 
 
 class ResponseRequestError(InvalidArgumentError):
@@ -275,14 +275,15 @@ class ResponseEvents:
         self._text = ""
         self.items: list[dict[str, Any]] = []  # the closed items, in order
 
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """One event, numbered in sequence."""
         event = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         return event
 
     def start(self, response: dict[str, Any]) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response)]
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
 
     def _close(self) -> list[dict[str, Any]]:
         if self._open is None:
@@ -291,23 +292,23 @@ class ResponseEvents:
         out = []
         if self._open == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            out.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=text, logprobs=[]))
-            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part))
             done = _message_item(item["id"], text, "completed")
         elif self._open == "reasoning":
             part = {"type": "reasoning_text", "text": text}
-            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=text))
-            out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part))
             done = _reasoning_item(item["id"], text, "completed")
         else:
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    name=item["name"], arguments=text))
             done = {**item, "arguments": text, "status": "completed"}
-        out.append(self._event("response.output_item.done", output_index=index, item=done))
+        out.append(self.event("response.output_item.done", output_index=index, item=done))
         self.items.append(done)
         self._open, self._item, self._text = None, {}, ""
         return out
@@ -316,13 +317,13 @@ class ResponseEvents:
         out = self._close()
         self._open, self._item, self._text = kind, item, ""
         index = len(self.items)
-        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
         if kind == "message":
-            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                    content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                           "logprobs": []}))
         elif kind == "reasoning":
-            out.append(self._event("response.content_part.added", item_id=item["id"], output_index=index,
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
                                    content_index=0, part={"type": "reasoning_text", "text": ""}))
         return out
 
@@ -334,7 +335,7 @@ class ResponseEvents:
                 out += self._begin("reasoning", {"type": "reasoning", "id": new_item_id("rs"), "summary": [],
                                                  "content": [], "status": "in_progress"})
             self._text += delta["reasoning_content"]
-            out.append(self._event("response.reasoning_text.delta", item_id=self._item["id"],
+            out.append(self.event("response.reasoning_text.delta", item_id=self._item["id"],
                                    output_index=len(self.items), content_index=0,
                                    delta=delta["reasoning_content"], **extra))
         if delta.get("content"):
@@ -342,7 +343,7 @@ class ResponseEvents:
                 out += self._begin("message", {"type": "message", "id": new_item_id("msg"), "status": "in_progress",
                                                "role": "assistant", "content": []})
             self._text += delta["content"]
-            out.append(self._event("response.output_text.delta", item_id=self._item["id"],
+            out.append(self.event("response.output_text.delta", item_id=self._item["id"],
                                    output_index=len(self.items), content_index=0, delta=delta["content"],
                                    logprobs=[], **extra))
         for call in delta.get("tool_calls") or ():
@@ -353,7 +354,7 @@ class ResponseEvents:
                                           "name": fn.get("name", ""), "arguments": "", "status": "in_progress"})
             if fn.get("arguments"):
                 self._text += fn["arguments"]
-                out.append(self._event("response.function_call_arguments.delta", item_id=self._item["id"],
+                out.append(self.event("response.function_call_arguments.delta", item_id=self._item["id"],
                                        output_index=len(self.items), delta=fn["arguments"], **extra))
         return out
 
@@ -365,5 +366,5 @@ class ResponseEvents:
                                            "role": "assistant", "content": []})
             out += self._close()
         response["output"] = list(self.items)
-        out.append(self._event("response.completed", response=response))
+        out.append(self.event("response.completed", response=response))
         return out

@@ -51,6 +51,8 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["cache_prompt"] = req.cache_prompt
     if req.id_slot is not None:
         opts["id_slot"] = req.id_slot
+    if req.return_progress and req.stream:
+        opts["progress"] = True
     if req.logit_bias:
         # OpenAI: -100 bans the token (llama.cpp: a bias of -inf)
         opts["logit_bias"] = {int(k): (float("-inf") if v <= -100 else v) for k, v in req.logit_bias.items()}
@@ -59,6 +61,16 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
 
 #: llama-server's ``stop_type`` for a finish reason.
 _STOP_TYPES = {"eog": "eos", "stop": "word", "length": "limit"}
+
+
+def progress_json(p: Any) -> dict[str, Any]:
+    """llama-server's ``prompt_progress`` object of a :class:`~llama_ctypes.engines.server.request.Progress`."""
+    return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
+
+
+def items(stream: Any, progress: bool) -> Any:
+    """A stream's text pieces, and with ``progress`` its prompt progress reports between them."""
+    return stream.events() if progress else stream
 
 
 def verbose_fields(stream: Any, prompt_text: str, text: str) -> dict[str, Any]:

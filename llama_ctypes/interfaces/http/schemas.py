@@ -135,6 +135,7 @@ class SamplingFields(_Body):
     timings_per_token: bool = False  # every streamed chunk carries ``timings``
     verbose: bool | None = None  # the response carries ``__verbose`` (default: ``serve --verbose``)
     id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
+    return_progress: bool = False  # streamed: prompt_progress reports while the prompt is read
 
     @field_validator("logit_bias")
     @classmethod
@@ -279,6 +280,7 @@ class ResponsesRequest(ResponsesCountRequest):
     timings_per_token: bool = False
     verbose: bool | None = None
     cache_prompt: bool | None = None
+    return_progress: bool = False
 
 
 #: Most alternatives per token of llama-server's ``n_probs``.
@@ -313,6 +315,7 @@ class NativeCompletionRequest(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
+    return_progress: bool = False  # streamed: prompt_progress reports while the prompt is read
 
     @field_validator("stop")
     @classmethod

@@ -28,8 +28,10 @@ from ..generation import (
     cancel_all,
     chat_logprobs,
     gather_all,
+    items,
     merge_options,
     new_logprobs,
+    progress_json,
     sampling_options,
     submit,
     verbose_fields,
@@ -195,7 +197,12 @@ class _Reply:
                 lp, pending = chat_logprobs(pending), []
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-        async for piece in stream:
+        async for piece in items(stream, self.body.return_progress and self.body.stream):
+            if not isinstance(piece, str):
+                chunk = self._chunk([])
+                chunk["prompt_progress"] = progress_json(piece)
+                yield chunk
+                continue
             deltas = await out.afeed(piece)
             if want_logprobs:
                 new, sent = new_logprobs(stream, sent)

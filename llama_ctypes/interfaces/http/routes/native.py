@@ -25,7 +25,7 @@ from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, from_exception
-from ..generation import cancel_all, gather_all, submit
+from ..generation import cancel_all, gather_all, items, progress_json, submit
 from ..limits import over_limit
 from ..schemas import InfillRequest, NativeCompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
@@ -124,6 +124,8 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
         opts["stop"] = list(body.stop)
     if body.id_slot is not None:
         opts["id_slot"] = body.id_slot
+    if body.return_progress and body.stream:
+        opts["progress"] = True
     if body.n_probs:
         opts["logprobs"] = body.n_probs
     if body.logit_bias:
@@ -199,7 +201,12 @@ class _Reply:
         s = self.streams[index]
         vocab = self.server.model.vocab
         k = sent = 0
-        async for piece in s:
+        async for piece in items(s, self.body.return_progress):
+            if not isinstance(piece, str):
+                yield {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": s.request.seq_id,
+                       "tokens_predicted": 0, "tokens_evaluated": s.prompt_tokens,
+                       "prompt_progress": progress_json(piece)}
+                continue
             chunk: dict[str, Any] = {"index": index, "content": piece, "tokens": s.piece_tokens(k), "stop": False,
                                      "id_slot": s.request.seq_id, "tokens_predicted": len(s.tokens),
                                      "tokens_evaluated": s.prompt_tokens}

@@ -23,7 +23,7 @@ from ....features.openai.responses import (
 )
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
-from ..generation import cancel_all, verbose_fields
+from ..generation import cancel_all, items, progress_json, verbose_fields
 from ..schemas import ConvertedChatRequest, ResponsesCountRequest, ResponsesRequest, parse, parse_object
 from ..streaming import EventStream, until_disconnect
 from .chat import plan_request, start_chat
@@ -97,7 +97,12 @@ class _Reply:
         for event in events.start(self._response([], "in_progress", None)):
             yield event
         per_token = self.chat.timings_per_token
-        async for piece in self.stream:
+        async for piece in items(self.stream, self.chat.return_progress):
+            if not isinstance(piece, str):  # (llama-server's extension of the in_progress event)
+                event = events.event("response.in_progress", response=self._response([], "in_progress", None))
+                event["prompt_progress"] = progress_json(piece)
+                yield event
+                continue
             extra = {"timings": timings(self.stream.timings)} if per_token else {}
             for delta in await self.output.afeed(piece):
                 for event in events.feed(delta, **extra):
