@@ -415,3 +415,31 @@ def test_return_progress_reports_the_prompt_as_it_is_read(server):
     assert any(e["type"] == "response.in_progress" and "prompt_progress" in e for e in responses)
     plain = _events(server, "/v1/chat/completions", {"messages": long, "max_tokens": 3, "stream": True})
     assert not any("prompt_progress" in c for c in plain)
+
+
+def test_llama_servers_metric_names_count_what_responses_report(tmp_path, tiny_model_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = ServeProcess([str(tiny_model_path), "-c", "1024", "--parallel", "1"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        prompt_n = cache_n = predicted_n = 0
+        for i, n in enumerate((1, 16, 5)):
+            t = httpx.post(f"{proc.base_url}/completion", timeout=60,
+                           json={"prompt": "I believe the meaning of life is" + " really" * i, "n_predict": n,
+                                 "ignore_eos": True}).json()["timings"]
+            prompt_n, cache_n, predicted_n = prompt_n + t["prompt_n"], cache_n + t["cache_n"], predicted_n + t["predicted_n"]
+            if n == 1:  # (the first token comes with the prompt: no decode step to rate)
+                assert t["predicted_per_second"] == 0.0 and t["predicted_per_token_ms"] == 0.0
+            else:
+                assert t["predicted_per_second"] == pytest.approx(1e3 / t["predicted_ms"] * (n - 1))
+        r = httpx.get(f"{proc.base_url}/metrics")
+        assert int(r.headers["Process-Start-Time-Unix"]) > 0
+        samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+        assert samples["llamacpp:prompt_tokens_total"] == prompt_n
+        assert samples["llamacpp:prompt_tokens_cached_total"] == cache_n > 0
+        assert samples["llamacpp:tokens_predicted_total"] == predicted_n == 22
+        assert samples["llamacpp:n_decode_total"] >= 3 and samples["llamacpp:requests_processing"] == 0
+        assert samples["llamacpp:predicted_tokens_seconds"] > 0 and samples["llamacpp:n_tokens_max"] > 0
+    finally:
+        proc.stop()

@@ -138,6 +138,8 @@ class Engine:
         # counters, read by stats()
         self.ticks = 0
         self.batch_tokens = 0
+        self.max_batch_tokens = 0  # the largest decode so far, in tokens
+        self.slot_steps = 0  # slots decoded, summed over ticks (busy slots per decode = this / ticks)
         self.thread = threading.Thread(target=self._run, name="llama_ctypes-server", daemon=True)
 
     # ---- client side (any thread) ----------------------------------------------------------
@@ -306,6 +308,8 @@ class Engine:
         decode_ms = (time.perf_counter() - t0) * 1e3
         self.ticks += 1
         self.batch_tokens += batch.n_tokens
+        self.max_batch_tokens = max(self.max_batch_tokens, batch.n_tokens)
+        self.slot_steps += len(plan.steps)
         if rc != 0:
             try:
                 check_decode(rc, "llama_decode", batch.n_tokens)

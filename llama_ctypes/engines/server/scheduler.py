@@ -143,6 +143,8 @@ class Scheduler:
         self.n_draft = n_draft
         self.max_outputs = max_outputs  # logits rows one decode may have (0: no limit)
         self.drafted = 0  # draft tokens verified, all requests
+        self.drafts = 0  # speculative steps (a draft verified in one slot's tick)
+        self.generated = 0  # tokens accepted, all requests
         self.accepted = 0
         self.pool = pool
         self.strategy = strategy
@@ -426,6 +428,7 @@ class Scheduler:
         request.accepted += m
         self.drafted += n_draft
         self.accepted += m
+        self.drafts += 1
         if not self.pool.rollback(slot, n_past + 1 + m):
             self.finish(slot, request, Status.FAILED, error=LlamaError(
                 "the server could not cut rejected draft tokens off its memory (a recurrent state "
@@ -455,6 +458,7 @@ class Scheduler:
             self._end(slot, request, "eog")
             return
         request.generated.append(tok)
+        self.generated += 1
         if entry is not None and request.logprobs is not None:
             # Kept in step with ``generated``, and sent ahead of the text the token completes so a
             # consumer holds the entries of every token behind the text it has read.

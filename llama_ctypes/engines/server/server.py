@@ -451,6 +451,9 @@ class Server:
             "queue_length": engine.queue_length(),
             "ticks": engine.ticks,
             "avg_batch_tokens": engine.batch_tokens / engine.ticks if engine.ticks else 0.0,
+            "max_batch_tokens": engine.max_batch_tokens,
+            "avg_busy_slots": engine.slot_steps / engine.ticks if engine.ticks else 0.0,
+            "generated_tokens": engine.scheduler.generated,
             "prompt_tokens_evaluated": engine.prompt_tokens_evaluated,
             "cache_hits": cache.hits,
             "cache_misses": cache.misses,
@@ -462,6 +465,7 @@ class Server:
             "ram_cache_bytes": ram.used if ram else 0,
             "draft_tokens": engine.scheduler.drafted,
             "draft_accepted": engine.scheduler.accepted,
+            "drafts": engine.scheduler.drafts,
             "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
             if engine.scheduler.drafted else 0.0,
         }

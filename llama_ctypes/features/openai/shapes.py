@@ -91,22 +91,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def timings(t: Any) -> dict[str, Any]:
     """llama-server's ``timings`` object from a generation's :class:`~llama_ctypes.Timings` (milliseconds):
     the prompt tokens read from the cache (``cache_n``) and evaluated (``prompt_n``), the tokens generated
-    (``predicted_n``, timed from the first token to the last), and their rates."""
+    (``predicted_n``), and their rates. As llama-server's, the generation's time runs from the first token
+    to the last, and its rate is over the decode steps in it (``predicted_n - 1``: the first token comes
+    with the prompt), 0 for a single token."""
     prompt_n = t.prompt_tokens - t.cached_tokens
     predicted_n = t.generated_tokens
+    steps = max(0, predicted_n - 1)
 
     def per_token(ms: float, n: int) -> float:
-        return ms / n if n > 0 else 0.0
+        return ms / n if n > 0 and ms > 0 else 0.0
 
     def per_second(ms: float, n: int) -> float:
-        return n * 1e3 / ms if ms > 0 else 0.0
+        return n * 1e3 / ms if ms > 0 and n > 0 else 0.0
 
     return {"cache_n": t.cached_tokens, "prompt_n": prompt_n, "prompt_ms": t.prompt_ms,
             "prompt_per_token_ms": per_token(t.prompt_ms, prompt_n),
             "prompt_per_second": per_second(t.prompt_ms, prompt_n),
             "predicted_n": predicted_n, "predicted_ms": t.generation_ms,
-            "predicted_per_token_ms": per_token(t.generation_ms, predicted_n),
-            "predicted_per_second": per_second(t.generation_ms, predicted_n)}
+            "predicted_per_token_ms": per_token(t.generation_ms, steps),
+            "predicted_per_second": per_second(t.generation_ms, steps)}
 
 
 def input_usage(prompt_tokens: int) -> dict[str, int]:

@@ -68,6 +68,16 @@ def progress_json(p: Any) -> dict[str, Any]:
     return {"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms}
 
 
+def progress_timings(p: Any) -> dict[str, Any]:
+    """llama-server's ``timings`` while a prompt is read (``timings_per_token`` with ``return_progress``):
+    the prompt so far, nothing predicted yet."""
+    done = p.processed - p.cache
+    return {"cache_n": p.cache, "prompt_n": done, "prompt_ms": p.time_ms,
+            "prompt_per_token_ms": p.time_ms / done if done > 0 else 0.0,
+            "prompt_per_second": done * 1e3 / p.time_ms if done > 0 and p.time_ms > 0 else 0.0,
+            "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0}
+
+
 def items(stream: Any, progress: bool) -> Any:
     """A stream's text pieces, and with ``progress`` its prompt progress reports between them."""
     return stream.events() if progress else stream

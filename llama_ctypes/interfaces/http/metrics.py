@@ -63,6 +63,63 @@ class _ServerCollector(Collector):
         return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted]
 
 
+class _LlamaServerCollector(Collector):
+    """llama-server's own metric names (``llamacpp:*``, its ``--metrics``), totals over the app's models,
+    so dashboards built for llama-server read this server too."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]], totals: "_Totals"):
+        self._stats = stats
+        self._totals = totals
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = list(self._stats().values())
+        except Exception:
+            logger.exception("reading server stats for /metrics failed")
+            stats = []
+
+        def total(key: str) -> float:
+            return float(sum(s.get(key, 0) for s in stats))
+
+        t = self._totals
+        ticks = total("ticks")
+        out: list[Metric] = []
+        for name, doc, value in (
+                ("prompt_tokens", "Number of prompt tokens processed.", total("prompt_tokens_evaluated")),
+                ("prompt_tokens_cached", "Number of prompt tokens served from the cache.", total("cached_tokens")),
+                ("prompt_seconds", "Prompt process time.", t.prompt_seconds),
+                ("tokens_predicted", "Number of generation tokens processed.", total("generated_tokens")),
+                ("tokens_predicted_seconds", "Predict process time.", t.predicted_seconds),
+                ("n_decode", "Total number of llama_decode() calls.", ticks),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", total("draft_tokens")),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", total("draft_accepted")),
+                ("spec_decode_num_drafts", "Drafts verified.", total("drafts"))):
+            out.append(CounterMetricFamily(f"llamacpp:{name}", doc, value=value))
+        busy = sum(s.get("avg_busy_slots", 0.0) * s.get("ticks", 0) for s in stats) / ticks if ticks else 0.0
+        for name, doc, value in (
+                ("n_tokens_max", "Largest observed n_tokens.", max((s.get("max_batch_tokens", 0) for s in stats),
+                                                                   default=0)),
+                ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                 t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+                ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                 t.predicted_steps / t.predicted_seconds if t.predicted_seconds else 0.0),
+                ("requests_processing", "Number of requests processing.", total("active_slots")),
+                ("requests_deferred", "Number of requests deferred.", total("queue_length")),
+                ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy)):
+            out.append(GaugeMetricFamily(f"llamacpp:{name}", doc, value=value))
+        return out
+
+
+class _Totals:
+    """Sums over finished generations (llama-server's time counters)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0  # evaluated (not cached) prompt tokens of finished requests
+        self.prompt_seconds = 0.0
+        self.predicted_steps = 0  # tokens after each request's first (the decode steps of its generation)
+        self.predicted_seconds = 0.0
+
+
 class Metrics:
     """The app's registry and the metrics the endpoints update."""
 
@@ -81,6 +138,8 @@ class Metrics:
                                       "Generation speed of a request after its first token", ["model"],
                                       buckets=_TPS_BUCKETS, registry=r)
         r.register(_ServerCollector(server_stats))
+        self.totals = _Totals()
+        r.register(_LlamaServerCollector(server_stats, self.totals))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -89,6 +148,12 @@ class Metrics:
         """Record one finished generation (``timings``: a :class:`~llama_ctypes.Timings`, or None)."""
         self.prompt_tokens.labels(model).inc(prompt_tokens)
         self.generated_tokens.labels(model).inc(generated_tokens)
+        if timings is not None:
+            t = self.totals
+            t.prompt_tokens += max(0, timings.prompt_tokens - timings.cached_tokens)
+            t.prompt_seconds += timings.prompt_ms / 1e3
+            t.predicted_steps += max(0, generated_tokens - 1)
+            t.predicted_seconds += timings.generation_ms / 1e3
         if timings is not None and generated_tokens:
             self.ttft.labels(model).observe(timings.ttft_ms / 1e3)
             if timings.tokens_per_s > 0:

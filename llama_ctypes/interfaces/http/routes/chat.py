@@ -32,6 +32,7 @@ from ..generation import (
     merge_options,
     new_logprobs,
     progress_json,
+    progress_timings,
     sampling_options,
     submit,
     verbose_fields,
@@ -201,6 +202,8 @@ class _Reply:
             if not isinstance(piece, str):
                 chunk = self._chunk([])
                 chunk["prompt_progress"] = progress_json(piece)
+                if self.body.timings_per_token:
+                    chunk["timings"] = progress_timings(piece)
                 yield chunk
                 continue
             deltas = await out.afeed(piece)

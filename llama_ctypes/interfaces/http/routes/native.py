@@ -25,7 +25,7 @@ from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, from_exception
-from ..generation import cancel_all, gather_all, items, progress_json, submit
+from ..generation import cancel_all, gather_all, items, progress_json, progress_timings, submit
 from ..limits import over_limit
 from ..schemas import InfillRequest, NativeCompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
@@ -203,9 +203,12 @@ class _Reply:
         k = sent = 0
         async for piece in items(s, self.body.return_progress):
             if not isinstance(piece, str):
-                yield {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": s.request.seq_id,
-                       "tokens_predicted": 0, "tokens_evaluated": s.prompt_tokens,
-                       "prompt_progress": progress_json(piece)}
+                report = {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": s.request.seq_id,
+                          "tokens_predicted": 0, "tokens_evaluated": s.prompt_tokens,
+                          "prompt_progress": progress_json(piece)}
+                if self.body.timings_per_token:
+                    report["timings"] = progress_timings(piece)
+                yield report
                 continue
             chunk: dict[str, Any] = {"index": index, "content": piece, "tokens": s.piece_tokens(k), "stop": False,
                                      "id_slot": s.request.seq_id, "tokens_predicted": len(s.tokens),

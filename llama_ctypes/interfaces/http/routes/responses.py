@@ -23,7 +23,7 @@ from ....features.openai.responses import (
 )
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
-from ..generation import cancel_all, items, progress_json, verbose_fields
+from ..generation import cancel_all, items, progress_json, progress_timings, verbose_fields
 from ..schemas import ConvertedChatRequest, ResponsesCountRequest, ResponsesRequest, parse, parse_object
 from ..streaming import EventStream, until_disconnect
 from .chat import plan_request, start_chat
@@ -101,6 +101,8 @@ class _Reply:
             if not isinstance(piece, str):  # (llama-server's extension of the in_progress event)
                 event = events.event("response.in_progress", response=self._response([], "in_progress", None))
                 event["prompt_progress"] = progress_json(piece)
+                if per_token:
+                    event["timings"] = progress_timings(piece)
                 yield event
                 continue
             extra = {"timings": timings(self.stream.timings)} if per_token else {}

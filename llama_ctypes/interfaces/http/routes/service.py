@@ -94,7 +94,8 @@ async def health(request: Request, app: AppContext) -> Response:
 @endpoint
 async def metrics(request: Request, app: AppContext) -> Response:
     text = await anyio.to_thread.run_sync(app.metrics.render)
-    return Response(text, media_type=CONTENT_TYPE)
+    # (llama-server's header: when the counters started, for rates across restarts)
+    return Response(text, media_type=CONTENT_TYPE, headers={"Process-Start-Time-Unix": str(app.started)})
 
 
 def _pieces(vocab: Any, tokens: list[int]) -> list[dict[str, Any]]:
