@@ -225,6 +225,15 @@ def test_errors_come_in_anthropics_shape(gemma_server, client):
     r = httpx.post(f"{gemma_server.base_url}/v1/messages", headers={"x-api-key": KEY},
                    json={"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]})
     assert r.status_code == 400 and "messages[0].content[0].type" in r.json()["error"]["message"]
+    for bad in ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                {"system": [{"type": "text", "text": 3}], "messages": ASK},
+                {"messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": 5}]}]},
+                {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                                            "content": [{"type": "text", "text": 7}]}]}]},
+                {"messages": ["hello"]}):
+        r = httpx.post(f"{gemma_server.base_url}/v1/messages", headers={"x-api-key": KEY},
+                       json={"max_tokens": 4, **bad})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (bad, r.text)
 
 
 def test_leaving_a_stream_frees_its_slot(gemma_server, client):
@@ -277,8 +286,9 @@ def test_thinking_in_the_history_reaches_the_template(tmp_path, tiny_model_path)
     try:
         proc.wait_ready()
         call = {"type": "tool_use", "id": "call_1", "name": "list_files", "input": {"path": "."}}
+        result = {"type": "tool_result", "tool_use_id": "call_1", "content": "main.py"}
         history = [{"role": "user", "content": "Fix the bug"}, {"role": "assistant", "content": [call]},
-                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "main.py"}]}]
+                   {"role": "user", "content": [result]}]
         thought = json.loads(json.dumps(history))
         thought[1]["content"].insert(0, {"type": "thinking", "thinking": "Look at the layout first.", "signature": ""})
         tool = {"name": "list_files", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}

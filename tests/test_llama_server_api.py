@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -186,6 +187,16 @@ def test_a_final_assistant_message_is_continued(server):
     assert finished["prompt"].startswith(base + "Whill<|im_end|>")  # (explicitly false: a finished turn)
 
 
+def test_a_trailing_assistant_message_with_tools_is_a_finished_turn(server):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = BOOK + [{"role": "assistant", "content": "Sure"}]
+    r = _chat(server, messages=messages, tools=[tool], verbose=True)
+    assert r.status_code == 200, r.text
+    assert not r.json()["__verbose"]["prompt"].endswith("Sure")  # (a new turn follows it)
+    assert api_error(_chat(server, messages=messages, tools=[tool], add_generation_prompt=False,
+                           continue_final_message=True), 400)
+
+
 def test_input_tokens_count_what_a_reply_reads(server):
     count = httpx.post(f"{server.base_url}/v1/chat/completions/input_tokens", json={"messages": BOOK}).json()
     assert count == {"input_tokens": _chat(server).json()["usage"]["prompt_tokens"]}
@@ -241,6 +252,8 @@ def test_cors_keys_and_prefix_as_llama_server(tmp_path, tiny_model_path):
             assert r.status_code == 200
         assert api_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"}), 401)
         assert httpx.get(f"{proc.base_url}/v1/models", headers={"x-api-key": "key-one"}).status_code == 404
+        r = httpx.post(f"{url}/v1/messages", headers={"x-api-key": "key-one"}, json={"messages": "bad"})
+        assert r.status_code == 400 and r.json()["type"] == "error"  # (Anthropic's shape under the prefix too)
         preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
         for origin, allowed in (("http://localhost:5173", True), ("http://[::1]", True),
                                 ("http://localhost.evil.com", False), ("https://example.org", False)):
@@ -249,9 +262,11 @@ def test_cors_keys_and_prefix_as_llama_server(tmp_path, tiny_model_path):
             assert r.headers.get("access-control-allow-origin") == (origin if allowed else None)
             if allowed:
                 assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
+                assert r.headers["access-control-allow-headers"] == "Authorization"  # (a "*" would not cover it)
                 assert r.headers["access-control-allow-credentials"] == "true"
             r = httpx.get(f"{url}/v1/models", headers={"Origin": origin, "x-api-key": "key-two"})
-            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (origin if allowed else None)
+            assert r.status_code == 200
+            assert r.headers.get("access-control-allow-origin") == (origin if allowed else None)
     finally:
         proc.stop()
 
@@ -281,7 +296,8 @@ def test_router_loads_unloads_and_evicts_the_least_recently_used(tmp_path, tiny_
         assert httpx.post(f"{url}/models/load", json={"model": "b"}).json() == {"success": True}
         assert wait_for(lambda: _status(url, "b") == "loaded", 60)
         httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2}, timeout=60)
-        # a third model: the least recently used idle one (b) makes room
+        # a third model: the least recently used idle one (b) makes room (once its grace second is over)
+        time.sleep(1.2)
         assert httpx.post(f"{url}/models/load", json={"model": "c"}).json() == {"success": True}
         assert wait_for(lambda: _status(url, "c") == "loaded", 60)
         assert _status(url, "b") == "unloaded" and _status(url, "a") == "loaded"
@@ -290,6 +306,29 @@ def test_router_loads_unloads_and_evicts_the_least_recently_used(tmp_path, tiny_
         assert api_error(httpx.post(f"{url}/models/load", json={"model": "nope"}), 404)
         assert api_error(httpx.post(f"{url}/models/load", json={"model": "c"}), 400, "model")
         assert api_error(httpx.post(f"{url}/models/unload", json={"model": "a"}), 400, "model")
+    finally:
+        proc.stop()
+
+
+def test_a_broken_model_file_fails_alone(tmp_path, tiny_model_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "good.gguf").symlink_to(tiny_model_path)
+    (folder / "broken.gguf").write_bytes(b"GGUF but not really a model file")
+    proc = ServeProcess(["--models-dir", str(folder), "-c", "512"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        url = proc.base_url
+        for _ in range(2):  # (the second time it is not loaded again: the reason is told at once)
+            r = httpx.post(f"{url}/v1/completions", json={"model": "broken", "prompt": "x", "max_tokens": 2})
+            assert api_error(r, 503)["code"] == "model_failed"
+        status = next(m["status"] for m in httpx.get(f"{url}/models").json()["data"] if m["id"] == "broken")
+        assert status["value"] == "failed" and status["error"]
+        assert httpx.get(f"{url}/health").status_code == 200  # the others serve on
+        r = httpx.post(f"{url}/v1/completions", json={"model": "good", "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        assert httpx.post(f"{url}/models/load", json={"model": "broken"}).status_code == 200  # (tried again)
+        assert wait_for(lambda: _status(url, "broken") == "failed", 30)
     finally:
         proc.stop()
 
@@ -349,6 +388,19 @@ def test_slots_save_restore_and_erase_as_llama_server(tmp_path, tiny_model_path)
         for name in ("../outside.bin", "a/b.bin", "..", "", " x", "link.bin", "nul\x00.bin"):
             assert api_error(action(0, "save", filename=name), 400, "filename")
         assert not (tmp_path / "b.bin").exists() and outside.read_bytes() == b"x"
+        # a file whose token list does not match its state (one token claimed more, or fewer) is refused
+        import struct
+
+        data = (saves / "slot1.bin").read_bytes()
+        n = struct.unpack_from("<I", data, 8)[0]
+        for claim in (n + 5, 2):
+            tokens = (list(struct.unpack_from(f"<{n}i", data, 12)) + [1] * 5)[:claim]
+            forged = data[:8] + struct.pack("<I", claim) + struct.pack(f"<{claim}i", *tokens) + data[12 + 4 * n:]
+            (saves / "forged.bin").write_bytes(forged)
+            error = api_error(action(0, "restore", filename="forged.bin"), 400, "filename")
+            assert "positions" in error["message"]
+        (saves / "folder").mkdir()
+        assert api_error(action(0, "save", filename="folder"), 400, "filename")
         (saves / "junk.bin").write_bytes(b"not a state file at all")
         error = api_error(action(0, "restore", filename="junk.bin"), 400, "filename")
         assert error["message"].startswith("junk.bin: not a llama.cpp sequence state file")
@@ -428,7 +480,8 @@ def test_llama_servers_metric_names_count_what_responses_report(tmp_path, tiny_m
             t = httpx.post(f"{proc.base_url}/completion", timeout=60,
                            json={"prompt": "I believe the meaning of life is" + " really" * i, "n_predict": n,
                                  "ignore_eos": True}).json()["timings"]
-            prompt_n, cache_n, predicted_n = prompt_n + t["prompt_n"], cache_n + t["cache_n"], predicted_n + t["predicted_n"]
+            prompt_n, cache_n = prompt_n + t["prompt_n"], cache_n + t["cache_n"]
+            predicted_n += t["predicted_n"]
             if n == 1:  # (the first token comes with the prompt: no decode step to rate)
                 assert t["predicted_per_second"] == 0.0 and t["predicted_per_token_ms"] == 0.0
             else:

@@ -107,8 +107,8 @@ def test_a_required_function_comes_back_as_a_function_call_item(client):
 
 
 def test_function_outputs_go_back_to_the_model(client):
-    asked = [{"role": "user", "content": "What's the weather in Paris?"},
-             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"location": "Paris"}'}]
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"location": "Paris"}'}
+    asked = [{"role": "user", "content": "What's the weather in Paris?"}, call]
     answered = asked + [{"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 25 C"}]
     before = client.responses.input_tokens.count(model="gemma", input=asked, tools=[WEATHER]).input_tokens
     after = client.responses.input_tokens.count(model="gemma", input=answered, tools=[WEATHER]).input_tokens

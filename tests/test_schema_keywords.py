@@ -719,3 +719,16 @@ def test_draft7_tuples_are_read_as_prefix_items(accepts):
         lc.grammar.from_json_schema(modern)
     with pytest.raises(lc.SchemaError):  # a 2020-12 schema keeps 2020-12's meaning: items must be a schema
         lc.grammar.from_json_schema({**draft7, "$schema": "https://json-schema.org/draft/2020-12/schema"})
+
+
+def test_the_tuple_rewrite_leaves_data_and_property_names_alone():
+    schema = {"type": "object", "required": ["t", "c", "$schema"], "properties": {
+        "t": {"type": "array", "items": [{"type": "string"}]},
+        "c": {"const": {"items": [1]}},
+        "$schema": {"type": "integer"}}}
+    gbnf = Gbnf(lc.grammar.from_json_schema(schema))
+    rng = random.Random(0)
+    for _ in range(20):
+        value = json.loads(gbnf.sample(rng))
+        assert value["c"] == {"items": [1]} and isinstance(value["$schema"], int)
+        assert len(value["t"]) == 1 and isinstance(value["t"][0], str)

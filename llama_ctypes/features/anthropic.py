@@ -20,7 +20,8 @@ from typing import Any, Mapping, Sequence
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["RequestError", "to_openai", "stop_reason", "message_usage", "message_response", "MessageEvents", "new_message_id"]
+__all__ = ["RequestError", "to_openai", "stop_reason", "message_usage", "message_response", "MessageEvents",
+           "new_message_id"]
 
 #: Anthropic's ``max_tokens`` is required; llama-server is permissive and uses this when it is missing.
 DEFAULT_MAX_TOKENS = 4096
@@ -36,6 +37,16 @@ class RequestError(InvalidArgumentError):
         self.param = param
 
 
+def _string(block: Mapping[str, Any], key: str, where: str) -> str:
+    """A block's text field: a string (missing: empty); another type is the client's error."""
+    value = block.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RequestError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
+    return value
+
+
 def new_message_id() -> str:
     """A message id in Anthropic's form (``msg_`` and 24 random hex digits)."""
     return "msg_" + secrets.token_hex(12)
@@ -47,10 +58,10 @@ def _image_part(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise RequestError(f"{where}.source: expected an object", param=f"{where}.source")
     kind = source.get("type")
     if kind == "base64":
-        media = source.get("media_type") or "image/jpeg"
-        url = f"data:{media};base64,{source.get('data') or ''}"
+        media = _string(source, "media_type", f"{where}.source") or "image/jpeg"
+        url = f"data:{media};base64,{_string(source, 'data', f'{where}.source')}"
     elif kind == "url":
-        url = source.get("url") or ""
+        url = _string(source, "url", f"{where}.source")
     else:
         raise RequestError(f"{where}.source.type: expected 'base64' or 'url' (got {kind!r})",
                                    param=f"{where}.source.type")
@@ -68,7 +79,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         for j, c in enumerate(content):
             kind = c.get("type") if isinstance(c, Mapping) else None
             if kind == "text":
-                parts.append({"type": "text", "text": c.get("text") or ""})
+                parts.append({"type": "text", "text": _string(c, "text", f"{where}.content[{j}]")})
             elif kind == "image":
                 parts.append(_image_part(c, f"{where}.content[{j}]"))
             else:
@@ -81,7 +92,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
                                    param=f"{where}.content")
     if block.get("is_error") is True and isinstance(text, str):
         text = f"Error: {text}"  # (a chat template has no field for it; the model must still see it)
-    return {"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text}
+    return {"role": "tool", "tool_call_id": _string(block, "tool_use_id", where), "content": text}
 
 
 def _message(msg: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
@@ -104,17 +115,17 @@ def _message(msg: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, Mapping) else None
         if kind == "text":
-            parts.append({"type": "text", "text": block.get("text") or ""})
+            parts.append({"type": "text", "text": _string(block, "text", at)})
         elif kind == "image":
             parts.append(_image_part(block, at))
         elif kind == "thinking":
-            reasoning += block.get("thinking") or ""
+            reasoning += _string(block, "thinking", at)
         elif kind == "redacted_thinking":
             continue  # (encrypted by Anthropic's servers: nothing a local model can read)
         elif kind == "tool_use" and role == "assistant":
             arguments = block.get("input", {})
-            calls.append({"id": str(block.get("id") or ""), "type": "function",
-                          "function": {"name": str(block.get("name") or ""),
+            calls.append({"id": _string(block, "id", at), "type": "function",
+                          "function": {"name": _string(block, "name", at),
                                        "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, at))
@@ -140,7 +151,8 @@ def _system(system: Any) -> str | None:
     if isinstance(system, str):
         return system
     if isinstance(system, list):
-        return "".join(b.get("text") or "" for b in system if isinstance(b, Mapping) and b.get("type") == "text")
+        return "".join(_string(b, "text", f"system[{i}]") for i, b in enumerate(system)
+                       if isinstance(b, Mapping) and b.get("type") == "text")
     raise RequestError("system: expected a string or a list of text blocks", param="system")
 
 
@@ -155,9 +167,13 @@ def _tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
             # Anthropic's server tools (web search, code execution, ...) run on Anthropic's servers.
             raise RequestError(f"tools[{i}].type: server tool {kind!r} is not available here "
                                        "(only client tools with an input_schema)", param=f"tools[{i}].type")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        schema = tool.get("input_schema") or {"type": "object"}
+        if not isinstance(schema, Mapping):
+            raise RequestError(f"tools[{i}].input_schema: expected a JSON Schema object",
+                               param=f"tools[{i}].input_schema")
+        fn: dict[str, Any] = {"name": tool["name"], "parameters": schema}
         if tool.get("description"):
-            fn["description"] = tool["description"]
+            fn["description"] = _string(tool, "description", f"tools[{i}]")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -165,7 +181,11 @@ def _tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
 def _tool_choice(choice: Mapping[str, Any]) -> tuple[Any, bool | None]:
     """OpenAI's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
     kind = choice.get("type")
-    parallel = None if choice.get("disable_parallel_tool_use") is None else not choice["disable_parallel_tool_use"]
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise RequestError("tool_choice.disable_parallel_tool_use: expected true or false",
+                           param="tool_choice.disable_parallel_tool_use")
+    parallel = None if disable is None else not disable
     if kind in ("auto", "none"):
         return kind, parallel
     if kind == "any":
@@ -192,6 +212,8 @@ def to_openai(body: Mapping[str, Any], *, count_only: bool = False) -> dict[str,
     if system is not None:
         messages.append({"role": "system", "content": system})
     for i, msg in enumerate(body["messages"]):
+        if not isinstance(msg, Mapping):
+            raise RequestError(f"messages[{i}]: expected an object", param=f"messages[{i}]")
         messages.extend(_message(msg, f"messages[{i}]"))
     out: dict[str, Any] = {"messages": messages}
     if body.get("tools"):

@@ -162,20 +162,36 @@ def _tuple_form(schema: Mapping[str, Any]) -> bool:
     return '"items": [' in json.dumps(schema)
 
 
-def _prefix_items(node: Any) -> Any:
+#: Where a schema holds subschemas: one, a map of them, a list of them (only these are rewritten: a const,
+#: an enum or a default may hold "items" of its own, which are data).
+_ONE = ("items", "additionalItems", "additionalProperties", "propertyNames", "contains", "not", "if", "then", "else",
+        "unevaluatedItems", "unevaluatedProperties")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+
+
+def _prefix_items(node: Any, root: bool = True) -> Any:
     """Drafts 4-7's tuples in today's words: ``items: [A, B]`` and ``additionalItems: S`` become
-    ``prefixItems: [A, B]`` and ``items: S`` (llama.cpp's converter reads both forms the same way)."""
-    if isinstance(node, list):
-        return [_prefix_items(x) for x in node]
+    ``prefixItems: [A, B]`` and ``items: S`` (llama.cpp's converter reads both forms the same way).
+    Only subschema positions are visited; the root's ``$schema`` goes (the result is 2020-12)."""
     if not isinstance(node, Mapping):
         return node
-    out = {k: _prefix_items(v) for k, v in node.items()}
+    out = dict(node)
+    for key in _ONE:
+        if isinstance(out.get(key), Mapping):
+            out[key] = _prefix_items(out[key], False)
+    for key in _MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: _prefix_items(sub, False) for name, sub in out[key].items()}
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_prefix_items(sub, False) for sub in out[key]]
     if isinstance(out.get("items"), list):
-        out["prefixItems"] = out.pop("items")
+        out["prefixItems"] = [_prefix_items(sub, False) for sub in out.pop("items")]
         if "additionalItems" in out:
             out["items"] = out.pop("additionalItems")
-    if "$schema" in out:
-        del out["$schema"]  # (now in 2020-12's words)
+    if root:
+        out.pop("$schema", None)
     return out
 
 

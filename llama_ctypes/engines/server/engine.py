@@ -78,6 +78,9 @@ class ContextKV:
             self._mirror.kv_restore(seq)
         return self._lease.state_seq_set(seq, state)
 
+    def last_position(self, seq: int) -> int:
+        return self._lease.seq_pos_max(seq)
+
 
 class _Call:
     """A function to run on the scheduler thread, and its result."""

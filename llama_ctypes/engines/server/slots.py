@@ -45,6 +45,7 @@ class KVOps(Protocol):
     def copy(self, src: int, dst: int, n: int) -> None: ...
     def save(self, seq: int) -> bytes: ...
     def restore(self, seq: int, state: bytes) -> bool: ...
+    def last_position(self, seq: int) -> int: ...
 
 
 @dataclass(eq=False)
@@ -267,9 +268,13 @@ class SlotPool:
         if not self.kv.restore(slot.seq_id, state):
             self.kv.forget(slot.seq_id)
             raise InvalidArgumentError(f"{path}: llama.cpp refused the state (another model or context size?)")
-        if not self.kv.complete(slot.seq_id, len(tokens)):
+        # The token list and the state must describe the same sequence: one KV position per token, or a
+        # later request would trust a cache that is not there (or decode onto cells that are).
+        last = self.kv.last_position(slot.seq_id)
+        if last != len(tokens) - 1 or not self.kv.complete(slot.seq_id, len(tokens)):
             self.kv.forget(slot.seq_id)
-            raise InvalidArgumentError(f"{path}: the state holds fewer positions than its {len(tokens)} tokens")
+            raise InvalidArgumentError(f"{path}: its state holds {last + 1} positions, not one per each of its "
+                                       f"{len(tokens)} tokens")
         slot.tokens = list(tokens)
         slot.session = None
         slot.last_used = next(self._clock)

@@ -34,6 +34,16 @@ class ResponseRequestError(InvalidArgumentError):
         self.param = param
 
 
+def _string(part: Mapping[str, Any], key: str, where: str) -> str:
+    """A part's text field: a string (missing: empty); another type is the client's error."""
+    value = part.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ResponseRequestError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
+    return value
+
+
 def new_item_id(prefix: str) -> str:
     """An id in OpenAI's form: ``resp_``, ``msg_``, ``rs_``, ``fc_`` and 24 random hex digits."""
     return f"{prefix}_{secrets.token_hex(12)}"
@@ -50,11 +60,11 @@ def _text_of(content: Any, where: str) -> Any:
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            parts.append({"type": "text", "text": part.get("text") or ""})
+            parts.append({"type": "text", "text": _string(part, "text", f"{where}[{i}]")})
         elif kind == "refusal":
-            parts.append({"type": "text", "text": part.get("refusal") or ""})
+            parts.append({"type": "text", "text": _string(part, "refusal", f"{where}[{i}]")})
         elif kind == "input_image":
-            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or ""}})
+            parts.append({"type": "image_url", "image_url": {"url": _string(part, "image_url", f"{where}[{i}]")}})
         elif kind == "input_file":
             parts.append({"type": "file", "file": {k: v for k, v in part.items() if k != "type"}})
         elif kind == "input_audio":
@@ -136,9 +146,13 @@ def _tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
                                        param=f"tools[{i}].type")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
             raise ResponseRequestError(f"tools[{i}].name: required", param=f"tools[{i}].name")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+        schema = tool.get("parameters") or {"type": "object"}
+        if not isinstance(schema, Mapping):
+            raise ResponseRequestError(f"tools[{i}].parameters: expected a JSON Schema object",
+                                       param=f"tools[{i}].parameters")
+        fn: dict[str, Any] = {"name": tool["name"], "parameters": schema}
         if tool.get("description"):
-            fn["description"] = tool["description"]
+            fn["description"] = _string(tool, "description", f"tools[{i}]")
         out.append({"type": "function", "function": fn})
     return out
 
@@ -350,8 +364,9 @@ class ResponseEvents:
             kind = ("call", call["index"])
             fn = call.get("function") or {}
             if self._open != kind:
-                out += self._begin(kind, {"type": "function_call", "id": new_item_id("fc"), "call_id": call.get("id", ""),
-                                          "name": fn.get("name", ""), "arguments": "", "status": "in_progress"})
+                out += self._begin(kind, {"type": "function_call", "id": new_item_id("fc"),
+                                          "call_id": call.get("id", ""), "name": fn.get("name", ""), "arguments": "",
+                                          "status": "in_progress"})
             if fn.get("arguments"):
                 self._text += fn["arguments"]
                 out.append(self.event("response.function_call_arguments.delta", item_id=self._item["id"],

@@ -18,11 +18,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import anyio
+
 from ...engines.manager import ModelManager
 from ...errors import AlreadyLoadedError
 from .errors import BadRequest, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
+
+#: Seconds after its last request during which a model is not evicted for another (``--models-max``).
+EVICTION_GRACE_S = 1.0
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Catalog:
     max_loaded: int | None = None
     autoload: bool = True  # a request naming an unloaded entry loads it
     _used: dict[str, float] = field(default_factory=dict)
+    _failed: dict[str, str] = field(default_factory=dict)  # why an entry's last load failed
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -72,7 +78,7 @@ class Catalog:
         try:
             info = self.manager.info(model_id)
         except KeyError:
-            return "unloaded"
+            return "failed" if model_id in self._failed else "unloaded"
         return {"ready": "loaded", "loading": "loading", "failed": "failed"}.get(info.status, info.status)
 
     def _busy(self, model_id: str) -> bool:
@@ -85,7 +91,11 @@ class Catalog:
 
     def load(self, model_id: str) -> Future:
         """Start loading an entry (a Future of its ModelInfo), freeing the least recently used idle model
-        first when the cap is reached. NotFound for an unknown id; Unavailable when all are busy."""
+        first when the cap is reached. NotFound for an unknown id; Unavailable when all are busy.
+
+        Blocking (an eviction closes a model): call it from a worker thread, not the event loop. A
+        model used in the last :data:`EVICTION_GRACE_S` seconds counts as busy: a request that has
+        just picked it may not have reached its server yet."""
         entry = self.entries.get(model_id)
         if entry is None:
             raise NotFound(f"the model {model_id!r} is not in this server's catalog", param="model")
@@ -95,15 +105,36 @@ class Catalog:
                 raise AlreadyLoadedError(f"the model {model_id!r} is already {self.status(model_id)}",
                                          model_id=model_id)
             if self.max_loaded is not None and len(loaded) >= self.max_loaded:
-                idle = sorted((m for m in loaded if self.status(m) != "loading" and not self._busy(m)),
+                now = time.monotonic()
+                idle = sorted((m for m in loaded if self.status(m) != "loading" and not self._busy(m)
+                               and now - self._used.get(m, 0.0) >= EVICTION_GRACE_S),
                               key=lambda m: self._used.get(m, 0.0))
                 if not idle:
                     raise Unavailable(f"{len(loaded)} models are loaded (--models-max {self.max_loaded}) and all "
-                                      "are busy: try again when one is idle")
+                                      "are in use: try again when one is idle")
                 logger.info("unloading %r (least recently used) to load %r", idle[0], model_id)
                 self.manager.unload(idle[0])
             self.touch(model_id)
-            return self.manager.load(**{**entry.load, "id": model_id}, wait=False)
+            self._failed.pop(model_id, None)
+            future = self.manager.load(**{**entry.load, "id": model_id}, wait=False)
+        future.add_done_callback(lambda f: self._settled(model_id, f))
+        return future
+
+    def _settled(self, model_id: str, future: Future) -> None:
+        """A failed load leaves the catalog entry ``failed`` (with its reason) and the manager without it,
+        so one broken file does not keep the whole server unhealthy; ``/models/load`` tries again."""
+        error = None if future.cancelled() else future.exception()
+        if error is None:
+            return
+        self._failed[model_id] = str(error)
+        try:
+            self.manager.unload(model_id)
+        except (KeyError, Exception):  # (already gone, or the manager is closing)
+            pass
+
+    def failure(self, model_id: str) -> str | None:
+        """Why the entry's last load failed (None: it did not)."""
+        return self._failed.get(model_id)
 
     def unload(self, model_id: str) -> None:
         try:
@@ -112,19 +143,28 @@ class Catalog:
             raise BadRequest(f"the model {model_id!r} is not loaded", param="model") from None
 
     async def ensure(self, name: str | None) -> None:
-        """Load the entry a request names when it is not loaded (and autoload is on), and wait for it."""
+        """Load the entry a request names when it is not loaded (and autoload is on), and wait for it.
+
+        An entry whose last load failed is not tried again on a request (a client cannot make the server
+        retry a broken file in a loop): 503 naming the reason, until ``/models/load``."""
         entry = self.find(name)
-        if entry is None or not self.autoload:
+        if entry is None:
             return
         status = self.status(entry.id)
-        if status == "loaded":
+        if status == "failed" and entry.id in self._failed:
+            raise Unavailable(f"the model {entry.id!r} failed to load: {self._failed[entry.id]} "
+                              "(POST /models/load tries again)", code="model_failed")
+        if status == "loaded" or not self.autoload:
             return
         if status == "unloaded":
             try:
-                future = self.load(entry.id)
+                future = await anyio.to_thread.run_sync(self.load, entry.id)
             except AlreadyLoadedError:  # (another request started it meanwhile)
                 return await self._wait(entry.id)
-            await asyncio.wrap_future(future)
+            try:
+                await asyncio.wrap_future(future)
+            except Exception as exc:  # noqa: BLE001 - the reason goes to the client, the entry stays failed
+                raise Unavailable(f"the model {entry.id!r} failed to load: {exc}", code="model_failed") from None
         elif status == "loading":
             await self._wait(entry.id)
 
@@ -134,7 +174,10 @@ class Catalog:
             await asyncio.sleep(0.05)
 
     def describe(self, model_id: str) -> Mapping[str, Any]:
-        """llama-server's ``status`` object of a model."""
+        """llama-server's ``status`` object of a model (with ``failed``: the reason)."""
         entry = self.entries.get(model_id)
         source = entry.load.get("source") if entry is not None else None
-        return {"value": self.status(model_id), "args": [str(source)] if source is not None else []}
+        out: dict[str, Any] = {"value": self.status(model_id), "args": [str(source)] if source is not None else []}
+        if out["value"] == "failed" and model_id in self._failed:
+            out["error"] = self._failed[model_id]
+        return out

@@ -85,12 +85,19 @@ async def _drain(request: Request, seen: int) -> None:
 Handler = Callable[[Request, AppContext], Awaitable[Response]]
 
 
+def _route_path(request: Request) -> str:
+    """The path as the routes see it (without an ``--api-prefix``)."""
+    path, root = request.url.path, request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
     """An endpoint whose errors come out in its API's shape (OpenAI's, or Anthropic's under
     ``/v1/messages``), and a 499 when its client left."""
 
     @functools.wraps(fn)
     async def wrapper(request: Request) -> Response:
+        shape = shape_of(_route_path(request))
         try:
             return await fn(request, request.app.state.llama)
         except (ClientGone, ClientDisconnect):  # (ClientDisconnect: it left while sending its body)
@@ -99,8 +106,8 @@ def endpoint(fn: Handler) -> Callable[[Request], Awaitable[Response]]:
             # The server cancels what is still running when its graceful shutdown times out; the
             # requests behind this one were cancelled on the way out. Answer instead of dying with
             # a traceback: the client can retry elsewhere.
-            return Unavailable("the server is shutting down").response(shape_of(request.url.path))
+            return Unavailable("the server is shutting down").response(shape)
         except Exception as exc:  # noqa: BLE001 - every error becomes a response
-            return from_exception(exc).response(shape_of(request.url.path))
+            return from_exception(exc).response(shape)
 
     return wrapper

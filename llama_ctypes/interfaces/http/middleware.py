@@ -16,9 +16,15 @@ from .errors import NotFound, Unauthorized, Unavailable, shape_of
 #: Paths that answer without the API key (as llama-server leaves its health check open).
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
 
-#: What a CORS preflight is told (llama-server's answer).
-_PREFLIGHT = [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
-              (b"access-control-allow-headers", b"*"), (b"access-control-max-age", b"86400")]
+#: What a CORS preflight is told (llama-server's answer, but the headers: see _preflight).
+_PREFLIGHT = [(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"), (b"access-control-max-age", b"86400")]
+
+
+def _preflight(scope: Scope) -> list[tuple[bytes, bytes]]:
+    # The headers the browser asks for, named back: a "*" (llama-server's answer) never covers
+    # Authorization, so a page on another origin could not send its API key.
+    asked = _header(scope, b"access-control-request-headers")
+    return [*_PREFLIGHT, (b"access-control-allow-headers", asked.encode("latin-1") if asked else b"*")]
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -68,7 +74,7 @@ class ServiceMiddleware:
             elif scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method") is not None:
                 # a browser's preflight: answered before the API key is asked for, as llama-server does
                 await counting_send({"type": "http.response.start", "status": 200,
-                                     "headers": [*_PREFLIGHT, (b"content-length", b"0")] if cors else
+                                     "headers": [*_preflight(scope), (b"content-length", b"0")] if cors else
                                      [(b"content-length", b"0")]})
                 await send({"type": "http.response.body", "body": b""})
             elif ctx.api_keys and path not in OPEN_PATHS and not _authorized(scope, ctx.api_keys):

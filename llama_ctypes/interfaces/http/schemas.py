@@ -198,12 +198,15 @@ class ChatCompletionRequest(SamplingFields):
     def continuation(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message) as llama-server decides them: a conversation
         that ends with an assistant's text continues it (a prefill) unless continue_final_message says
-        otherwise (an explicit false renders it as a finished turn)."""
+        otherwise (an explicit false renders it as a finished turn) or the request offers tools."""
         add = True if self.add_generation_prompt is None else self.add_generation_prompt
         cont = bool(self.continue_final_message)
         msgs = self.messages
+        tools = bool(self.tools) and self.tool_choice != "none"
         if self.continue_final_message is None and msgs and msgs[-1].role == "assistant" \
-                and not msgs[-1].tool_calls:  # (a pending tool call is no text to continue)
+                and not msgs[-1].tool_calls and not tools:
+            # (a pending tool call is no text to continue; with tools, a tool-call format starts a new turn,
+            # so the message is rendered as a finished turn, as before llama-server's prefill existed)
             if len(msgs) >= 2 and msgs[-2].role == "assistant":
                 raise BadRequest("cannot have 2 or more assistant messages at the end of the list",
                                  param="messages")

@@ -67,9 +67,12 @@ def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str) -> list[int]:
                      param=where)
 
 
-def native_prompts(vocab: Any, prompt: Any, n_ctx: int) -> list[list[int]]:
-    """The token ids of each prompt of a /completion request (a worker thread)."""
+def native_prompts(vocab: Any, prompt: Any, n_ctx: int, limit: int | None = None) -> list[list[int]]:
+    """The token ids of each prompt of a /completion request (a worker thread); more than ``limit``
+    prompts are refused before any is tokenized."""
     if isinstance(prompt, list) and prompt and not _is_mixed(prompt):
+        if limit is not None and len(prompt) > limit:
+            raise over_limit(f"{len(prompt)} prompts", len(prompt), limit, "--max-choices", param="prompt")
         return [_one_prompt(vocab, p, n_ctx, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_one_prompt(vocab, prompt, n_ctx, "prompt")]
 
@@ -250,7 +253,8 @@ async def completion(request: Request, app: AppContext) -> Response:
     vocab = server.model.vocab
 
     def prepare() -> tuple[list[list[int]], dict[str, Any]]:
-        return native_prompts(vocab, body.prompt, server.n_ctx), _options(body, vocab, app.limits.schema)
+        return (native_prompts(vocab, body.prompt, server.n_ctx, app.limits.max_choices),
+                _options(body, vocab, app.limits.schema))
 
     prompts, opts = await anyio.to_thread.run_sync(prepare)
     return await _serve(request, app, body, model_id, server, prompts, opts)

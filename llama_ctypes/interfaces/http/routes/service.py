@@ -52,7 +52,7 @@ async def load_model(request: Request, app: AppContext) -> Response:
     """llama-server's POST /models/load ``{"model": id}``: starts loading a catalog entry (poll /models)."""
     model_id = await _model_field(request, app)
     try:
-        app.router.catalog.load(model_id)
+        await anyio.to_thread.run_sync(app.router.catalog.load, model_id)  # (an eviction blocks)
     except AlreadyLoadedError as exc:
         raise BadRequest(str(exc), param="model") from None
     return JSONResponse({"success": True})
@@ -254,6 +254,8 @@ def _slot_file(app: AppContext, filename: Any) -> Path:
     path = (folder / filename).resolve()
     if path.parent != folder:  # (a symbolic link in the folder that points elsewhere)
         raise BadRequest("invalid filename: it leads out of the slot save folder", param="filename")
+    if path.is_dir():
+        raise BadRequest("invalid filename: a folder has that name", param="filename")
     return path
 
 
