@@ -346,3 +346,38 @@ def test_logprob_entries_follow_their_tokens():
     s.submit(c)
     tick(s, 9, 4)  # b decodes, c completes its prompt
     assert c.generated == [4] and c.logprobs == []
+
+
+def test_pinned_requests_wait_for_their_slot_without_holding_up_others():
+    sched = make(n_parallel=2)
+    first, second = req([1, 2], max_tokens=2), req([3, 4], max_tokens=2)
+    first.pin = second.pin = 0
+    free = req([5, 6], max_tokens=2)
+    sched.submit_all([first, second, free])
+    tick(sched, 7, 7)  # the first pinned one in slot 0; the unpinned one takes slot 1, ahead of the second
+    assert (first.seq_id, free.seq_id, second.seq_id) == (0, 1, None) and second.queued
+    tick(sched, 8, 8)  # both end (two tokens each)
+    assert first.status is Status.FINISHED and free.status is Status.FINISHED
+    tick(sched, 9)
+    assert second.seq_id == 0 and sched._pinned == 0
+    # a pinned request that leaves the queue is no longer counted
+    late = req([1], max_tokens=4)
+    late.pin = 0
+    sched.submit(late)
+    blocked = req([2], max_tokens=4)
+    blocked.pin = 0
+    sched.submit(blocked)
+    sched.cancel(blocked)
+    assert sched._pinned == 1 and blocked.status is Status.CANCELLED
+
+
+def test_progress_reports_the_prompt_chunk_by_chunk():
+    sched = make(n_parallel=1, strategy=PrefillPriority(), budget=4)
+    r = req(list(range(1, 11)), max_tokens=1)
+    r.progress = True
+    sched.submit(r)
+    while r.status is not Status.FINISHED:
+        p = plan(sched)
+        sched.update_from_output(p, [5] * p.n_outputs)
+    reports = [i for i in items(r) if type(i).__name__ == "Progress"]
+    assert [p.processed for p in reports] == [0, 4, 8, 10] and all(p.total == 10 for p in reports)
