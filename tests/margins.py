@@ -82,3 +82,20 @@ def http_tops(content: Sequence[Any]) -> tuple[list[str], list[list[tuple[str, f
     tokens = [get(t, "token") for t in content]
     top = [[(get(a, "token"), get(a, "logprob")) for a in get(t, "top_logprobs")] for t in content]
     return tokens, top
+
+
+def http_clear_prefix(base_url: str, messages: Sequence[Any], max_tokens: int,
+                      headers: dict[str, str] | None = None, margin: float = NEAR_TIE) -> tuple[str, list[str], bool]:
+    """A chat's greedy reply over HTTP up to its first near tie: (that text, the reply's tokens, whether the
+    whole reply is clear). The reference for comparing another path's free text (another API, a stream)."""
+    import httpx
+
+    r = httpx.post(f"{base_url}/v1/chat/completions", headers=headers or {}, timeout=120,
+                   json={"messages": list(messages), "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
+                         "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    tokens, top = http_tops(r.json()["choices"][0]["logprobs"]["content"])
+    n = 0
+    while n < len(tokens) and top[n][0][1] - top[n][1][1] >= margin:
+        n += 1
+    return "".join(tokens[:n]), tokens, n == len(tokens)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from conftest import llama_cpp_dir
 from http_helpers import ServeProcess, wait_for
-from margins import NEAR_TIE, http_tops
+from margins import http_clear_prefix
 
 from llama_ctypes.features.anthropic import MessageEvents, to_openai
 
@@ -46,17 +46,7 @@ def client(gemma_server):
 
 
 def _clear_prefix(server: ServeProcess, messages: list, max_tokens: int) -> tuple[str, list[str], bool]:
-    """The greedy reply's text up to its first near tie, its tokens, and whether the whole reply is clear
-    (from /v1/chat/completions with top-2 logprobs: the same template and prompt)."""
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=server.headers, timeout=120,
-                   json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
-                         "top_logprobs": 2})
-    assert r.status_code == 200, r.text
-    tokens, top = http_tops(r.json()["choices"][0]["logprobs"]["content"])
-    n = 0
-    while n < len(tokens) and top[n][0][1] - top[n][1][1] >= NEAR_TIE:
-        n += 1
-    return "".join(tokens[:n]), tokens, n == len(tokens)
+    return http_clear_prefix(server.base_url, messages, max_tokens, server.headers)
 
 
 def test_a_reply_and_its_stream_agree_where_the_model_is_sure(gemma_server, client):

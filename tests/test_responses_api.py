@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from http_helpers import ServeProcess, wait_for
-from margins import NEAR_TIE, http_tops
+from margins import http_clear_prefix
 
 from llama_ctypes.features.openai.responses import ResponseEvents, to_chat
 
@@ -42,16 +42,8 @@ def client(server):
 
 
 def _clear_prefix(server: ServeProcess, messages: list, max_tokens: int) -> tuple[str, bool]:
-    """The greedy reply's text up to its first near tie, and whether the whole reply is clear."""
-    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120,
-                   json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, "logprobs": True,
-                         "top_logprobs": 2})
-    assert r.status_code == 200, r.text
-    tokens, top = http_tops(r.json()["choices"][0]["logprobs"]["content"])
-    n = 0
-    while n < len(tokens) and top[n][0][1] - top[n][1][1] >= NEAR_TIE:
-        n += 1
-    return "".join(tokens[:n]), n == len(tokens)
+    prefix, _, whole = http_clear_prefix(server.base_url, messages, max_tokens)
+    return prefix, whole
 
 
 def test_a_response_and_its_stream_agree_where_the_model_is_sure(server, client):

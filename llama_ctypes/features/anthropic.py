@@ -18,7 +18,8 @@ import json
 import secrets
 from typing import Any, Mapping, Sequence
 
-from ..errors import InvalidArgumentError
+from .fields import FieldError as RequestError
+from .fields import string_field as _string
 
 __all__ = ["RequestError", "to_openai", "stop_reason", "message_usage", "message_response", "MessageEvents",
            "new_message_id"]
@@ -27,24 +28,6 @@ __all__ = ["RequestError", "to_openai", "stop_reason", "message_usage", "message
 DEFAULT_MAX_TOKENS = 4096
 
 _PASSED = ("temperature", "top_p", "top_k", "stream", "chat_template_kwargs", "model")
-
-
-class RequestError(InvalidArgumentError):
-    """A Messages request this server cannot carry over; ``param`` names the field."""
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def _string(block: Mapping[str, Any], key: str, where: str) -> str:
-    """A block's text field: a string (missing: empty); another type is the client's error."""
-    value = block.get(key)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise RequestError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
-    return value
 
 
 def new_message_id() -> str:

@@ -17,31 +17,14 @@ import secrets
 import time
 from typing import Any, Mapping, Sequence
 
-from ...errors import InvalidArgumentError
+from ..fields import FieldError as ResponseRequestError
+from ..fields import string_field as _string
 
 __all__ = ["ResponseRequestError", "to_chat", "response_object", "response_usage", "ResponseEvents", "new_item_id"]
 
 #: Fields passed to the chat request as they are (OpenAI's, and llama-server's sampling extensions).
 _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p", "seed",
            "timings_per_token", "verbose", "cache_prompt", "return_progress", "chat_template_kwargs", "user")
-
-
-class ResponseRequestError(InvalidArgumentError):
-    """A Responses request this server cannot carry over; ``param`` names the field."""
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def _string(part: Mapping[str, Any], key: str, where: str) -> str:
-    """A part's text field: a string (missing: empty); another type is the client's error."""
-    value = part.get(key)
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise ResponseRequestError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
-    return value
 
 
 def new_item_id(prefix: str) -> str:

@@ -1,0 +1,28 @@
+"""Reading the fields of an API request converted here (Anthropic's, the Responses API's): an error that
+names the field, and a text field's value."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["FieldError", "string_field"]
+
+
+class FieldError(InvalidArgumentError):
+    """A request field this library cannot take; ``param`` names it (``messages[0].content[1].text``)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def string_field(obj: Mapping[str, Any], key: str, where: str) -> str:
+    """``obj[key]`` as text: a string, or "" when missing; any other type is the caller's error."""
+    value = obj.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise FieldError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
+    return value
