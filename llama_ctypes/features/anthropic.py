@@ -19,6 +19,7 @@ import secrets
 from typing import Any, Mapping, Sequence
 
 from .fields import FieldError as RequestError
+from .fields import function_tool
 from .fields import string_field as _string
 
 __all__ = ["RequestError", "to_openai", "stop_reason", "message_usage", "message_response", "MessageEvents",
@@ -150,14 +151,7 @@ def _tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
             # Anthropic's server tools (web search, code execution, ...) run on Anthropic's servers.
             raise RequestError(f"tools[{i}].type: server tool {kind!r} is not available here "
                                        "(only client tools with an input_schema)", param=f"tools[{i}].type")
-        schema = tool.get("input_schema") or {"type": "object"}
-        if not isinstance(schema, Mapping):
-            raise RequestError(f"tools[{i}].input_schema: expected a JSON Schema object",
-                               param=f"tools[{i}].input_schema")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": schema}
-        if tool.get("description"):
-            fn["description"] = _string(tool, "description", f"tools[{i}]")
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(tool, "input_schema", f"tools[{i}]"))
     return out
 
 

@@ -18,6 +18,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from ..fields import FieldError as ResponseRequestError
+from ..fields import function_tool
 from ..fields import string_field as _string
 
 __all__ = ["ResponseRequestError", "to_chat", "response_object", "response_usage", "ResponseEvents", "new_item_id"]
@@ -127,16 +128,7 @@ def _tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
             kind = tool.get("type") if isinstance(tool, Mapping) else None
             raise ResponseRequestError(f"tools[{i}].type: {kind!r} tools are not available here (function tools only)",
                                        param=f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise ResponseRequestError(f"tools[{i}].name: required", param=f"tools[{i}].name")
-        schema = tool.get("parameters") or {"type": "object"}
-        if not isinstance(schema, Mapping):
-            raise ResponseRequestError(f"tools[{i}].parameters: expected a JSON Schema object",
-                                       param=f"tools[{i}].parameters")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": schema}
-        if tool.get("description"):
-            fn["description"] = _string(tool, "description", f"tools[{i}]")
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(tool, "parameters", f"tools[{i}]"))
     return out
 
 

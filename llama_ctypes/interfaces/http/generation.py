@@ -10,16 +10,17 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from ...engines.server import Server
 from ...errors import CancelledError
 from ...features.openai.shapes import timings
 from .schemas import SamplingFields
-from .streaming import until_disconnect
+from .streaming import EventStream, until_disconnect
 
 _SEED_MOD = 0xFFFFFFFF  # SamplingParams seeds lie in [0, 2**32 - 1)
 
@@ -147,6 +148,15 @@ async def submit(request: Request, server: Server, prompts: Sequence[Sequence[in
         return streams
 
     return await until_disconnect(request.receive, anyio.to_thread.run_sync(work), job.client_left)
+
+
+async def respond(request: Request, streams: Sequence[Any], stream: bool, events: Callable[[], Any],
+                  complete: Callable[[], Awaitable[Any]], shape: str = "openai") -> Any:
+    """The response of a generation whose requests are ``streams``: ``events()`` as SSE in ``shape``, or
+    ``await complete()`` as JSON. Either way the requests are cancelled when the client leaves."""
+    if stream:
+        return EventStream(events(), on_close=lambda: cancel_all(streams), shape=shape)
+    return JSONResponse(await until_disconnect(request.receive, complete(), lambda: cancel_all(streams)))
 
 
 def cancel_all(streams: Sequence[Any]) -> None:

@@ -23,9 +23,8 @@ from ....features.anthropic import (
     to_openai,
 )
 from ..common import AppContext, endpoint, read_body
-from ..generation import cancel_all
+from ..generation import respond
 from ..schemas import ConvertedChatRequest, MessagesCountRequest, MessagesRequest, parse, parse_object
-from ..streaming import EventStream, until_disconnect
 from .chat import plan_request, start_chat
 
 
@@ -39,10 +38,7 @@ async def messages(request: Request, app: AppContext) -> Response:
     chat = _chat_request(to_openai(body.model_dump(exclude_none=True)))
     model_id, plan, streams = await start_chat(request, app, chat)
     reply = _Reply(app, model_id, streams[0], plan.output(), body.stop_sequences or ())
-    if body.stream:
-        return EventStream(reply.events(), on_close=lambda: cancel_all(streams), shape="anthropic")  # type: ignore[return-value]
-    result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
-    return JSONResponse(result)
+    return await respond(request, streams, body.stream, reply.events, reply.complete, shape="anthropic")
 
 
 @endpoint

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ....core.generation import GenerationParams
 from ....core.json_schema.convert import json_schema_to_gbnf
@@ -25,10 +25,10 @@ from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, from_exception
-from ..generation import cancel_all, gather_all, items, progress_json, progress_timings, submit
+from ..generation import gather_all, items, progress_json, progress_timings, respond, submit
 from ..limits import over_limit
 from ..schemas import InfillRequest, NativeCompletionRequest, parse
-from ..streaming import EventStream, merge, until_disconnect
+from ..streaming import merge
 from .service import generation_settings
 
 _STOP_TYPES = {"eog": "eos", "stop": "word", "length": "limit"}
@@ -239,10 +239,7 @@ async def _serve(request: Request, app: AppContext, body: NativeCompletionReques
     settings = generation_settings(server, {**opts, "stream": body.stream, "n_probs": body.n_probs})
     streams = await submit(request, server, prompts, opts, 1)
     reply = _Reply(app, model_id, server, body, streams, prompts, settings)
-    if body.stream:
-        return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams), shape="native")  # type: ignore[return-value]
-    result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
-    return JSONResponse(result)
+    return await respond(request, streams, body.stream, reply.chunks, reply.complete, shape="native")
 
 
 @endpoint

@@ -23,9 +23,8 @@ from ....features.openai.responses import (
 )
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
-from ..generation import cancel_all, items, progress_json, progress_timings, verbose_fields
+from ..generation import items, progress_json, progress_timings, respond, verbose_fields
 from ..schemas import ConvertedChatRequest, ResponsesCountRequest, ResponsesRequest, parse, parse_object
-from ..streaming import EventStream, until_disconnect
 from .chat import plan_request, start_chat
 
 
@@ -36,10 +35,7 @@ async def responses(request: Request, app: AppContext) -> Response:
     chat = parse_object(ConvertedChatRequest, to_chat(fields))
     model_id, plan, streams = await start_chat(request, app, chat)
     reply = _Reply(app, model_id, fields, chat, streams[0], plan.output(), plan.prompt_text)
-    if body.stream:
-        return EventStream(reply.events(), on_close=lambda: cancel_all(streams), shape="responses")  # type: ignore[return-value]
-    result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
-    return JSONResponse(result)
+    return await respond(request, streams, body.stream, reply.events, reply.complete, shape="responses")
 
 
 @endpoint
