@@ -41,6 +41,12 @@ async def _app(scope, receive, send):
             await send({"type": "http.response.body", "body": b"z" * 2000, "more_body": True})
             await asyncio.sleep(0.05)
         await send({"type": "http.response.body", "body": b"END"})
+    elif scope["path"] == "/head":  # a body that looks like a header block: it must go out as it is
+        body = b"HTTP/1.1 200 OK\r\nx-body-header: 1\r\n\r\n"
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode()), (b"access-control-allow-origin", b"*"),
+                                (b"x-request-id", b"a:b")]})
+        await send({"type": "http.response.body", "body": body})
     else:  # echo the body's length
         size = 0
         while True:
@@ -180,3 +186,23 @@ def test_an_endless_header_is_refused(base):
         data, how = _read_all(s, 5)
         assert how in ("eof", "reset") and (data == b"" or data.split(b" ")[1] in (b"400", b"431")), data[:80]
         s.close()
+
+
+@pytest.mark.parametrize("base", BASES, ids=lambda b: b.__name__)
+def test_header_names_are_spelled_as_llama_server_spells_them(base):
+    """Each response's header names, and only those, are respelled: on pipelined requests, after a
+    ``100 Continue``, and never in a body that looks like a header block."""
+    with _Running(base, ConnectionLimits()) as srv:
+        s = srv.client()
+        s.sendall(b"GET /head HTTP/1.1\r\nHost: x\r\n\r\nGET /head HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nExpect: 100-continue\r\n"
+                  b"Connection: close\r\n\r\n")
+        time.sleep(0.3)
+        s.sendall(b"abc")
+        data, how = _read_all(s, 5)
+        assert how == "eof", data
+        body = b"HTTP/1.1 200 OK\r\nx-body-header: 1\r\n\r\n"
+        assert data.count(b"\r\nAccess-Control-Allow-Origin: *\r\n") == 2 and data.count(body) == 2
+        assert data.count(b"\r\nX-Request-Id: a:b\r\n") == 2 and b"access-control" not in data
+        last = data.rsplit(b"HTTP/1.1 200 OK\r\n", 1)[1]
+        assert b"\r\nContent-Length: 1\r\n" in b"\r\n" + last and last.endswith(b"\r\n\r\n3")

@@ -7,12 +7,15 @@ The server is started with llama-server's flag names, as llama.cpp's server test
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
 import httpx
 import pytest
 from http_helpers import ServeProcess, api_error, wait_for
+
+import llama_ctypes as lc
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,7 @@ def test_models_list_every_alias_and_tag_and_take_the_first_alias_as_id(server):
 def test_props_report_the_command_line(server, tiny_model_path):
     props = httpx.get(f"{server.base_url}/props").json()
     assert props["model_path"] == str(tiny_model_path)
+    assert props["build_info"] == lc.version_info().build_info and props["build_info"].startswith("b")
     assert props["total_slots"] == 2
     settings = props["default_generation_settings"]
     assert settings["n_ctx"] == 1024  # per slot
@@ -179,6 +183,9 @@ def test_a_final_assistant_message_is_continued(server):
     explicit = _chat(server, messages=prefill, verbose=True, add_generation_prompt=False,
                      continue_final_message=True).json()["__verbose"]
     assert explicit["prompt"] == verbose["prompt"]
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]  # joined as llama-server joins them
+    joined = _chat(server, messages=BOOK + [{"role": "assistant", "content": parts}], verbose=True)
+    assert joined.json()["__verbose"]["prompt"] == base + "Wh\n\nill", joined.text
     r = _chat(server, messages=prefill, add_generation_prompt=True, continue_final_message=True)
     assert api_error(r, 400, "continue_final_message")
     r = _chat(server, messages=prefill + [{"role": "assistant", "content": "again"}])
@@ -264,6 +271,7 @@ def test_cors_keys_and_prefix_as_llama_server(tmp_path, tiny_model_path):
                 assert r.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
                 assert r.headers["access-control-allow-headers"] == "Authorization"  # (a "*" would not cover it)
                 assert r.headers["access-control-allow-credentials"] == "true"
+                assert b"Access-Control-Allow-Origin" in dict(r.headers.raw)
             r = httpx.get(f"{url}/v1/models", headers={"Origin": origin, "x-api-key": "key-two"})
             assert r.status_code == 200
             assert r.headers.get("access-control-allow-origin") == (origin if allowed else None)
@@ -288,6 +296,7 @@ def test_router_loads_unloads_and_evicts_the_least_recently_used(tmp_path, tiny_
         url = proc.base_url
         props = httpx.get(f"{url}/props").json()
         assert props["role"] == "router" and props["max_instances"] == 2 and props["models_autoload"] is True
+        assert re.match(r"b\d+-\S+ \(llama_ctypes ", props["build_info"])  # (llama.cpp's build tag first)
         assert {m["id"]: m["status"]["value"] for m in httpx.get(f"{url}/models").json()["data"]} == \
             {"a": "unloaded", "b": "unloaded", "c": "unloaded"}
         # a request naming an unloaded model loads it first (autoload)
@@ -488,6 +497,8 @@ def test_llama_servers_metric_names_count_what_responses_report(tmp_path, tiny_m
                 assert t["predicted_per_second"] == pytest.approx(1e3 / t["predicted_ms"] * (n - 1))
         r = httpx.get(f"{proc.base_url}/metrics")
         assert int(r.headers["Process-Start-Time-Unix"]) > 0
+        # names on the wire spelled as llama-server spells them (clients that keep a plain dict look them up so)
+        assert {b"Process-Start-Time-Unix", b"Content-Type", b"Content-Length"} <= dict(r.headers.raw).keys()
         samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
         assert samples["llamacpp:prompt_tokens_total"] == prompt_n
         assert samples["llamacpp:prompt_tokens_cached_total"] == cache_n > 0

@@ -156,6 +156,12 @@ class VersionInfo:
     backend: str  # cpu | cuda | metal | vulkan
     cmake_args: tuple[str, ...]
     cpu_variant: str | None = None  # the CPU module chosen at run time (wheels); None when built in
+    llama_cpp_build: str = "b0-unknown"  # llama.cpp's build tag, ``b<number>-<commit>`` as its tools print it
+
+    @property
+    def build_info(self) -> str:
+        """One line for llama-server's ``build_info``: its build tag first, as llama-server writes it."""
+        return f"{self.llama_cpp_build} (llama_ctypes {self.package}, llama.cpp {self.llama_cpp})"
 
 
 def version_info() -> VersionInfo:
@@ -170,6 +176,7 @@ def version_info() -> VersionInfo:
         backend=info.get("backend", "unknown"),
         cmake_args=tuple(info.get("cmake_args", ())),
         cpu_variant=next((b.variant for b in _backends if b.variant), None),
+        llama_cpp_build=lib.llama_build(),
     )
 
 

@@ -92,7 +92,7 @@ class BuiltinChatTemplate:
         if tools:
             raise ChatTemplateError(f"the built-in {self.name!r} format does not support tools")
         lib = init()
-        keep = [(str(m.get("role", "")).encode(), _text(m.get("content")).encode()) for m in messages]
+        keep = [(str(m.get("role", "")).encode(), content_text(m.get("content")).encode()) for m in messages]
         arr = (L.llama_chat_message * len(keep))(*[L.llama_chat_message(r, c) for r, c in keep])
         size = 4096 + 2 * sum(len(c) + len(r) for r, c in keep)
         buf = ctypes.create_string_buffer(size)
@@ -105,15 +105,23 @@ class BuiltinChatTemplate:
         return buf.raw[:n].decode("utf-8", errors="replace")
 
 
-def _text(content: Any) -> str:
-    """Message content as text: a string, or the text parts of an OpenAI content list."""
+def content_text(content: Any) -> str:
+    """Message content as text: a string, or the text parts of an OpenAI content list joined by a new
+    line (as llama.cpp joins them for a template that takes strings)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, Sequence):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
     return str(content)
+
+
+def _joined_parts(message: Message) -> Message:
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        return {**message, "content": content_text(content)}
+    return message
 
 
 _templates_lock = threading.Lock()
@@ -155,7 +163,9 @@ def render_prompt(model: Model, messages: Sequence[Message], params: ChatParams)
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
             raise InvalidArgumentError(f"messages[{i}] must be a dict with a 'role'")
-    msgs = list(messages)
+    msgs = [_joined_parts(m) for m in messages]
+    if params.continue_final_message and msgs:
+        msgs[-1] = messages[-1]  # (continue_final joins its parts itself)
     if params.system is not None and not (msgs and msgs[0].get("role") == "system"):
         msgs.insert(0, {"role": "system", "content": params.system})
     template = template_for(model, params)
@@ -184,6 +194,9 @@ def continue_final(render: Any, messages: Sequence[Message]) -> str:
     if last.get("tool_calls"):
         raise InvalidArgumentError("cannot continue an assistant message that contains tool calls")
     content = last.get("content") or ""
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        # text parts become one text, joined as llama.cpp's continuation joins them (blank line between)
+        content = "\n\n".join(str(p.get("text", "")) for p in content)
     if not isinstance(content, str):
         raise InvalidArgumentError("the assistant message to continue must have text content")
     text = render([*messages[:-1], {**last, "content": content + _CONTINUE_MARK}])

@@ -32,7 +32,7 @@ from ..core.json_schema.limits import SchemaLimits, check_schema_size
 from ..core.model import Model
 from ..core.target import GenerationTarget, as_target
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
-from .chat import ChatParams, prompt_tokens, render_prompt
+from .chat import ChatParams, content_text, prompt_tokens, render_prompt
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
 from .chat_template import check_template_kwargs
 from .openai.shapes import new_call_id
@@ -435,6 +435,8 @@ def _generic_messages(messages: Sequence[Mapping[str, Any]], tools: list[dict[st
             raise InvalidArgumentError(f"messages[{i}] must be a dict with a 'role'")
         role, content = m["role"], m.get("content")
         if role == "tool":
+            if isinstance(content, list):
+                content = content_text(content)
             result = {"tool_response": {"tool_call_id": m.get("tool_call_id"), "content": content}}
             out.append({"role": "user", "content": json.dumps(result, ensure_ascii=False)})
         elif role == "assistant" and m.get("tool_calls"):

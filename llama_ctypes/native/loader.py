@@ -84,6 +84,16 @@ class NativeLibrary:
         if structs_check:
             check_layouts(native_layouts(self), {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS})
 
+    def llama_build(self) -> str:
+        """llama.cpp's build tag, as its tools print it: ``b<build number>-<commit>`` (``b0-unknown`` for a
+        tree built outside git)."""
+        try:  # (data symbols of llama.cpp's common library, which the adapter links)
+            number = ctypes.c_int.in_dll(self._handles[_ADAPTER], "LLAMA_BUILD_NUMBER").value
+            commit = ctypes.c_char_p.in_dll(self._handles[_ADAPTER], "LLAMA_COMMIT").value or b"unknown"
+        except ValueError:
+            return "b0-unknown"
+        return f"b{number}-{commit.decode('utf-8', 'replace')}"
+
     def _bind(self, prototypes, libraries) -> None:
         for name, argtypes, restype in prototypes:
             for lib_name in libraries:

@@ -25,6 +25,11 @@ of uvicorn's HTTP protocol (the implementation uvicorn would pick) that enforces
 * ``keep_alive_timeout``: how long an idle connection is kept between requests
   (uvicorn's own timer).
 
+It also writes each response's header names as llama-server spells them
+(``Content-Type``, ``Access-Control-Allow-Origin``): Starlette and httptools write
+them in lower case. Names are case-insensitive, but clients that keep headers in a
+plain dict (llama.cpp's own server tests among them) look them up by that spelling.
+
 Only uvicorn's protocol hooks are used (``connection_made``, ``data_received``,
 ``on_response_complete``, ``pause_writing``/``resume_writing``, ``connection_lost``)
 and its per-connection ``cycle`` and ``transport``, which both of its HTTP/1.1
@@ -71,10 +76,10 @@ def _raw_response(status: int, reason: str, message: str, code: str, retry_after
     """A complete HTTP/1.1 response in OpenAI's error shape, written straight to a transport (no app involved)."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
                                  else "unavailable_error", "param": None, "code": code}}).encode()
-    head = [f"HTTP/1.1 {status} {reason}", "content-type: application/json", f"content-length: {len(body)}",
-            "connection: close"]
+    head = [f"HTTP/1.1 {status} {reason}", "Content-Type: application/json", f"Content-Length: {len(body)}",
+            "Connection: close"]
     if retry_after is not None:
-        head.append(f"retry-after: {retry_after}")
+        head.append(f"Retry-After: {retry_after}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
@@ -86,6 +91,60 @@ _HEADERS_TOO_LARGE = _raw_response(431, "Request Header Fields Too Large", "the 
 #: Most bytes of one request's header block (h11 stops at 16 KiB by itself; httptools keeps reading).
 MAX_HEADER_BYTES = 64 << 10
 _BODY_TIMEOUT = _raw_response(408, "Request Timeout", "the request body did not arrive in time", "timeout")
+
+
+_SPELLED: dict[bytes, bytes] = {}
+
+
+def _spelled(name: bytes) -> bytes:
+    spelled = _SPELLED.get(name)
+    if spelled is None:
+        spelled = b"-".join(part.capitalize() for part in name.split(b"-"))
+        if len(_SPELLED) < 512:  # (names are few; a client cannot grow this, only the app writes them)
+            _SPELLED[name] = spelled
+    return spelled
+
+
+def _respelled_head(data: bytes) -> bytes:
+    """``data`` (a status line and header block, maybe with body bytes after it) with each header name
+    spelled ``Content-Type``."""
+    end = data.find(b"\r\n\r\n")
+    head, rest = (data, b"") if end < 0 else (data[:end], data[end:])
+    lines = head.split(b"\r\n")
+    for i in range(1, len(lines)):
+        name, colon, value = lines[i].partition(b":")
+        lines[i] = _spelled(name) + colon + value
+    return b"\r\n".join(lines) + rest
+
+
+class _SpellingTransport:
+    """The connection's transport, with the header block of each response respelled (see the module docs).
+
+    The first write of a response is its status line and headers (both uvicorn protocols write them in
+    one piece); a ``100 Continue`` before it is passed over. Everything else goes to the transport as is.
+    """
+
+    __slots__ = ("_transport", "_head_written")
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+        self._head_written = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def write(self, data: bytes) -> None:
+        if not self._head_written:
+            if isinstance(data, (bytes, bytearray)) and data.startswith(b"HTTP/1.1 "):
+                if not data.startswith(b"HTTP/1.1 100 "):
+                    self._head_written = True
+                data = _respelled_head(bytes(data))
+            else:
+                self._head_written = True  # (not a head as expected: the rest goes out untouched)
+        self._transport.write(data)
+
+    def next_response(self) -> None:
+        self._head_written = False
 
 
 class _Guard:
@@ -110,7 +169,7 @@ class _Guard:
             transport.write(_TOO_MANY)
             transport.close()
             return
-        super().connection_made(transport)  # type: ignore[misc]
+        super().connection_made(_SpellingTransport(transport))  # type: ignore[misc]
         self._arm_read("headers", self.limits.header_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -155,6 +214,7 @@ class _Guard:
         return any(entry[0] is cycle for entry in getattr(self, "pipeline", ()))
 
     def on_response_complete(self) -> None:
+        self.transport.next_response()  # type: ignore[attr-defined]  # (before a pipelined request is taken up)
         super().on_response_complete()  # type: ignore[misc]
         transport = self.transport  # type: ignore[attr-defined]
         if self._write_mode is None and transport.get_write_buffer_size() > 0:

@@ -102,10 +102,8 @@ class Message(BaseModel):
         return self
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template reads it (text parts joined into one string)."""
-        out = self.model_dump(exclude_none=True)
-        out["content"] = "".join(p["text"] for p in self.content) if isinstance(self.content, list) else self.content
-        return out
+        """The message as the chat feature takes it (text parts stay parts: it joins them as llama.cpp does)."""
+        return self.model_dump(exclude_none=True)
 
 
 class SamplingFields(_Body):

@@ -187,7 +187,7 @@ def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str,
         "chat_template": template or model.chat_template or "",
         "bos_token": vocab.token_bytes(vocab.bos, True).decode("utf-8", "replace") if vocab.bos is not None else "",
         "eos_token": vocab.token_bytes(vocab.eos, True).decode("utf-8", "replace") if vocab.eos is not None else "",
-        "build_info": f"llama_ctypes {info.package}, llama.cpp {info.llama_cpp}",
+        "build_info": info.build_info,
         "is_sleeping": False,
     }
 
@@ -207,7 +207,7 @@ async def props(request: Request, app: AppContext) -> Response:
         info = version_info()
         return JSONResponse({"role": "router", "max_instances": catalog.max_loaded or 0,
                              "models_autoload": catalog.autoload,
-                             "build_info": f"llama_ctypes {info.package}, llama.cpp {info.llama_cpp}"})
+                             "build_info": info.build_info})
     await app.router.prepare(name)
     info = app.router.resolve(name)
     model_id, model = app.router.model(info.id)
