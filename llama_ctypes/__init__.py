@@ -17,6 +17,8 @@ from .core.batch import Batch
 from .core.context import Context, ContextLease
 from .core.generation import Completion, GenerationParams, TextStream, Timings
 from .core.logprobs import TokenLogprob
+from .core.control_vector import ControlVector, load_control_vector
+from .core.lora import LoraAdapter
 from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
 from .core.one_call import stream
@@ -96,7 +98,7 @@ __all__ = [
     "init", "system_info", "version_info", "devices", "Device", "VersionInfo", "loaded_backends", "LoadedBackend",
     "add_rpc_servers",
     # core objects
-    "Model", "load_model", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
+    "Model", "load_model", "LoraAdapter", "ControlVector", "load_control_vector", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings", "TokenLogprob",

@@ -381,3 +381,67 @@ def test_progress_reports_the_prompt_chunk_by_chunk():
         sched.update_from_output(p, [5] * p.n_outputs)
     reports = [i for i in items(r) if type(i).__name__ == "Progress"]
     assert [p.processed for p in reports] == [0, 4, 8, 10] and all(p.total == 10 for p in reports)
+
+
+# ---- LoRA sets: one set per tick, a quantum, no starvation ---------------------------------------
+
+def _with_set(request, loras, alora_start=None):
+    request.loras, request.alora_start = loras, alora_start
+    return request
+
+
+A, B = (("adapter-a", 1.0),), (("adapter-b", 1.0),)  # (stand-ins: the scheduler only compares sets)
+
+
+def test_a_tick_decodes_one_lora_set_and_every_set_gets_its_turn():
+    sched = make(n_parallel=4, budget=16)
+    sched.lora_quantum = 2
+    requests = [_with_set(req([1, 2], max_tokens=20, ignore_eos=True), s) for s in ((), A, B, A)]
+    for r in requests:
+        sched.submit(r)
+    sets = []
+    for _ in range(12):
+        p = plan(sched)
+        assert len({step.request.loras for step in p.steps}) == 1  # one set per decode
+        assert all(step.request.loras == p.loras for step in p.steps)
+        sets.append(p.loras)
+        sched.update_from_output(p, [3] * p.n_outputs)
+    # the oldest request's set first, at most `quantum` ticks in a row while another waits, round the sets
+    assert sets[:10] == [(), (), A, A, B, B, (), (), A, A]
+    assert sched.lora_switches == 5  # ((): the set before any switch)
+    # the two requests of A ran in the same ticks
+    assert all(r.n_prefilled == 2 for r in requests)
+    assert len(requests[1].generated) == len(requests[3].generated)
+
+
+def test_an_activated_loras_prompt_is_read_in_two_parts_under_two_sets():
+    sched = make(n_parallel=1, budget=16)
+    r = sched_r = _with_set(req([1, 2, 3, 4, 5, 6], max_tokens=2, ignore_eos=True), A, alora_start=4)
+    sched.submit(sched_r)
+    first = plan(sched)
+    assert first.loras == () and [len(s.tokens) for s in first.steps] == [4] and first.n_outputs == 0
+    sched.update_from_output(first, [])
+    second = plan(sched)
+    assert second.loras == A and second.steps[0].tokens == [5, 6] and second.n_outputs == 1
+    sched.update_from_output(second, [7])
+    assert r.kv_tag == ((0, ()), (4, A))
+    assert sched.pool.slots[0].kv_tag == r.kv_tag
+
+
+def test_a_prefix_is_reused_only_where_the_adapters_agree():
+    from llama_ctypes.engines.server.slots import agreement
+
+    base, with_a, alora = ((0, ()),), ((0, A),), ((0, ()), (4, A))
+    assert agreement(base, base) > 1000 and agreement(base, with_a) == 0
+    assert agreement(alora, base) == 4 and agreement(alora, ((0, ()), (6, A))) == 4
+    sched = make(n_parallel=1, budget=16)
+    done = _with_set(req([1, 2, 3, 4, 5, 6], max_tokens=1, ignore_eos=True, cache=True), A, alora_start=4)
+    sched.submit(done)
+    for _ in range(2):
+        tick_plan = plan(sched)
+        sched.update_from_output(tick_plan, [9] * tick_plan.n_outputs)
+    assert done.status == Status.FINISHED
+    plain = req([1, 2, 3, 4, 5, 6, 7], max_tokens=1, cache=True)
+    sched.submit(plain)
+    plan(sched)
+    assert plain.cached_tokens == 4  # (the part read without the adapter)

@@ -378,3 +378,51 @@ def write_perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int = 1,
         writer.add_tensor(t.name, data)
     _finish(writer)
     return dst
+
+
+def write_tiny_lora(path: Path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                    n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 32000, rank: int = 4, alpha: float = 4.0,
+                    seed: int = 1, scale: float = 0.5, name: str = "tiny-lora-test",
+                    invocation_tokens: tuple[int, ...] | None = None) -> Path:
+    """A LoRA adapter (``general.type = adapter``) for :func:`write_tiny_llama`'s model: low-rank pairs
+    on every layer's attention q/v and FFN down projections and on the output head, random f32.
+
+    Shapes follow llama.cpp's convention (``lora_a``: rank x n_in, ``lora_b``: n_out x rank, numpy
+    order). ``n_embd`` other than the base's gives an adapter of the wrong shape; ``arch`` another
+    architecture's; ``invocation_tokens`` makes it an activated LoRA (aLoRA)."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_name(name)
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    if invocation_tokens:
+        writer.add_key_value("adapter.alora.invocation_tokens", [int(t) for t in invocation_tokens],
+                             gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
+    w = _random(rng, scale)
+    head_dim = n_embd // n_head
+    pairs = {"output.weight": (n_embd, n_vocab)}
+    for i in range(n_layer):
+        pairs[f"blk.{i}.attn_q.weight"] = (n_embd, n_embd)
+        pairs[f"blk.{i}.attn_v.weight"] = (n_embd, n_head_kv * head_dim)
+        pairs[f"blk.{i}.ffn_down.weight"] = (n_ff, n_embd)
+    for tensor, (n_in, n_out) in pairs.items():
+        writer.add_tensor(f"{tensor}.lora_a", w(rank, n_in))
+        writer.add_tensor(f"{tensor}.lora_b", w(n_out, rank))
+    _finish(writer)
+    return path
+
+
+def write_tiny_control_vector(path: Path, *, n_layer: int = 2, n_embd: int = 64, seed: int = 3,
+                              scale: float = 4.0, layers: tuple[int, ...] | None = None) -> Path:
+    """A control vector (llama.cpp's ``cvector-generator`` layout: F32 ``direction.<layer>`` tensors,
+    layers 1..n_layer-1 by default) for :func:`write_tiny_llama`'s model."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "controlvector")
+    writer.add_string("controlvector.model_hint", "llama")
+    chosen = layers if layers is not None else tuple(range(1, n_layer))
+    writer.add_uint32("controlvector.layer_count", len(chosen))
+    for layer in chosen:
+        writer.add_tensor(f"direction.{layer}", (rng.standard_normal(n_embd) * scale).astype(np.float32))
+    _finish(writer)
+    return path

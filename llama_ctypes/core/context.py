@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,11 +30,13 @@ from ..native import ggml_h
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .batch import Batch
+from .control_vector import ControlVector
 from .decode_status import check_decode
 from .generation import GenerationParams, TextStream
 from .handle import NativeHandle
 from .hidden_states import HiddenStates
 from .kv_record import KVRecord
+from .lora import LoraAdapter, LoraSet, resolve_loras
 from .params import ContextParams, split_options
 from .prompt import common_prefix
 from .rpc.watch import ConnectionWatch
@@ -95,7 +97,8 @@ class Context(NativeHandle):
                 native.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
                 native.ctx_other = mtp_of._ptr
             clear_native_error()
-            ptr = self._lib.llama_init_from_model(model._ptr, native)
+            with model.adapter_lock:  # (it reserves its graph over the model's adapters)
+                ptr = self._lib.llama_init_from_model(model._ptr, native)
             if not ptr:
                 reason = native_error("out of memory, or options the model or backend does not support")
                 error = ContextCreationError(
@@ -115,6 +118,9 @@ class Context(NativeHandle):
             model._release()
             raise
         self._ptr = ptr
+        self._loras: LoraSet = ()  # the adapters applied now (each one held while applied)
+        self._cvec: ControlVector | None = None  # the control vector applied now
+        self._reserve_pending = False  # adapters changed: the next decode re-sizes the graph
         self._mem = self._lib.llama_get_memory(ptr)
         self.n_ctx = int(self._lib.llama_n_ctx(ptr))
         self.n_ctx_seq = int(self._lib.llama_n_ctx_seq(ptr))
@@ -123,6 +129,8 @@ class Context(NativeHandle):
         # Sliding window whose old cells the cache drops (0: none, or kept whole by swa_full).
         self.n_swa = 0 if self.params.swa_full else model.n_swa
         self.n_vocab = model.n_vocab
+        self.n_embd = model.n_embd
+        self.n_layer = model.n_layer
         self.vocab = model.vocab.for_holder()
         """The model's vocabulary, usable for as long as this context lives."""
         # Rows of logits one decode may ask for (llama.cpp asserts on more; encoders get n_batch).
@@ -154,7 +162,24 @@ class Context(NativeHandle):
         if self._ptr:
             self._lib.llama_free(self._ptr)
             self._ptr = None
+        loras, self._loras = getattr(self, "_loras", ()), ()
+        for adapter, _ in loras:
+            adapter.released_by_context()
         self.model._release()
+
+    @property
+    def loras(self) -> dict[LoraAdapter, float]:
+        """The LoRA adapters this context applies, with their scales (set them on a lease)."""
+        return dict(self._loras)
+
+    @property
+    def control_vector(self) -> ControlVector | None:
+        """The control vector this context applies (set it on a lease)."""
+        return self._cvec
+
+    def _adapter_key(self) -> object:
+        # what the KV computed from now on depends on, beside the tokens (KVRecord keeps it per token run)
+        return self._loras if self._cvec is None else (self._loras, self._cvec)
 
     def __repr__(self) -> str:
         return f"<Context n_ctx={self.n_ctx} {'closed' if self._closed else 'open'}>"
@@ -376,11 +401,97 @@ class ContextLease(HiddenStates):
         Raises RPCConnectionError (whatever the code) when an RPC worker was lost during it.
         """
         self._check_batch(batch)
-        self.ctx._record.forget_snapshots()
-        self.ctx._last_decoded = batch.n_tokens
-        rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
+        ctx = self.ctx
+        ctx._record.forget_snapshots()
+        ctx._last_decoded = batch.n_tokens
+        if ctx._reserve_pending:
+            rc = self._reserving_decode(batch)
+        else:
+            rc = int(self._lib.llama_decode(self._ptr, batch.as_native()))
         self._check_workers()
         return rc
+
+    def _reserving_decode(self, batch: Batch) -> int:
+        return self.guarded(lambda: int(self._lib.llama_decode(self._ptr, batch.as_native())))
+
+    def guarded(self, run: Callable[[], int]) -> int:
+        """``run()`` (a native decode, encode or process call), holding the model's adapter lock when
+        the adapters changed since the last one: that call sizes its graph over every adapter of the
+        model, which another thread must not load or free meanwhile."""
+        ctx = self.ctx
+        if not ctx._reserve_pending:
+            return run()
+        with ctx.model.adapter_lock:
+            rc = run()
+        ctx._reserve_pending = False
+        return rc
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def set_loras(self, loras: Mapping[Any, float] | None) -> None:
+        """Apply LoRA adapters to every later decode of this context: ``{adapter or name: scale}``
+        (names of ``model.loras``); None or ``{}``: none. The KV already computed stays as it was:
+        a prefix computed under other adapters is not reused by :meth:`prefill`."""
+        self._check()
+        self.apply_loras(resolve_loras(self.ctx.model, loras))
+
+    def set_control_vector(self, cvec: ControlVector | None) -> None:
+        """Apply a control vector (:func:`~llama_ctypes.load_control_vector`) to every later decode of
+        this context; None: none. Raises InvalidArgumentError when its ``n_embd`` is not the model's
+        (nothing changes then). As with adapters, a prefix computed without it is not reused with it."""
+        self._check()
+        ctx = self.ctx
+        if cvec is ctx._cvec:
+            return
+        if cvec is None:
+            rc = self._lib.llama_set_adapter_cvec(self._ptr, None, 0, 0, 0, 0)
+        else:
+            if not isinstance(cvec, ControlVector):
+                raise ArgumentTypeError(f"{cvec!r}: expected a ControlVector (lc.load_control_vector) or None")
+            model = ctx.model
+            if cvec.n_embd != ctx.n_embd:
+                raise InvalidArgumentError(f"a control vector of {cvec.n_embd} floats per layer; "
+                                           f"{model.path.name} has n_embd={ctx.n_embd}")
+            start, end = cvec.layers(ctx.n_layer)
+            # Every layer's row, zeros where the vector has none: llama.cpp overwrites only the rows it
+            # is given, so a shorter vector would keep a previous one's later layers.
+            data = np.zeros((max(ctx.n_layer - 1, 1), cvec.n_embd), dtype=np.float32)
+            k = min(len(data), len(cvec.data))
+            data[:k] = cvec.data[:k]
+            rc = self._lib.llama_set_adapter_cvec(self._ptr, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                                  data.size, cvec.n_embd, start, end)
+        if rc != 0:
+            raise InvalidArgumentError(f"llama.cpp refused the control vector: {native_error('rc ' + str(rc))}")
+        ctx._cvec = cvec  # (llama.cpp copied the data into its own tensors)
+        ctx._reserve_pending = True
+        ctx._record.set_adapters(ctx._adapter_key())
+
+    def apply_loras(self, wanted: LoraSet) -> None:
+        """:meth:`set_loras` with a set already resolved (``core.lora.lora_set``)."""
+        self._check()
+        ctx = self.ctx
+        if wanted == ctx._loras:
+            return
+        taken: list[LoraAdapter] = []
+        try:
+            for adapter, _ in wanted:
+                adapter.applied_by_context()
+                taken.append(adapter)
+            n = len(wanted)
+            ptrs = (L.llama_adapter_lora_p * max(n, 1))(*[a.native() for a, _ in wanted])
+            scales = (ctypes.c_float * max(n, 1))(*[s for _, s in wanted])
+            self._lib.llama_set_adapters_lora(self._ptr, ptrs if n else None, n, scales if n else None)
+        except BaseException:
+            for adapter in taken:
+                adapter.released_by_context()
+            raise
+        old, ctx._loras = ctx._loras, wanted
+        ctx._reserve_pending = True
+        ctx._record.set_adapters(ctx._adapter_key())
+        if old:
+            # (a released adapter may be freed now: no decode still in flight on the device may read it)
+            self._lib.llama_synchronize(self._ptr)
+        for adapter, _ in old:
+            adapter.released_by_context()
 
     def _check_workers(self) -> None:
         """After a native call that may have used RPC workers: raise if one was lost meanwhile.
@@ -394,7 +505,7 @@ class ContextLease(HiddenStates):
     def encode(self, batch: Batch) -> None:
         """``llama_encode`` of ``batch`` (encoder models); DecodeError on failure."""
         self._check_batch(batch)
-        rc = self._lib.llama_encode(self._ptr, batch.as_native())
+        rc = self.guarded(lambda: int(self._lib.llama_encode(self._ptr, batch.as_native())))
         self._check_workers()
         check_decode(rc, "llama_encode", batch.n_tokens)
 
@@ -409,7 +520,7 @@ class ContextLease(HiddenStates):
         ctx, lib, mem = self.ctx, self._lib, self._mem
         record = ctx._record
         held = record.tokens
-        common = common_prefix(held, prompt) if reuse else 0
+        common = record.reusable(common_prefix(held, prompt)) if reuse else 0
         if common == len(prompt):
             common -= 1  # the last prompt token must be decoded again to get its logits
         if common and not self.prefix_complete(0, common):
@@ -421,8 +532,21 @@ class ContextLease(HiddenStates):
             self.clear()
             common = 0
         record.cut(common)
+        self._decode_prompt(prompt, common)
+        return common
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` at the end of sequence 0 (any number, in ``n_batch`` chunks) and compute
+        the logits of the last one: the rest of a prompt whose first part :meth:`prefill` read under
+        other adapters (an activated LoRA applies from its invocation tokens on). On failure the
+        sequence is cleared."""
+        self._check()
+        held = self.ctx._record.tokens
+        self._decode_prompt([*held, *tokens], len(held))
+
+    def _decode_prompt(self, prompt: Sequence[int], pos: int) -> None:
+        ctx, record = self.ctx, self.ctx._record
         batch = ctx._batch
-        pos = common
         try:
             while pos < len(prompt):
                 chunk = prompt[pos:pos + ctx.n_batch]
@@ -437,7 +561,6 @@ class ContextLease(HiddenStates):
             # A failed or interrupted decode leaves the cache state uncertain.
             self.clear()
             raise
-        return common
 
     def prefix_complete(self, seq_id: int, n: int) -> bool:
         """Whether sequence ``seq_id`` still holds every cell the next token after its first ``n`` needs.
@@ -476,7 +599,7 @@ class ContextLease(HiddenStates):
             batch.n_tokens = 1
             ctx._last_decoded = 1
             try:
-                rc = decode(ptr, native_batch)
+                rc = self._reserving_decode(batch) if ctx._reserve_pending else decode(ptr, native_batch)
                 if lost is not None and (error := lost()) is not None:
                     raise error
                 if rc == 0:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
 
 from ..errors import ArgumentTypeError, CancelledError, InvalidArgumentError
+from .control_vector import ControlVector
 from .handle import Closeable
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
+from .lora import activation_start, check_lora_spec, resolve_loras
 from .prompt import check_prompt
 from .text import RunControl, TextAssembler, assemble
 from .vocab import encode_text
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from .sampler import Sampler
 
 __all__ = ["GenerationParams", "Timings", "Completion", "TextStream", "LazyStream", "GenerationResults",
-           "generate_with", "token_loop", "FinishReason"]
+           "generate_with", "token_loop", "read_prompt", "FinishReason"]
 
 FinishReason = Literal["stop", "length", "eog"]
 
@@ -58,6 +60,14 @@ class GenerationParams:
     """Log-probabilities of the generated tokens (``Completion.logprobs``): None = off, 0 = the
     chosen token's only, 1..20 = also that many most likely alternatives. From the model's raw
     distribution (before temperature, penalties and grammar); see ``core/logprobs.py``."""
+    lora: Any = None
+    """LoRA adapters for this generation: ``{adapter or name: scale}`` (names of ``model.loras``), one
+    adapter or name (scale 1.0), or a list of them; ``{}``: none. None: the context keeps the adapters
+    it applies (the one-call API and the Server then apply none). An activated LoRA applies from its
+    invocation tokens on."""
+    control_vector: Any = None
+    """A :class:`~llama_ctypes.ControlVector` for this generation (``lc.load_control_vector``). None: the
+    context keeps the one it applies (the one-call API then applies none; a Server applies its own)."""
 
     def __post_init__(self) -> None:
         for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt"):
@@ -72,6 +82,16 @@ class GenerationParams:
         for s in stop:
             encode_text(s)  # a lone surrogate can never appear in generated (UTF-8) text
         object.__setattr__(self, "stop", stop)
+        if self.control_vector is not None and not isinstance(self.control_vector, ControlVector):
+            raise ArgumentTypeError(f"control_vector={self.control_vector!r}: expected a ControlVector "
+                                    "(lc.load_control_vector) or None")
+        if self.lora is not None:
+            check_lora_spec(self.lora)
+            spec = self.lora
+            # (kept as pairs: the parameters stay hashable and immutable)
+            pairs = tuple(spec.items()) if isinstance(spec, Mapping) else \
+                tuple((x, 1.0) for x in spec) if isinstance(spec, (list, tuple)) else ((spec, 1.0),)
+            object.__setattr__(self, "lora", pairs)
         if self.logprobs is not None:
             if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int):
                 raise ArgumentTypeError(f"logprobs={self.logprobs!r}: expected None or an integer "
@@ -167,6 +187,30 @@ class _Run:
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
 
 
+def read_prompt(lease: ContextLease, prompt: list[int], params: GenerationParams) -> int:
+    """Apply the generation's adapters and bring sequence 0 to ``prompt`` (logits of its last token
+    ready); returns the tokens reused from the cache. An activated LoRA reads the prompt up to its
+    invocation tokens without the adapter (that part stays reusable by plain requests) and the rest
+    with it; absent invocation tokens leave the adapter off, as llama-server does."""
+    reuse = params.cache_prompt
+    if params.control_vector is not None:
+        lease.set_control_vector(params.control_vector)
+    if params.lora is None:
+        return lease.prefill(prompt, reuse=reuse)
+    wanted = resolve_loras(lease.ctx.model, dict(params.lora))
+    start = activation_start(wanted, prompt)
+    if not start:  # (None: plain adapters; 0: activated from the first token)
+        lease.apply_loras(wanted)
+        return lease.prefill(prompt, reuse=reuse)
+    lease.apply_loras(())
+    if start >= len(prompt):
+        return lease.prefill(prompt, reuse=reuse)
+    cached = lease.prefill(prompt[:start], reuse=reuse)
+    lease.apply_loras(wanted)
+    lease.extend(prompt[start:])
+    return cached
+
+
 def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[int], params: GenerationParams,
                run: _Run, cancelled: Callable[[], bool] = lambda: False) -> Iterator[int]:
     """Yield generated token ids; the caller holds the context (``lease``) and the sampler.
@@ -179,7 +223,7 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
     t0 = time.perf_counter()
     timings = run.timings
     timings.prompt_tokens = len(prompt)
-    timings.cached_tokens = lease.prefill(prompt, reuse=params.cache_prompt)
+    timings.cached_tokens = read_prompt(lease, prompt, params)
     timings.prompt_ms = (time.perf_counter() - t0) * 1e3
     vocab = lease.ctx.vocab
     eog_get, is_eog = vocab.eog_cache().get, vocab.is_eog

@@ -134,7 +134,7 @@ class HiddenStates:
             for i in outputs:
                 lib.llama_batch_ext_set_output_logits(batch, int(i), True)
             self.ctx._last_decoded = len(run)
-            rc = int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch))
+            rc = self.guarded(lambda: int(lib.llama_process(ptr, L.LLAMA_PROCESS_TYPE_DECODE, batch)))
         finally:
             lib.llama_batch_ext_free(batch)
         self._check_workers()

@@ -23,13 +23,44 @@ class KVRecord:
     Not thread-safe by itself: the context's lease (one holder at a time) serialises its use.
     """
 
-    __slots__ = ("_exact_cut", "n_rs_seq", "tokens")
+    __slots__ = ("_exact_cut", "n_rs_seq", "tokens", "adapters", "_segments")
 
     def __init__(self, n_rs_seq: int = 0):
         self.tokens: list[int] = []
         """The live list (read it; change it only through these methods: its identity never changes)."""
         self._exact_cut = 0
         self.n_rs_seq = n_rs_seq
+        self.adapters: object = ()
+        """The LoRA set (core/lora.py ``LoraSet``) the context applies now: later tokens are computed under it."""
+        # (start position, adapter set) of each run of tokens computed under one set, in order
+        self._segments: list[tuple[int, object]] = [(0, ())]
+
+    def set_adapters(self, adapters: object) -> None:
+        """The context applies ``adapters`` from the next decode on."""
+        self.adapters = adapters
+        n = len(self.tokens)
+        start, last = self._segments[-1]
+        if last == adapters:
+            return
+        if start >= n:
+            self._segments[-1] = (n, adapters)
+            if len(self._segments) > 1 and self._segments[-2][1] == adapters:
+                self._segments.pop()
+        else:
+            self._segments.append((n, adapters))
+
+    def reusable(self, n: int) -> int:
+        """How many of the first ``n`` tokens were computed under the adapters applied now."""
+        for start, adapters in self._segments:
+            if adapters != self.adapters:
+                return min(n, start)
+        return n
+
+    def _trim_segments(self, n: int) -> None:
+        kept = [seg for seg in self._segments if seg[0] < n] or [(0, self.adapters)]
+        if kept[-1][1] != self.adapters:
+            kept.append((n, self.adapters))  # (what is decoded after the cut is computed under the set of now)
+        self._segments = kept
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -38,6 +69,7 @@ class KVRecord:
         """Sequence 0 now holds ``tokens`` (nothing: cleared or overwritten; a restored state's tokens)."""
         self.tokens[:] = tokens
         self._exact_cut = 0
+        self._segments = [(0, self.adapters)]  # (a restored state: taken as computed under the set applied now)
 
     def forget_snapshots(self) -> None:
         """No cut may rely on the rollback snapshots now: a decode is about to overwrite them, or a cut
@@ -59,6 +91,7 @@ class KVRecord:
         if n < len(self.tokens):
             del self.tokens[n:]
             self._exact_cut = 0
+            self._trim_segments(n)
 
     def can_cut(self, n: int) -> bool:
         """Whether cutting back to ``n`` tokens leaves exactly the state of those tokens.

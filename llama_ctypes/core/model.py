@@ -15,6 +15,7 @@ from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .gguf_file import check_gguf_file
 from .handle import NativeHandle
+from .lora import AdapterGuard, LoraAdapter
 from .params import ModelParams, split_options
 from .rpc import client as rpc
 from .vocab import Vocab
@@ -47,6 +48,11 @@ class Model(NativeHandle):
     def __init__(self, path: str | os.PathLike, params: ModelParams | None = None):
         super().__init__()
         self._ptr = None
+        # Held while llama.cpp changes or reads the model's set of LoRA adapters: loading and freeing
+        # one, and a context reserving its graph (context creation, the first decode after its
+        # adapters changed), which sizes the graph over every adapter of the model.
+        self.adapter_lock = AdapterGuard()
+        self._loras: list[LoraAdapter] = []
         self.path = Path(path)
         self.params = params or ModelParams()
         self._lib = init()
@@ -139,8 +145,36 @@ class Model(NativeHandle):
         """
         with self._attach_lock:
             self._detaching = True
+            loras, self._loras = self._loras, []
         self._close_attached()
+        for adapter in loras:
+            adapter.close_when_unused()  # (freed once the contexts that apply it let go)
         super().close()
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def load_lora(self, path: str | os.PathLike, name: str | None = None) -> LoraAdapter:
+        """Load a LoRA adapter (GGUF, ``general.type = adapter``) over this model.
+
+        An adapter of another architecture, or whose tensors do not fit this model's, is refused
+        with :class:`~llama_ctypes.ModelLoadError` before anything is applied. Apply it per context
+        (``lease.set_loras``) or per call (``lora=`` on generate/stream/chat). ``name`` defaults to
+        the file's ``general.name``, else its stem.
+        """
+        adapter = LoraAdapter(self, path, name)
+        with self._attach_lock:
+            refused = self._closed or self._detaching
+            if not refused:
+                self._loras = [a for a in self._loras if not a.closed] + [adapter]
+        if refused:
+            adapter.close()
+            raise ClosedError("Model is closed")
+        return adapter
+
+    @property
+    def loras(self) -> list[LoraAdapter]:
+        """The open LoRA adapters loaded over this model, oldest first."""
+        with self._attach_lock:
+            return [a for a in self._loras if not a.closed]
 
     def attachment(self, key: str, factory: Callable[[], Any]) -> Any:
         """The resource attached under ``key``, created by ``factory()`` on first use.

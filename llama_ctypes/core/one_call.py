@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..errors import LlamaError
 from .context_pool import ContextPool
 from .generation import Completion, GenerationParams, TextStream
 from .params import ContextParams, split_options
@@ -26,6 +27,9 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
     """
     gen_opts, sampling_opts, ctx_opts = split_options(
         opts, GenerationParams, SamplingParams, ContextParams, where="unknown")
+    # (a pooled context must not carry one call's adapters into the next)
+    if gen_opts.get("lora") is None:
+        gen_opts["lora"] = {}
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
     # One logits row per decode is all a single sequence needs; llama.cpp's default reserves
@@ -43,6 +47,15 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
 
     def release() -> None:
         sampler.close()
+        if ctx.loras or ctx.control_vector is not None:
+            # An idle pooled context keeps no call's adapters: closing one would be refused as busy,
+            # and the next call must start from the plain model.
+            try:
+                with ctx.lease() as lease:
+                    lease.apply_loras(())
+                    lease.set_control_vector(None)
+            except LlamaError:  # (closed meanwhile: the pool drops it)
+                pass
         pool.checkin(ctx)
 
     return TextStream(ctx, sampler, tokens, gparams, on_close=release)

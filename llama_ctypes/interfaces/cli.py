@@ -223,6 +223,18 @@ def _add_serve_parser(sub) -> None:
                    default="auto", help="where a thinking model's reasoning goes: 'none' leaves it in the content; "
                                         "the others put it in reasoning_content (the default, 'auto')")
     p.add_argument("--slot-save-path", help="folder for POST /slots/{id}?action=save|restore files (as llama-server)")
+    p.add_argument("--lora", action="append", metavar="FILE", default=[],
+                   help="load a LoRA adapter (repeatable); applied with scale 1 to requests that name none")
+    p.add_argument("--lora-scaled", action="append", nargs=2, metavar=("FILE", "SCALE"), default=[],
+                   help="load a LoRA adapter with that default scale (repeatable)")
+    p.add_argument("--lora-init-without-apply", action="store_true",
+                   help="load the adapters with scale 0 (requests or POST /lora-adapters set their scales)")
+    p.add_argument("--control-vector", action="append", metavar="FILE", default=[],
+                   help="add a control vector (repeatable; summed), applied to every request")
+    p.add_argument("--control-vector-scaled", action="append", nargs=2, metavar=("FILE", "SCALE"), default=[],
+                   help="add a control vector with that strength (repeatable)")
+    p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"),
+                   help="the layers the control vector applies to, inclusive (default: all)")
     p.add_argument("--spm-infill", action="store_true",
                    help="/infill prompts in suffix/prefix/middle order (for models trained that way)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")

@@ -454,8 +454,22 @@ PROTOTYPES = [
     ("llama_adapter_lora_init", [llama_model_p, c_char_p], llama_adapter_lora_p),
     # void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
     ("llama_adapter_lora_free", [llama_adapter_lora_p], None),
+    # int32_t llama_adapter_meta_val_str(const struct llama_adapter_lora * adapter, const char * key, char * buf, size_t buf_size);
+    ("llama_adapter_meta_val_str", [llama_adapter_lora_p, c_char_p, c_char_p, c_size_t], c_int32),
+    # int32_t llama_adapter_meta_count(const struct llama_adapter_lora * adapter);
+    ("llama_adapter_meta_count", [llama_adapter_lora_p], c_int32),
+    # int32_t llama_adapter_meta_key_by_index(const struct llama_adapter_lora * adapter, int32_t i, char * buf, size_t buf_size);
+    ("llama_adapter_meta_key_by_index", [llama_adapter_lora_p, c_int32, c_char_p, c_size_t], c_int32),
+    # int32_t llama_adapter_meta_val_str_by_index(const struct llama_adapter_lora * adapter, int32_t i, char * buf, size_t buf_size);
+    ("llama_adapter_meta_val_str_by_index", [llama_adapter_lora_p, c_int32, c_char_p, c_size_t], c_int32),
+    # uint64_t llama_adapter_get_alora_n_invocation_tokens(const struct llama_adapter_lora * adapter);
+    ("llama_adapter_get_alora_n_invocation_tokens", [llama_adapter_lora_p], c_uint64),
+    # const llama_token * llama_adapter_get_alora_invocation_tokens(const struct llama_adapter_lora * adapter);
+    ("llama_adapter_get_alora_invocation_tokens", [llama_adapter_lora_p], _p_token),
     # int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters, size_t n_adapters, float * scales);
     ("llama_set_adapters_lora", [llama_context_p, POINTER(llama_adapter_lora_p), c_size_t, POINTER(c_float)], c_int32),
+    # int32_t llama_set_adapter_cvec(struct llama_context * ctx, const float * data, size_t len, int32_t n_embd, int32_t il_start, int32_t il_end);
+    ("llama_set_adapter_cvec", [llama_context_p, POINTER(c_float), c_size_t, c_int32, c_int32, c_int32], c_int32),
     # void llama_memory_clear(llama_memory_t mem, bool data);
     ("llama_memory_clear", [llama_memory_t, c_bool], None),
     # bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);

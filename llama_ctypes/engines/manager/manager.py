@@ -48,8 +48,14 @@ from ...core.memory import MemoryUsage, estimate_memory
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.target import GenerationTarget, LocalTarget, iterate_in_thread
-from ...errors import (AlreadyLoadedError, ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError,
-                       RPCConnectionError)
+from ...errors import (
+    AlreadyLoadedError,
+    ArgumentTypeError,
+    ClosedError,
+    InvalidArgumentError,
+    LlamaError,
+    RPCConnectionError,
+)
 from ...features import chat as _chat
 from ...features import embeddings as _emb
 from ...features import hub
@@ -57,7 +63,7 @@ from ...features.openai import chat as _openai_chat
 from ..server.params import ServerParams
 from ..server.server import Server
 from .budget import BudgetPool, Footprint, MemoryBudget
-from .plan import Capability, LoadPlan, Mode, charge
+from .plan import Capability, LoadPlan, Mode, adapter_bytes, charge
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +265,8 @@ class ModelManager(Closeable):
             params = model.params if model is not None else ModelParams(**model_opts)
             # llama.cpp's dry run of every context the plan makes (a Model handed in: its contexts only)
             runs = [estimate_memory(path, **_model_options(params), **opts) for opts in plan.context_runs()]
-            estimate, required = charge(runs, weights=model is None)
+            estimate, required = charge(runs, weights=model is None,
+                                        adapters=adapter_bytes(plan.server_opts.get("loras")))
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)

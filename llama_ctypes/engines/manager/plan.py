@@ -11,6 +11,7 @@ run; :func:`charge` turns the dry runs into what the budget counts. The manager
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
@@ -106,14 +107,34 @@ class LoadPlan:
         return runs
 
 
-def charge(usages: Sequence[MemoryUsage], weights: bool) -> tuple[MemoryUsage, Footprint]:
+def adapter_bytes(loras: Any) -> int:
+    """Bytes of the LoRA adapter files a load brings (``Server(loras=...)`` items: paths, ``(path, ...)``
+    tuples; adapters already loaded are resident already). llama.cpp loads their tensors as stored."""
+    total = 0
+    for item in loras or ():
+        path = item[0] if isinstance(item, tuple) and item else item
+        if isinstance(path, (str, os.PathLike)):
+            try:
+                total += os.path.getsize(path)
+            except OSError:
+                pass  # (the load itself reports the missing file)
+    return total
+
+
+def charge(usages: Sequence[MemoryUsage], weights: bool, adapters: int = 0) -> tuple[MemoryUsage, Footprint]:
     """The estimate of a whole load (the weights once) and the footprint the budget counts.
 
     ``usages``: one dry run per context run, each with the weights. ``weights``: whether the
     load brings the weights (a Model handed in is resident already: only its contexts count).
-    Memory on RPC workers is theirs: the budget covers this machine's pools only.
+    ``adapters``: bytes of LoRA adapters it loads, counted in the pool that holds most of the weights
+    (llama.cpp puts an adapter's tensors beside the weights they change). Memory on RPC workers is
+    theirs: the budget covers this machine's pools only.
     """
     required = Footprint()
+    if adapters and usages:
+        local = [d for d in usages[0].devices if d.endpoint is None]
+        if local:
+            required = Footprint({max(local, key=lambda d: d.model).pool: adapters})
     for i, usage in enumerate(usages):
         for d in usage.devices:
             charged = d.context + d.compute + (d.model if weights and i == 0 else 0)

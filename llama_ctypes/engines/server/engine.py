@@ -207,6 +207,9 @@ class Engine:
         try:
             while True:
                 calls = None
+                if not scheduler.has_work() and self.ctx.loras:
+                    # (idle: apply none, so that an adapter nothing uses can be closed)
+                    self.lease.apply_loras(())
                 with cond:
                     while not scheduler.closing and not self._calls and not scheduler.has_work():
                         cond.wait()
@@ -258,6 +261,13 @@ class Engine:
             except Exception:  # pragma: no cover
                 logger.exception("freeing the server's context failed")
 
+    def drop_adapter(self, adapter: Any) -> None:
+        """On the scheduler thread, once no request uses ``adapter``: stop applying it, and drop the
+        prefixes computed under it (unloading)."""
+        if any(a is adapter for a, _ in self.ctx.loras.items()):
+            self.lease.apply_loras(())
+        self.pool.forget_adapter(adapter)
+
     def _draft(self) -> None:
         """Ask the drafter for every speculating slot's next tokens (a failing drafter only costs speed)."""
         asks = self.scheduler.draft_asks()
@@ -292,6 +302,10 @@ class Engine:
         (output index → the error of a request whose sampler refused, e.g. a grammar left with no
         allowed token; its token is -1), or ``(None, None, error, None)``.
         """
+        try:
+            self.lease.apply_loras(plan.loras)  # (nothing to do while the set stays the same)
+        except LlamaError as error:
+            return None, None, error, None
         batch = self.batch
         batch.clear()
         for step in plan.steps:

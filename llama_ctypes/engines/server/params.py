@@ -37,6 +37,8 @@ class ServerParams:
     kv_unified: bool = True
     speculative: Any = None
     n_draft: int = 4
+    loras: Any = ()  # LoRA adapters to load at start: paths, (path, name) pairs or adapters (Server checks them)
+    control_vector: Any = None  # a ControlVector for every request, or load_control_vector's arguments as a dict
 
     def __post_init__(self) -> None:
         if isinstance(self.n_parallel, bool) or not isinstance(self.n_parallel, int) or self.n_parallel < 1:

@@ -14,7 +14,7 @@ from ...errors import InvalidArgumentError
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 #: Approximate Python memory per token of a stored sequence: its trie node (object, child dict,
 #: key) and its slot in the entry's token tuple (measured with tracemalloc: about 316 bytes).
@@ -25,6 +25,7 @@ NODE_BYTES = 320
 class Entry:
     tokens: tuple[int, ...]
     state: Any  # a bytes-like sequence state (len() = bytes)
+    tag: Any = ()  # what else the state depends on (the LoRA set it was computed under)
 
     @property
     def nbytes(self) -> int:
@@ -49,8 +50,8 @@ class PromptCache:
         self.budget = budget_bytes
         self.state_bytes = 0
         self.nodes = 0  # trie nodes, the root excepted
-        self._root = _Node()
-        self._lru: OrderedDict[tuple[int, ...], Entry] = OrderedDict()
+        self._roots: dict[Any, _Node] = {}  # one trie per tag: a state is found only under its own tag
+        self._lru: OrderedDict[tuple[Any, tuple[int, ...]], Entry] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -62,15 +63,17 @@ class PromptCache:
         """Bytes counted against the budget: the states plus the trie's approximate size."""
         return self.state_bytes + self.nodes * NODE_BYTES
 
-    def put(self, tokens: list[int], state: Any) -> bool:
-        """Store a sequence's state; False when it alone exceeds the budget."""
+    def put(self, tokens: list[int], state: Any, tag: Any = ()) -> bool:
+        """Store a sequence's state (computed under ``tag``); False when it alone exceeds the budget."""
         key = tuple(tokens)
         if not key or len(state) + len(key) * NODE_BYTES > self.budget:
             return False
-        if key in self._lru:
-            self._remove(self._lru[key])
-        entry = Entry(key, state)
-        node = self._root
+        if (tag, key) in self._lru:
+            self._remove(self._lru[(tag, key)])
+        entry = Entry(key, state, tag)
+        node = self._roots.get(tag)
+        if node is None:
+            node = self._roots[tag] = _Node()
         node.below += 1
         for tok in key:
             child = node.children.get(tok)
@@ -80,19 +83,22 @@ class PromptCache:
             node = child
             node.below += 1
         node.entry = entry
-        self._lru[key] = entry
+        self._lru[(tag, key)] = entry
         self.state_bytes += entry.nbytes
         while self.used > self.budget:
             self._remove(next(iter(self._lru.values())))
         return True
 
-    def lookup(self, prompt: list[int], exact_only: bool = False) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with ``prompt``, and that prefix's length.
+    def lookup(self, prompt: list[int], exact_only: bool = False, tag: Any = ()) -> tuple[Entry | None, int]:
+        """The entry of ``tag`` sharing the longest prefix with ``prompt``, and that prefix's length.
 
         With ``exact_only`` the entry must be a prefix of the prompt as a whole
         (what a recurrent memory can resume from).
         """
-        node, depth = self._root, 0
+        node, depth = self._roots.get(tag), 0
+        if node is None:
+            self.misses += 1
+            return None, 0
         best_exact: tuple[Entry | None, int] = (None, 0)
         for tok in prompt:
             child = node.children.get(tok)
@@ -106,7 +112,7 @@ class PromptCache:
         else:
             found = (self._any_entry(node), depth)
         if found[0] is not None:
-            self._lru.move_to_end(found[0].tokens)
+            self._lru.move_to_end((tag, found[0].tokens))
             self.hits += 1
         else:
             self.misses += 1
@@ -119,10 +125,17 @@ class PromptCache:
                 return None
         return node.entry
 
+    def drop_tags(self, doomed: Callable[[Any], bool]) -> int:
+        """Remove every entry whose tag ``doomed(tag)`` (e.g. computed under an unloaded adapter)."""
+        entries = [e for e in self._lru.values() if doomed(e.tag)]
+        for entry in entries:
+            self._remove(entry)
+        return len(entries)
+
     def _remove(self, entry: Entry) -> None:
-        del self._lru[entry.tokens]
+        del self._lru[(entry.tag, entry.tokens)]
         self.state_bytes -= entry.nbytes
-        node = self._root
+        node = self._roots[entry.tag]
         path = [node]
         for tok in entry.tokens:
             node = node.children[tok]
@@ -136,3 +149,5 @@ class PromptCache:
                 del path[i - 1].children[entry.tokens[i - 1]]
                 self.nodes -= len(path) - i
                 break
+        if path[0].below == 0:
+            del self._roots[entry.tag]

@@ -123,6 +123,8 @@ class Request:
     queued: bool = False  # in the scheduler's wait queue (guarded by the scheduler's lock)
     pin: int | None = None  # the slot it must run in (llama-server's id_slot); None: any
     progress: bool = False  # send Progress items while the prompt is read (llama-server's return_progress)
+    loras: Any = ()  # the LoRA set it runs under (core/lora.py LoraSet); a tick decodes one set
+    alora_start: int | None = None  # an activated LoRA's start: the prompt before it is read without adapters
     speculative: bool = True  # draft for it when the server speculates
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
     drafted: int = 0  # draft tokens verified so far
@@ -133,6 +135,19 @@ class Request:
             self.sampler = _Unset()
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def kv_tag(self) -> tuple:
+        """Which adapters compute which of its tokens: ``((start, LoraSet), ...)`` by position."""
+        if self.alora_start is None:
+            return ((0, self.loras),)
+        return ((0, ()), (self.alora_start, self.loras))
+
+    @property
+    def tick_loras(self) -> Any:
+        """The LoRA set its next tokens are decoded under (an activated LoRA's prompt start: none)."""
+        start = self.alora_start
+        return () if start is not None and self.n_prefilled < start else self.loras
 
     @property
     def prefill_remaining(self) -> int:

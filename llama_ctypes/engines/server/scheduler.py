@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ... import telemetry
 from ...core.logprobs import TokenLogprob
@@ -89,14 +90,16 @@ class Step:
 
 
 class TickPlan:
-    """A tick: the steps to decode (decoding slots first), and slots whose requests were cancelled."""
+    """A tick: the steps to decode (decoding slots first), slots whose requests were cancelled, and the
+    LoRA set the decode runs under (every step's request asked for it)."""
 
-    __slots__ = ("steps", "cancelled", "n_decode")
+    __slots__ = ("steps", "cancelled", "n_decode", "loras")
 
-    def __init__(self, steps: list[Step], cancelled: list[Slot], n_decode: int):
+    def __init__(self, steps: list[Step], cancelled: list[Slot], n_decode: int, loras: Any = ()):
         self.steps = steps
         self.cancelled = cancelled
         self.n_decode = n_decode
+        self.loras = loras
 
     @property
     def n_tokens(self) -> int:
@@ -139,8 +142,17 @@ class Scheduler:
     def __init__(self, pool: SlotPool, strategy: BatchStrategy, budget: int, n_ctx_seq: int, *,
                  max_queue: int = 0, is_eog: Callable[[int], bool] = lambda t: False,
                  bind: Callable[[Request], Callable[[int], int] | None] = lambda r: None,
-                 n_draft: int = 0, max_outputs: int = 0):
+                 n_draft: int = 0, max_outputs: int = 0, lora_quantum: int = 4):
         self.n_draft = n_draft
+        # llama.cpp applies adapters per context, so one decode serves one LoRA set. A set keeps the
+        # batch for up to ``lora_quantum`` ticks while another set waits (each switch re-sizes the
+        # graph), then the set that has waited longest since its last turn takes it.
+        self.lora_quantum = lora_quantum
+        self._lora_set: Any = ()
+        self._lora_ticks = 0
+        self._lora_clock = 0  # ticks that ran a set
+        self._lora_served: dict[Any, int] = {}  # the last tick of each set
+        self.lora_switches = 0
         self.max_outputs = max_outputs  # logits rows one decode may have (0: no limit)
         self.drafted = 0  # draft tokens verified, all requests
         self.drafts = 0  # speculative steps (a draft verified in one slot's tick)
@@ -337,7 +349,16 @@ class Scheduler:
             elif request.n_prefilled == len(request.prompt):
                 decoding.append(slot)
             else:
-                prefilling.append((slot, len(request.prompt) - request.n_prefilled))
+                end = len(request.prompt)
+                if request.alora_start is not None and request.n_prefilled < request.alora_start:
+                    end = request.alora_start  # (a chunk never spans the activated LoRA's start)
+                prefilling.append((slot, end - request.n_prefilled))
+        loras = self._lora_turn(decoding, prefilling)
+        if loras is not None:
+            decoding = [s for s in decoding if s.request.tick_loras == loras]
+            prefilling = [sr for sr in prefilling if sr[0].request.tick_loras == loras]
+        else:
+            loras = self._lora_set
         if len(prefilling) > 1:
             prefilling.sort(key=lambda sr: sr[0].request.arrived)
         budget = self.budget
@@ -366,7 +387,47 @@ class Scheduler:
             request = slot.request
             start, end = request.n_prefilled, request.n_prefilled + n
             steps.append(Step(slot, request.prompt[start:end], (n - 1,) if end == len(request.prompt) else _NONE))
-        return TickPlan(steps, cancelled, n_decode)
+        return TickPlan(steps, cancelled, n_decode, loras)
+
+    def _lora_turn(self, decoding: list[Slot], prefilling: list[tuple[Slot, int]]) -> Any:
+        """The LoRA set this tick decodes (None: every running request shares the set of the last tick,
+        or nothing runs)."""
+        oldest: dict[Any, float] = {}
+        for slot in itertools.chain(decoding, (sr[0] for sr in prefilling)):
+            request = slot.request
+            loras = request.tick_loras
+            if loras not in oldest or request.arrived < oldest[loras]:
+                oldest[loras] = request.arrived
+        if not oldest:
+            return None
+        current = self._lora_set
+        self._lora_clock += 1
+        if current in oldest and (len(oldest) == 1 or self._lora_ticks < self.lora_quantum):
+            chosen = current
+        else:
+            # the set that has waited longest since its last turn (never served: by its oldest request)
+            served = self._lora_served
+            chosen = min((s for s in oldest if s != current), key=lambda s: (served.get(s, -1), oldest[s]))
+        if len(self._lora_served) > 4 * len(oldest) + 16:  # (sets that no longer run are forgotten)
+            self._lora_served = {s: t for s, t in self._lora_served.items() if s in oldest}
+        self._lora_served[chosen] = self._lora_clock
+        if chosen == current:
+            self._lora_ticks += 1
+        else:
+            self._lora_set, self._lora_ticks = chosen, 1
+            self.lora_switches += 1
+        return None if len(oldest) == 1 and chosen == current else chosen
+
+    def uses_adapter(self, adapter: Any) -> bool:
+        """Whether a waiting, admitted or running request applies ``adapter``."""
+        def uses(request: Request) -> bool:
+            return any(a is adapter for a, _ in request.loras)
+
+        with self.cond:
+            if any(uses(r) for r in self._waiting):
+                return True
+        return any(uses(r) for r in self._admitting) or \
+            any(s.request is not None and uses(s.request) for s in self.pool.slots)
 
     def update_from_output(self, plan: TickPlan, outputs: Sequence[int] | None,
                            error: BaseException | None = None, now: float | None = None, *,

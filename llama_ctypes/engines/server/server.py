@@ -23,11 +23,14 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from ...core.context import Context
+from ...core.control_vector import load_control_vector
 from ...core.generation import Completion, GenerationParams
+from ...core.lora import LoraAdapter, activation_start, check_lora_spec, resolve_loras
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
@@ -91,6 +94,11 @@ class Server:
         prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
+        control_vector: a :class:`ControlVector` (``lc.load_control_vector``) every request runs with, or
+            ``{"files": ..., "layer_range": ...}`` to load one.
+        loras: LoRA adapters to load now (:meth:`load_lora`): paths, ``(path, name)`` pairs, or
+            adapters already loaded over the model. Requests choose theirs with ``lora=``; a tick
+            decodes the requests of one adapter set (see ``docs/lora.md``).
         speculative: a drafter (:class:`NgramDraft`, :class:`DraftModel`, :class:`MTPDraft` (the model's
             own MTP head; load it with ``load_mtp=True``), or a stateless :class:`Drafter` of your own;
             or ``"ngram"``, ``"mtp"``, or a draft GGUF path) to draft up to ``n_draft``
@@ -108,8 +116,16 @@ class Server:
                  max_queue: int = _DEFAULTS.max_queue, cache_prompt: bool = _DEFAULTS.cache_prompt,
                  prompt_cache_ram_mb: float = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
                  speculative: Drafter | str | os.PathLike | None = None, n_draft: int = _DEFAULTS.n_draft,
-                 **opts: Any):
+                 loras: Sequence[Any] = (), control_vector: Any = None, **opts: Any):
         self._drafter: SlotDrafter | None = None
+        self._adapters: dict[str, LoraAdapter] = {}  # the adapters requests may name, by name
+        self._unloading: dict[str, LoraAdapter] = {}  # out of service, waiting for their requests
+        self._owned_adapters: set[LoraAdapter] = set()  # loaded by this server: closed with it
+        self._lora_scales: dict[str, float] = {}  # what requests that name no adapter get
+        self._lora_ids: dict[str, int] = {}  # each adapter's id (never reused: a client's id stays valid)
+        self._next_lora_id = 0
+        self._resolving: dict[LoraAdapter, int] = {}  # requests resolved with an adapter, not yet queued
+        self._adapters_lock = threading.Lock()
         if isinstance(speculative, (DraftModel, MTPDraft)) and speculative.context is not None:
             # (before taking it over: it is someone else's, and must stay open)
             raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
@@ -119,11 +135,25 @@ class Server:
             params = ServerParams(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, batch_strategy=batch_strategy,
                                   max_queue=max_queue, cache_prompt=cache_prompt,
                                   prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
-                                  speculative=speculative, n_draft=n_draft)
+                                  speculative=speculative, n_draft=n_draft, control_vector=control_vector)
             self._build(model_path, model, params, opts)
         except BaseException:
             if isinstance(speculative, Drafter):  # the server took it over: a failed server closes it
                 speculative.close()
+            raise
+        if isinstance(loras, (str, os.PathLike)) or not isinstance(loras, Sequence):
+            self.close()
+            raise ArgumentTypeError(f"loras={loras!r}: expected a list of paths, (path, name) pairs or adapters")
+        try:
+            for item in loras:
+                if isinstance(item, LoraAdapter):
+                    self.add_lora(item)
+                elif isinstance(item, tuple) and len(item) in (2, 3):
+                    self.load_lora(*item)
+                else:
+                    self.load_lora(item)
+        except BaseException:
+            self.close()
             raise
 
     def _build(self, model_path, model, params: ServerParams, opts) -> None:
@@ -169,6 +199,12 @@ class Server:
                          "kv_unified": kv_unified, **ctx_opts}
                 self._drafter = slot_drafter(speculative, model, n_parallel, n_draft, dopts, ctx)
             lease = self._lease = ctx.lease()  # the scheduler thread is its only user from now on
+            cvec = params.control_vector
+            if isinstance(cvec, Mapping):
+                cvec = load_control_vector(**cvec)
+            if cvec is not None:
+                lease.set_control_vector(cvec)  # (every request runs with it: a prefix cache stays valid)
+            self.control_vector = cvec
             self.n_parallel = n_parallel
             self.n_ctx = min(n_ctx, ctx.n_ctx_seq)
             self.n_batch = n_batch
@@ -246,7 +282,10 @@ class Server:
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
                  loop: asyncio.AbstractEventLoop | None) -> Request:
         request = self._build_request(prompt, opts, loop)
-        self._engine.submit(request)  # closes the sampler when it refuses the request
+        try:
+            self._engine.submit(request)  # closes the sampler when it refuses the request
+        finally:
+            self._queued((request,))
         return request
 
     def _requests(self, prompts: Sequence[str | Sequence[int]], n: int, opts: Mapping[str, Any],
@@ -281,8 +320,12 @@ class Server:
         except BaseException:
             for request in built:
                 request.sampler.close()
+            self._queued(built)
             raise
-        self._engine.scheduler.submit_all(built, abort.is_set if abort is not None else None)
+        try:
+            self._engine.scheduler.submit_all(built, abort.is_set if abort is not None else None)
+        finally:
+            self._queued(built)
         return built
 
     def _build_request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
@@ -317,16 +360,27 @@ class Server:
         merged = {**self._defaults, **opts}
         sampling_opts, gen_opts = split_options(merged, SamplingParams, GenerationParams, where="unknown request")
         params = GenerationParams(**gen_opts)
+        if params.control_vector is not None:
+            raise InvalidArgumentError("a Server applies one control vector to every request: "
+                                       "Server(control_vector=...), not per request")
         # (a text too long for a slot is refused before it is tokenized)
         vocab = self._ctx.vocab  # the context's: it keeps working after the shared Model is closed
         tokens = prompt_tokens(vocab, prompt, params, self.n_ctx)
         check_prompt(self._ctx, tokens, self.n_ctx)
         sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx, holder=self._ctx)
+        loras: Any = ()
         try:
             text = TextAssembler.for_vocab(vocab, params.special, params.stop)
+            loras = self._request_loras(params)
+            start = activation_start(loras, tokens)
+            if start is not None and start >= len(tokens):
+                self._unresolve([loras])
+                loras, start = (), None  # (no invocation in the prompt: the activated LoRA stays off)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
-                              speculative=speculative, pin=pin, progress=progress)
+                              speculative=speculative, pin=pin, progress=progress,
+                              loras=loras, alora_start=start or None)
         except BaseException:
+            self._unresolve([loras])
             sampler.close()
             raise
         return request
@@ -439,6 +493,155 @@ class Server:
         """The model (the same as ``server.model``), for tokenizing outside the server (see :meth:`generate_tokens`)."""
         return self.model
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def load_lora(self, path: str | os.PathLike, name: str | None = None, scale: float = 0.0) -> LoraAdapter:
+        """Load a LoRA adapter over the server's model while it serves; requests name it with
+        ``lora={name: scale}``. ``scale``: what requests that name no adapter get (0: none; llama-server's
+        ``--lora`` is 1, with ``--lora-init-without-apply`` 0). Closed with the server (or by
+        :meth:`unload_lora`). Raises InvalidArgumentError when the name is taken, ModelLoadError for an
+        adapter of another model."""
+        if self._closed:
+            raise ServerClosedError("the server is closed")
+        adapter = self.model.load_lora(path, name)
+        try:
+            self.add_lora(adapter, owned=True, scale=scale)
+        except BaseException:
+            adapter.close()
+            raise
+        return adapter
+
+    def add_lora(self, adapter: LoraAdapter, *, owned: bool = False, scale: float = 0.0) -> int:
+        """Serve an adapter already loaded over the model under its name (closed with the server only
+        when ``owned``; ``scale`` as for :meth:`load_lora`). Returns its id: a number never reused by
+        this server (llama-server's ids, which requests may name instead of the name)."""
+        if not isinstance(adapter, LoraAdapter):
+            raise ArgumentTypeError(f"{adapter!r}: expected a LoraAdapter (from model.load_lora)")
+        if adapter.model is not self.model:
+            raise InvalidArgumentError(f"the LoRA adapter {adapter.name!r} was loaded over another model")
+        check_lora_spec({adapter: scale})
+        with self._adapters_lock:
+            if adapter.name in self._adapters or adapter.name in self._unloading:
+                raise InvalidArgumentError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+            lora_id = self._next_lora_id
+            self._next_lora_id += 1
+            self._adapters[adapter.name] = adapter
+            self._lora_ids[adapter.name] = lora_id
+            self._lora_scales[adapter.name] = float(scale)
+            if owned:
+                self._owned_adapters.add(adapter)
+        return lora_id
+
+    def lora_scales(self) -> dict[str, float]:
+        """The scale each adapter gets in requests that name none (llama-server's global adapter scales)."""
+        with self._adapters_lock:
+            return dict(self._lora_scales)
+
+    def lora_table(self) -> list[tuple[int, LoraAdapter, float]]:
+        """(id, adapter, default scale) of each adapter served, by id (llama-server's ``/lora-adapters``)."""
+        with self._adapters_lock:
+            return sorted(((self._lora_ids[n], a, self._lora_scales.get(n, 0.0)) for n, a in self._adapters.items()),
+                          key=lambda row: row[0])
+
+    def set_lora_scales(self, scales: Mapping[Any, float]) -> None:
+        """Set the scales of requests that name no adapter, as llama-server's ``POST /lora-adapters``:
+        ``{name or id: scale}``; adapters not listed get 0. Running requests keep theirs."""
+        with self._adapters_lock:
+            resolved = resolve_loras(self.model, self._by_id(dict(scales)), list(self._adapters.values()))
+            self._lora_scales = {name: 0.0 for name in self._adapters}
+            for adapter, scale in resolved:
+                self._lora_scales[adapter.name] = scale
+
+    def _by_id(self, spec: dict[Any, Any]) -> dict[Any, Any]:
+        """``spec`` with adapter ids replaced by the adapters (the caller holds ``_adapters_lock``)."""
+        if not any(isinstance(k, int) and not isinstance(k, bool) for k in spec):
+            return spec
+        by_id = {self._lora_ids[name]: a for name, a in self._adapters.items()}
+        out: dict[Any, Any] = {}
+        for key, scale in spec.items():
+            if isinstance(key, int) and not isinstance(key, bool):
+                if key not in by_id:
+                    raise InvalidArgumentError(f"lora: no adapter with id {key} "
+                                               f"(ids: {', '.join(map(str, sorted(by_id))) or 'none is loaded'})")
+                key = by_id[key]
+            out[key] = scale
+        return out
+
+    @property
+    def loras(self) -> dict[str, LoraAdapter]:
+        """The adapters requests may name, by name (a copy)."""
+        with self._adapters_lock:
+            return dict(self._adapters)
+
+    def unload_lora(self, name: str, timeout: float | None = None) -> None:
+        """Stop serving an adapter: new requests naming it are refused at once; this waits (up to
+        ``timeout`` seconds, None: no limit) for the requests that use it, then drops the prefixes
+        computed under it and closes it if the server loaded it (once nothing applies it any more).
+        Raises InvalidArgumentError for an unknown name, TimeoutError when the requests did not end in
+        time (the adapter stays out of service, and a later call finishes the unload)."""
+        with self._adapters_lock:
+            adapter = self._adapters.pop(name, None) or self._unloading.get(name)
+            if adapter is None:
+                raise InvalidArgumentError(f"no LoRA adapter named {name!r} is loaded "
+                                           f"({', '.join(sorted(self._adapters)) or 'none'})")
+            self._unloading[name] = adapter
+            self._lora_scales.pop(name, None)
+            self._lora_ids.pop(name, None)
+        engine = self._engine
+        scheduler = engine.scheduler
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._closed:
+            # (requests resolved but not queued yet, then those queued or running: the latter are read
+            # on the scheduler thread, which alone moves requests between its queues)
+            with self._adapters_lock:
+                pending = self._resolving.get(adapter, 0)
+            try:
+                if not pending and not engine.call(lambda: scheduler.uses_adapter(adapter)):
+                    engine.call(lambda: engine.drop_adapter(adapter))
+                    break
+            except ServerClosedError:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"requests still use the LoRA adapter {name!r}")
+            time.sleep(0.02)
+        with self._adapters_lock:
+            self._unloading.pop(name, None)
+            owned = adapter in self._owned_adapters
+            self._owned_adapters.discard(adapter)
+        if owned:
+            adapter.close_when_unused()  # (a one-call generation may still apply it: freed after it)
+
+    def _request_loras(self, params: GenerationParams) -> Any:
+        """The LoRA set a request names (the default scales when it names none), resolved against the
+        adapters served and counted in ``_resolving`` until the request is queued (:meth:`_queued`)."""
+        with self._adapters_lock:
+            spec = dict(params.lora) if params.lora is not None else \
+                {name: s for name, s in self._lora_scales.items() if s}
+            if not spec:
+                return ()
+            for key in spec:
+                if isinstance(key, str) and key in self._unloading or \
+                        isinstance(key, LoraAdapter) and key in self._unloading.values():
+                    name = key if isinstance(key, str) else key.name
+                    raise InvalidArgumentError(f"lora: the adapter {name!r} is being unloaded")
+            loras = resolve_loras(self.model, self._by_id(spec), list(self._adapters.values()))
+            for adapter, _ in loras:
+                self._resolving[adapter] = self._resolving.get(adapter, 0) + 1
+        return loras
+
+    def _queued(self, requests: Sequence[Request]) -> None:
+        """``requests`` are in the scheduler's queue now (or were refused): no longer merely resolved."""
+        self._unresolve([r.loras for r in requests])
+
+    def _unresolve(self, sets: Sequence[Any]) -> None:
+        with self._adapters_lock:
+            for loras in sets:
+                for adapter, _ in loras:
+                    left = self._resolving.get(adapter, 0) - 1
+                    if left > 0:
+                        self._resolving[adapter] = left
+                    else:
+                        self._resolving.pop(adapter, None)
+
     def stats(self) -> dict[str, Any]:
         """Slots in use, queue length, ticks, tokens per tick, prefix-cache counters and, with
         ``speculative=``, draft tokens verified and accepted so far."""
@@ -468,6 +671,7 @@ class Server:
             "drafts": engine.scheduler.drafts,
             "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
             if engine.scheduler.drafted else 0.0,
+            "lora_switches": engine.scheduler.lora_switches,
         }
 
     @property
@@ -499,11 +703,17 @@ class Server:
 
         return engine.call(read)
 
+    def _no_cvec_files(self) -> None:
+        if self.control_vector is not None:
+            raise InvalidArgumentError("this server applies a control vector; slot files carry no "
+                                       "control-vector information, so they are not written or read")
+
     def save_slot(self, slot_id: int, path: str | os.PathLike) -> int:
         """Write the tokens and KV state an idle slot holds to ``path`` (llama.cpp's sequence state file,
         as llama-server's ``/slots/{id}?action=save``); returns the number of tokens saved.
 
         Raises InvalidArgumentError for an unknown slot, BusyError while the slot serves a request."""
+        self._no_cvec_files()
         return self._slot_call(slot_id, lambda slot: self._engine.pool.save_file(slot, path))
 
     def restore_slot(self, slot_id: int, path: str | os.PathLike) -> int:
@@ -511,6 +721,7 @@ class Server:
         whose prompt starts with the same tokens reuses that KV. Returns the number of tokens restored.
 
         Raises InvalidArgumentError when the file is not a sequence state of this model."""
+        self._no_cvec_files()
         return self._slot_call(slot_id, lambda slot: self._engine.pool.restore_file(slot, path))
 
     def erase_slot(self, slot_id: int) -> int:
@@ -566,6 +777,11 @@ class Server:
         if self._drafter is not None:
             self._drafter.close()
         self._ctx.close()
+        with self._adapters_lock:
+            owned, self._owned_adapters = self._owned_adapters, set()
+            self._adapters.clear()
+        for adapter in owned:
+            adapter.close_when_unused()  # (the context let go of it above)
         if self._owns_model:
             self.model.close()
 

@@ -35,6 +35,29 @@ from .request import Request
 #: Shortest evicted prefix worth saving in the RAM cache, in tokens.
 MIN_SAVED_TOKENS = 16
 
+#: The KV tag of tokens computed by the model alone (no LoRA adapter).
+_BASE: tuple = ((0, ()),)
+
+
+def agreement(a: Any, b: Any) -> int:
+    """How many leading positions two KV tags (``((start, LoraSet), ...)``) compute under the same
+    adapters: a prefix held under ``a`` serves a request tagged ``b`` up to there."""
+    if a == b:
+        return 1 << 62
+    points = sorted({start for start, _ in a} | {start for start, _ in b})
+
+    def at(tag: Any, pos: int) -> Any:
+        current = ()
+        for start, loras in tag:
+            if start <= pos:
+                current = loras
+        return current
+
+    for pos in points:
+        if at(a, pos) != at(b, pos):
+            return pos
+    return 1 << 62
+
 
 class KVOps(Protocol):
     """The KV operations the pool needs (implemented over the server's context)."""
@@ -58,6 +81,7 @@ class Slot:
     last_used: int = 0
     session: Any = None
     sample: Callable[[int], int] | None = None  # the request's sampler, bound to the context
+    kv_tag: Any = ((0, ()),)  # which LoRA sets computed its tokens, by position (Request.kv_tag)
 
     @property
     def free(self) -> bool:
@@ -144,10 +168,11 @@ class SlotPool:
         return sum(1 for s in self.slots if s.request is not None)
 
     # ---- acquire ------------------------------------------------------------------------------
-    def _reusable(self, slot: Slot, prompt: list[int]) -> int:
-        """Prompt tokens ``slot``'s sequence can serve (at least one prompt token stays to decode)."""
+    def _reusable(self, slot: Slot, prompt: list[int], tag: Any = _BASE) -> int:
+        """Prompt tokens ``slot``'s sequence can serve to a request whose tokens are computed as ``tag``
+        says (at least one prompt token stays to decode)."""
         tokens = slot.tokens
-        c = min(common_prefix(tokens, prompt), len(prompt) - 1)
+        c = min(common_prefix(tokens, prompt), len(prompt) - 1, agreement(slot.kv_tag, tag))
         if not self.partial_reuse and c < len(tokens):
             return 0  # a recurrent state cannot be cut back
         if c > 0 and not self.kv.complete(slot.seq_id, c):
@@ -170,14 +195,15 @@ class SlotPool:
             slot = free[0]
         elif cache and request.session is not None:
             slot = next((s for s in free if s.session == request.session), None)
+        tag = request.kv_tag
         if slot is None and cache:
-            reuse = {s.seq_id: self._reusable(s, prompt) for s in free}
+            reuse = {s.seq_id: self._reusable(s, prompt, tag) for s in free}
             best = max(free, key=lambda s: (reuse[s.seq_id], -s.last_used))
             if reuse[best.seq_id] > 0:
                 slot = best
         if slot is None:
             slot = min(free, key=lambda s: s.last_used)
-        reused = self._reusable(slot, prompt) if cache else 0
+        reused = self._reusable(slot, prompt, tag) if cache else 0
         if cache and request.session is not None and slot.session == request.session \
                 and 0 < common_prefix(slot.tokens, prompt) < len(slot.tokens) - 1:
             # The session's history changed before its end (e.g. a template rewrote earlier turns).
@@ -186,8 +212,9 @@ class SlotPool:
                 "cached_tokens": len(slot.tokens), "common_tokens": common_prefix(slot.tokens, prompt)},
                 {"id": request.id, "session": request.session, "seq_id": slot.seq_id})
         if cache and request.pin is None:  # (a pinned request reads its own slot's cache, as llama-server)
-            reused = self._better_source(slot, prompt, reused)
+            reused = self._better_source(slot, prompt, reused, tag)
         self._keep_prefix(slot, reused)
+        slot.kv_tag = tag  # (what it keeps agrees with the request's tag; what it adds follows it)
         slot.request = request
         slot.session = request.session
         slot.last_used = next(self._clock)
@@ -200,13 +227,14 @@ class SlotPool:
             self.stats.misses += 1
         return slot
 
-    def _better_source(self, slot: Slot, prompt: list[int], reused: int) -> int:
-        """Adopt a longer prefix from another slot (unified KV) or the RAM cache; returns the reuse length."""
+    def _better_source(self, slot: Slot, prompt: list[int], reused: int, tag: Any = _BASE) -> int:
+        """Adopt a longer prefix computed as ``tag`` says from another slot (unified KV) or the RAM
+        cache; returns the reuse length."""
         if self.unified and self.partial_reuse:
             donor, n = None, reused
             for other in self.slots:
                 if other is not slot:
-                    c = min(common_prefix(other.tokens, prompt), len(prompt) - 1)
+                    c = min(common_prefix(other.tokens, prompt), len(prompt) - 1, agreement(other.kv_tag, tag))
                     if c > n and self.kv.complete(other.seq_id, c):
                         donor, n = other, c
             if donor is not None:
@@ -216,7 +244,7 @@ class SlotPool:
                 self.stats.adopted += 1
                 return n
         if self.ram is not None and len(self.ram):
-            entry, n = self.ram.lookup(prompt, exact_only=not self.partial_reuse)
+            entry, n = self.ram.lookup(prompt, exact_only=not self.partial_reuse, tag=tag)
             n = min(n, len(prompt) - 1)
             if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
                 self._evict(slot)
@@ -257,7 +285,12 @@ class SlotPool:
 
     # ---- slot files (llama-server's /slots/{id}?action=save|restore|erase) ------------------------
     def save_file(self, slot: Slot, path: str | os.PathLike) -> int:
-        """Write a free slot's tokens and KV state in llama.cpp's sequence state format; the token count."""
+        """Write a free slot's tokens and KV state in llama.cpp's sequence state format; the token count.
+        Refused for a cache computed with LoRA adapters: the file cannot say so, and a restore would
+        hand it to requests without them."""
+        if slot.kv_tag != _BASE and slot.tokens:
+            raise InvalidArgumentError(f"slot {slot.seq_id} holds a cache computed with LoRA adapters; slot files "
+                                       "carry no adapter information")
         write_state_file(path, slot.tokens, self.kv.save(slot.seq_id))
         return len(slot.tokens)
 
@@ -276,6 +309,7 @@ class SlotPool:
             raise InvalidArgumentError(f"{path}: its state holds {last + 1} positions, not one per each of its "
                                        f"{len(tokens)} tokens")
         slot.tokens = list(tokens)
+        slot.kv_tag = _BASE  # (a saved slot's adapters are not in the file: taken as the base model's)
         slot.session = None
         slot.last_used = next(self._clock)
         return len(tokens)
@@ -313,6 +347,24 @@ class SlotPool:
             self.kv.forget(slot.seq_id)
             slot.tokens = []
 
+    def forget_adapter(self, adapter: Any) -> int:
+        """Drop every cached prefix computed under a set holding ``adapter`` (being unloaded): the free
+        slots' KV and the RAM cache's entries. Returns how many were dropped."""
+        def doomed(tag: Any) -> bool:
+            return any(a is adapter for _, loras in tag for a, _ in loras)
+
+        dropped = 0
+        for slot in self.slots:
+            if slot.free and doomed(slot.kv_tag):
+                if slot.tokens:
+                    self.kv.forget(slot.seq_id)
+                    slot.tokens = []
+                    dropped += 1
+                slot.kv_tag = _BASE
+        if self.ram is not None:
+            dropped += self.ram.drop_tags(doomed)
+        return dropped
+
     def _save(self, slot: Slot) -> None:
         if self.ram is not None and len(slot.tokens) >= MIN_SAVED_TOKENS:
-            self.ram.put(slot.tokens, self.kv.save(slot.seq_id))
+            self.ram.put(slot.tokens, self.kv.save(slot.seq_id), tag=slot.kv_tag)

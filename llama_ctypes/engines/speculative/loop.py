@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ...core.context import ContextLease
-from ...core.generation import FinishReason, GenerationParams, Timings
+from ...core.generation import FinishReason, GenerationParams, Timings, read_prompt
 from ...core.logprobs import TokenLogprob, token_logprob
 from ...core.sampler import SamplingParams
 from .drafters import Drafter
@@ -110,7 +110,7 @@ def speculative_loop(lease: ContextLease, verifier: Verifier, drafter: Drafter, 
     t0 = clock()
     timings = run.timings
     timings.prompt_tokens = len(prompt)
-    timings.cached_tokens = lease.prefill(prompt, reuse=params.cache_prompt)
+    timings.cached_tokens = read_prompt(lease, prompt, params)
     t_mark = clock()
     timings.prompt_ms = (t_mark - t0) * 1e3
     recorder.add(calls=1, prefill_s=t_mark - t0)

@@ -43,6 +43,9 @@ from .routes.service import (
     detokenize,
     health,
     load_model,
+    lora_adapters,
+    lora_load,
+    lora_unload,
     metrics,
     models,
     props,
@@ -81,6 +84,9 @@ _ROUTES = [
     (("/slots",), ["GET"], slots, "slots"),
     (("/slots/{id_slot}",), ["POST"], slot_action, "slot_action"),
     (("/apply-template",), ["POST"], apply_template, "apply_template"),
+    (("/lora-adapters",), ["GET", "POST"], lora_adapters, "lora_adapters"),
+    (("/lora-adapters/load",), ["POST"], lora_load, "lora_load"),
+    (("/lora-adapters/unload",), ["POST"], lora_unload, "lora_unload"),
 ]
 _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
 

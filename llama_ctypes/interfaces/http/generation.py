@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from ...engines.server import Server
 from ...errors import CancelledError
 from ...features.openai.shapes import timings
+from .errors import BadRequest
 from .schemas import SamplingFields
 from .streaming import EventStream, until_disconnect
 
@@ -52,12 +53,23 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["cache_prompt"] = req.cache_prompt
     if req.id_slot is not None:
         opts["id_slot"] = req.id_slot
+    lora_option(req.lora, opts)
     if req.return_progress and req.stream:
         opts["progress"] = True
     if req.logit_bias:
         # OpenAI: -100 bans the token (llama.cpp: a bias of -inf)
         opts["logit_bias"] = {int(k): (float("-inf") if v <= -100 else v) for k, v in req.logit_bias.items()}
     return opts
+
+
+def lora_option(entries: Sequence[Any] | None, opts: dict[str, Any]) -> None:
+    """A request's ``lora`` list (:class:`~.schemas.LoraEntry`) as the ``lora`` option; an empty or
+    absent list keeps the server's scales, as llama-server."""
+    if entries:
+        keys = [e.key for e in entries]
+        if len(set(keys)) != len(keys):
+            raise BadRequest("lora: an adapter is listed twice", param="lora")
+        opts["lora"] = {e.key: e.scale for e in entries}
 
 
 #: llama-server's ``stop_type`` for a finish reason.

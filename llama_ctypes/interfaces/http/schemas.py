@@ -39,6 +39,24 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class LoraEntry(_Body):
+    """One adapter of a request's ``lora`` list (llama-server's ``{"id", "scale"}``; or by ``name``)."""
+
+    id: int | None = Field(None, ge=0)
+    name: str | None = Field(None, min_length=1)
+    scale: float = 0.0  # (llama-server's default: an entry without a scale turns its adapter off)
+
+    @model_validator(mode="after")
+    def _named(self) -> "LoraEntry":
+        if (self.id is None) == (self.name is None):
+            raise ValueError("a lora entry names its adapter by 'id' or by 'name' (one of them)")
+        return self
+
+    @property
+    def key(self) -> int | str:
+        return self.id if self.id is not None else self.name  # type: ignore[return-value]
+
+
 class JSONSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
@@ -133,6 +151,7 @@ class SamplingFields(_Body):
     timings_per_token: bool = False  # every streamed chunk carries ``timings``
     verbose: bool | None = None  # the response carries ``__verbose`` (default: ``serve --verbose``)
     id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
+    lora: list[LoraEntry] | None = None  # adapters and scales (llama-server: those not listed get 0)
     return_progress: bool = False  # streamed: prompt_progress reports while the prompt is read
 
     @field_validator("logit_bias")
@@ -316,6 +335,7 @@ class NativeCompletionRequest(_Body):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
+    lora: list[LoraEntry] | None = None  # adapters and scales (llama-server: those not listed get 0)
     return_progress: bool = False  # streamed: prompt_progress reports while the prompt is read
 
     @field_validator("stop")

@@ -107,11 +107,34 @@ def models_from_config(path: Path) -> tuple[Any, list[dict[str, Any]]]:
             entry["chat_template"] = template_source(entry["chat_template"], base)
         if not isinstance(entry.get("load", True), bool):
             raise InvalidArgumentError(f"{path}: model {entry['id']!r}: load must be true or false")
+        if "loras" in entry:
+            entry["loras"] = _config_loras(path, entry["id"], entry["loras"], base)
         aliases = entry.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise InvalidArgumentError(f"{path}: model {entry['id']!r}: aliases must be a list of strings")
         out.append(entry)
     return data.get("memory_budget"), out
+
+
+def _config_loras(path: Path, model_id: str, loras: Any, base: Path) -> list[tuple[str, str, float]]:
+    """A model's ``loras = ["a.gguf", {path = "b.gguf", name = "b", scale = 0.5}]`` as the Server's
+    ``(path, name, default scale)`` (paths relative to the config file; name: the file stem; scale 0)."""
+    if not isinstance(loras, list):
+        raise InvalidArgumentError(f"{path}: model {model_id!r}: loras must be a list of paths or tables")
+    out = []
+    for item in loras:
+        item = {"path": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or not isinstance(item.get("path"), str) \
+                or set(item) - {"path", "name", "scale"}:
+            raise InvalidArgumentError(f"{path}: model {model_id!r}: each lora is a path or "
+                                       "{path = ..., name = ..., scale = ...}")
+        file = Path(item["path"]).expanduser()
+        file = file if file.is_absolute() else base / file
+        scale = item.get("scale", 0.0)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise InvalidArgumentError(f"{path}: model {model_id!r}: lora scale must be a number")
+        out.append((str(file), str(item.get("name") or file.stem), float(scale)))
+    return out
 
 
 def models_in_dir(folder: Path) -> list[dict[str, Any]]:
@@ -149,6 +172,29 @@ def _with_cli_options(spec: dict[str, Any], cli_opts: Mapping[str, Any]) -> dict
     return out
 
 
+def _lora_args(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """``--lora`` / ``--lora-scaled`` as the Server's ``loras``: (path, name, default scale), named by the
+    file's stem (ids are their order, as llama-server's)."""
+    init = 0.0 if getattr(args, "lora_init_without_apply", False) else None
+    out = []
+    for path in getattr(args, "lora", None) or []:
+        out.append((path, 1.0))
+    for path, scale in getattr(args, "lora_scaled", None) or []:
+        try:
+            out.append((path, float(scale)))
+        except ValueError:
+            raise ArgumentTypeError(f"--lora-scaled {path} {scale}: the scale must be a number") from None
+    loras = []
+    for path, scale in out:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ArgumentTypeError(f"--lora {path}: no such file")
+        loras.append((str(p), p.stem, scale if init is None else init))
+    if len({name for _, name, _ in loras}) != len(loras):
+        raise ArgumentTypeError("two --lora files have the same name (file stem); rename one")
+    return loras
+
+
 def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     """(memory_budget, model specs) from the command line: a config file, a Hub file or a GGUF path."""
     cli_opts = {load: getattr(args, name) for name, load in _CLI_LOAD_OPTIONS.items()
@@ -181,6 +227,21 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         if "speculative" not in cli_opts:
             raise ArgumentTypeError("--draft-max needs --model-draft, --spec-ngram or --spec-mtp")
         cli_opts["n_draft"] = args.draft_max
+    loras = _lora_args(args)
+    if loras:
+        cli_opts["loras"] = loras
+    cvec_files: list[Any] = [(f, 1.0) for f in getattr(args, "control_vector", None) or []]
+    for path, scale in getattr(args, "control_vector_scaled", None) or []:
+        try:
+            cvec_files.append((path, float(scale)))
+        except ValueError:
+            raise ArgumentTypeError(f"--control-vector-scaled {path} {scale}: the scale must be a number") from None
+    layer_range = getattr(args, "control_vector_layer_range", None)
+    if cvec_files:
+        cli_opts["control_vector"] = {"files": [(str(Path(f).expanduser()), s) for f, s in cvec_files],
+                                      "layer_range": tuple(layer_range) if layer_range else None}
+    elif layer_range:
+        raise ArgumentTypeError("--control-vector-layer-range needs --control-vector")
     if getattr(args, "rpc", None):
         cli_opts["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
     if getattr(args, "tensor_split", None):

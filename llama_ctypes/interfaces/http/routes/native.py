@@ -25,7 +25,7 @@ from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, from_exception
-from ..generation import gather_all, items, progress_json, progress_timings, respond, submit
+from ..generation import gather_all, items, lora_option, progress_json, progress_timings, respond, submit
 from ..limits import over_limit
 from ..schemas import InfillRequest, NativeCompletionRequest, parse
 from ..streaming import merge
@@ -127,6 +127,7 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
         opts["stop"] = list(body.stop)
     if body.id_slot is not None:
         opts["id_slot"] = body.id_slot
+    lora_option(body.lora, opts)
     if body.return_progress and body.stream:
         opts["progress"] = True
     if body.n_probs:

@@ -13,7 +13,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError
+from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError, ModelLoadError
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest, NotSupported, Unavailable
 from ..limits import over_limit
@@ -302,3 +302,107 @@ async def slot_action(request: Request, app: AppContext) -> Response:
                              "timings": {"restore_ms": (time.perf_counter() - start) * 1e3}})
     except BusyError as exc:
         raise Unavailable(str(exc), code="slot_busy") from None
+
+
+def _lora_json(server: Any, i: int, name: str, adapter: Any, scale: float) -> dict[str, Any]:
+    entry = {"id": i, "name": name, "path": str(adapter.path), "scale": scale,
+             "task_name": adapter.metadata.get("adapter.lora.task_name", ""),
+             "prompt_prefix": adapter.metadata.get("adapter.lora.prompt_prefix", "")}
+    if adapter.invocation_tokens:
+        vocab = server.model.vocab
+        entry["alora_invocation_string"] = b"".join(
+            vocab.token_bytes(t, True) for t in adapter.invocation_tokens).decode("utf-8", "replace")
+        entry["alora_invocation_tokens"] = list(adapter.invocation_tokens)
+    return entry
+
+
+@endpoint
+async def lora_adapters(request: Request, app: AppContext) -> Response:
+    """llama-server's ``/lora-adapters`` on the model named by ``?model=``: GET lists the adapters (``id``
+    as requests name it: never reused after an unload; ``scale``: what a request naming none gets);
+    POST ``[{"id": i, "scale": s}, ...]``
+    sets those scales (adapters not listed get 0) and answers ``{"success": true}``."""
+    _, server = app.router.server(request.query_params.get("model") or None)
+    if request.method == "POST":
+        raw = await read_body(request, app.max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise BadRequest("the request body is not valid JSON") from None
+        if not isinstance(body, list):
+            raise BadRequest("Request body must be an array")
+        scales: dict[Any, float] = {}
+        for entry in body:
+            key = entry.get("id", entry.get("name")) if isinstance(entry, dict) else None
+            scale = entry.get("scale", 0.0) if isinstance(entry, dict) else None
+            if isinstance(key, bool) or not isinstance(key, (int, str)) or isinstance(scale, bool) \
+                    or not isinstance(scale, (int, float)):
+                raise BadRequest('each entry is {"id": <adapter id>, "scale": <number>}')
+            scales[key] = float(scale)
+        try:
+            server.set_lora_scales(scales)
+        except (InvalidArgumentError, TypeError) as exc:
+            raise BadRequest(str(exc)) from None
+        return JSONResponse({"success": True})
+    return JSONResponse([_lora_json(server, i, adapter.name, adapter, scale)
+                         for i, adapter, scale in server.lora_table()])
+
+
+async def _lora_admin_body(request: Request, app: AppContext) -> dict[str, Any]:
+    if not app.api_keys:
+        # (it names files on this machine: never offered to anyone who can reach the port)
+        raise NotSupported("loading and unloading LoRA adapters over HTTP needs the server started with an API key")
+    raw = await read_body(request, app.max_body_bytes)
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be an object")
+    return body
+
+
+@endpoint
+async def lora_load(request: Request, app: AppContext) -> Response:
+    """``POST /lora-adapters/load`` ``{"path": "x.gguf", "name": ..., "scale": 0}`` (beyond llama-server,
+    behind the API key): load an adapter while serving; answers its ``/lora-adapters`` entry."""
+    body = await _lora_admin_body(request, app)
+    path, name, scale = body.get("path"), body.get("name"), body.get("scale", 0.0)
+    if not isinstance(path, str) or not path.endswith(".gguf") or not Path(path).is_file():
+        raise BadRequest("path: expected an existing .gguf file on the server", param="path")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise BadRequest("name: expected a non-empty string", param="name")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise BadRequest("scale: expected a number", param="scale")
+    _, server = app.router.server(body.get("model") if isinstance(body.get("model"), str) else None)
+    try:
+        adapter = await anyio.to_thread.run_sync(lambda: server.load_lora(path, name, float(scale)))
+    except (InvalidArgumentError, ModelLoadError) as exc:
+        raise BadRequest(str(exc), param="path") from None
+    row = next((r for r in server.lora_table() if r[1] is adapter), None)
+    if row is None:  # (unloaded at once by another request)
+        raise BadRequest(f"the LoRA adapter {adapter.name!r} was unloaded meanwhile", param="path")
+    return JSONResponse(_lora_json(server, row[0], adapter.name, adapter, row[2]))
+
+
+@endpoint
+async def lora_unload(request: Request, app: AppContext) -> Response:
+    """``POST /lora-adapters/unload`` ``{"name": ...}`` or ``{"id": i}`` (beyond llama-server, behind the API
+    key): new requests naming it are refused at once; answers when the requests using it have ended."""
+    body = await _lora_admin_body(request, app)
+    _, server = app.router.server(body.get("model") if isinstance(body.get("model"), str) else None)
+    key = body.get("name", body.get("id"))
+    if isinstance(key, int) and not isinstance(key, bool):
+        row = next((r for r in server.lora_table() if r[0] == key), None)
+        if row is None:
+            raise BadRequest(f"no LoRA adapter with id {key}", param="id")
+        key = row[1].name
+    if not isinstance(key, str):
+        raise BadRequest('name the adapter: {"name": ...} or {"id": ...}', param="name")
+    try:
+        await anyio.to_thread.run_sync(lambda: server.unload_lora(key, timeout=600.0))
+    except InvalidArgumentError as exc:
+        raise BadRequest(str(exc), param="name") from None
+    except TimeoutError as exc:
+        raise Unavailable(str(exc)) from None
+    return JSONResponse({"success": True})
