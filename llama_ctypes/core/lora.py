@@ -78,8 +78,10 @@ __all__ = ["LoraAdapter", "AdapterGuard", "MAX_LORA_SCALE", "LoraSet", "LoraSpec
            "check_lora_spec", "activation_start"]
 
 
-def _meta_string(fn, *args) -> str | None:
-    size = 256
+def read_string(fn, *args, initial: int = 256) -> str | None:
+    """Call a llama.cpp ``(…, char * buf, size_t size) -> length`` function, growing the buffer
+    (model and adapter metadata); None when it answers -1."""
+    size = initial
     while True:
         buf = ctypes.create_string_buffer(size)
         n = fn(*args, buf, size)
@@ -133,9 +135,9 @@ class LoraAdapter(NativeHandle):
         lib = self._lib
         self.metadata: dict[str, str] = {}
         for i in range(int(lib.llama_adapter_meta_count(ptr))):
-            key = _meta_string(lib.llama_adapter_meta_key_by_index, ptr, i)
+            key = read_string(lib.llama_adapter_meta_key_by_index, ptr, i)
             if key is not None:
-                self.metadata[key] = _meta_string(lib.llama_adapter_meta_val_str_by_index, ptr, i) or ""
+                self.metadata[key] = read_string(lib.llama_adapter_meta_val_str_by_index, ptr, i) or ""
         self.architecture: str = self.metadata.get("general.architecture", "")
         try:
             self.alpha = float(self.metadata.get("adapter.lora.alpha", "0") or 0)

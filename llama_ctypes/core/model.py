@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from ctypes import create_string_buffer
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -15,24 +14,12 @@ from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .gguf_file import check_gguf_file
 from .handle import NativeHandle
-from .lora import AdapterGuard, LoraAdapter
+from .lora import AdapterGuard, LoraAdapter, read_string
 from .params import ModelParams, split_options
 from .rpc import client as rpc
 from .vocab import Vocab
 
 logger = logging.getLogger(__name__)
-
-def _read_string(fn, *args, initial: int = 256) -> str | None:
-    """Call a llama.cpp ``(…, char * buf, size_t size) -> length`` function, growing the buffer."""
-    size = initial
-    while True:
-        buf = create_string_buffer(size)
-        n = fn(*args, buf, size)
-        if n < 0:
-            return None
-        if n < size:
-            return buf.raw[:n].decode("utf-8", errors="replace")
-        size = n + 1
 
 
 class Model(NativeHandle):
@@ -205,7 +192,7 @@ class Model(NativeHandle):
     def desc(self) -> str:
         """A short description, e.g. ``"gemma3 270M Q4_K - Medium"``."""
         with self._shared():
-            return _read_string(self._lib.llama_model_desc, self._ptr) or ""
+            return read_string(self._lib.llama_model_desc, self._ptr) or ""
 
     @property
     def n_params(self) -> int:
@@ -329,7 +316,7 @@ class Model(NativeHandle):
     def meta(self, key: str) -> str | None:
         """One GGUF metadata value as a string (arrays are not available), or None."""
         with self._shared():
-            return _read_string(self._lib.llama_model_meta_val_str, self._ptr, key.encode())
+            return read_string(self._lib.llama_model_meta_val_str, self._ptr, key.encode())
 
     @cached_property
     def metadata(self) -> dict[str, str]:
@@ -338,9 +325,9 @@ class Model(NativeHandle):
             lib, ptr = self._lib, self._ptr
             out = {}
             for i in range(lib.llama_model_meta_count(ptr)):
-                key = _read_string(lib.llama_model_meta_key_by_index, ptr, i)
+                key = read_string(lib.llama_model_meta_key_by_index, ptr, i)
                 if key is not None:
-                    out[key] = _read_string(lib.llama_model_meta_val_str_by_index, ptr, i) or ""
+                    out[key] = read_string(lib.llama_model_meta_val_str_by_index, ptr, i) or ""
             return out
 
     def info(self) -> dict[str, Any]:

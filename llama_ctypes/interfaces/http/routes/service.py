@@ -324,13 +324,7 @@ async def lora_adapters(request: Request, app: AppContext) -> Response:
     sets those scales (adapters not listed get 0) and answers ``{"success": true}``."""
     _, server = app.router.server(request.query_params.get("model") or None)
     if request.method == "POST":
-        raw = await read_body(request, app.max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise BadRequest("the request body is not valid JSON") from None
-        if not isinstance(body, list):
-            raise BadRequest("Request body must be an array")
+        body = await _json_body(request, app, list, "Request body must be an array")
         scales: dict[Any, float] = {}
         for entry in body:
             key = entry.get("id", entry.get("name")) if isinstance(entry, dict) else None
@@ -348,18 +342,22 @@ async def lora_adapters(request: Request, app: AppContext) -> Response:
                          for i, adapter, scale in server.lora_table()])
 
 
-async def _lora_admin_body(request: Request, app: AppContext) -> dict[str, Any]:
-    if not app.api_keys:
-        # (it names files on this machine: never offered to anyone who can reach the port)
-        raise NotSupported("loading and unloading LoRA adapters over HTTP needs the server started with an API key")
+async def _json_body(request: Request, app: AppContext, kind: type, refusal: str) -> Any:
     raw = await read_body(request, app.max_body_bytes)
     try:
         body = json.loads(raw)
     except ValueError:
         raise BadRequest("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be an object")
+    if not isinstance(body, kind):
+        raise BadRequest(refusal)
     return body
+
+
+async def _lora_admin_body(request: Request, app: AppContext) -> dict[str, Any]:
+    if not app.api_keys:
+        # (it names files on this machine: never offered to anyone who can reach the port)
+        raise NotSupported("loading and unloading LoRA adapters over HTTP needs the server started with an API key")
+    return await _json_body(request, app, dict, "the request body must be an object")
 
 
 @endpoint
