@@ -1,6 +1,6 @@
 """Serving with LoRA adapters over HTTP: `llama-ctypes serve` against llama.cpp's llama-server.
 
-    python bench/lora.py [--model PATH] [--n-parallel 8] [--max-tokens 64] [--rounds 2]
+    python bench/lora.py [--model PATH] [--n-parallel 4] [--max-tokens 64] [--rounds 2]
 
 Both servers run the same model with two generated adapters (rank 8 on every layer's attention
 q/v and FFN down projections, shapes read from the model's own GGUF) loaded with
@@ -10,8 +10,8 @@ workload sends ``n_parallel`` concurrent streamed ``POST /completion`` requests 
 
 * ``base``: no adapter (the cost of having adapters loaded);
 * ``one``: every request under adapter A (one set: no switch);
-* ``mixed2``: half under A, half without (two sets share the slots);
-* ``mixed3``: a third each: none, A, B.
+* ``split2``: half under A, half under B (two sets share the slots);
+* ``split4``: a quarter each under none, A, B and A+B (four sets).
 
 llama.cpp applies adapters per context, so a decode serves one set. llama-server batches the
 slots whose set equals the first busy slot's; ours rotates the sets with a quantum of ticks (see
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from http_server import start, stop  # noqa: E402
 from llama_server import find_llama_server, free_port  # noqa: E402
 
-WORKLOADS = {"base": (None,), "one": (0,), "mixed2": (0, None), "mixed3": (None, 0, 1)}
+WORKLOADS = {"base": ((),), "one": ((0,),), "split2": ((0,), (1,)), "split4": ((), (0,), (1,), (0, 1))}
 
 
 def write_adapter(model_path: Path, out: Path, seed: int, rank: int = 8) -> Path:
@@ -67,11 +67,12 @@ def write_adapter(model_path: Path, out: Path, seed: int, rank: int = 8) -> Path
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, lora: int | None) -> int:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      loras: tuple[int, ...]) -> int:
     body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "cache_prompt": False}
-    if lora is not None:
-        body["lora"] = [{"id": lora, "scale": 1.0}]
+    if loras:
+        body["lora"] = [{"id": i, "scale": 1.0} for i in loras]
     chunks = predicted = 0
     async with client.stream("POST", f"{url}/completion", json=body, timeout=600) as r:
         r.raise_for_status()
@@ -96,7 +97,7 @@ def measure(cmd: list[str], port: int, n: int, max_tokens: int) -> dict[str, flo
     proc, log = start(cmd, port)
     try:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(workload(url, 2, 8, (None, 0)))  # warm up (both sets)
+        asyncio.run(workload(url, 2, 8, ((), (0,))))  # warm up (two sets)
         return {name: asyncio.run(workload(url, n, max_tokens, sets)) for name, sets in WORKLOADS.items()}
     finally:
         stop(proc, log)
@@ -105,7 +106,7 @@ def measure(cmd: list[str], port: int, n: int, max_tokens: int) -> dict[str, flo
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--n-parallel", type=int, default=8)
+    ap.add_argument("--n-parallel", type=int, default=4)
     ap.add_argument("--n-ctx", type=int, default=512, help="context tokens per slot")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)

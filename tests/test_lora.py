@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import numpy as np
 import pytest
 from http_helpers import ServeProcess, api_error
 from margins import assert_greedy_equivalent
@@ -170,19 +171,19 @@ def test_an_activated_lora_applies_from_its_invocation_tokens_on(model, tmp_path
 def test_the_server_runs_each_request_under_its_adapters_and_rotates_between_sets(model, lora_path,
                                                                                      other_lora_path):
     srv = lc.Server(model=model, n_parallel=4, n_ctx=256, loras=[(lora_path, "a"), (other_lora_path, "b")])
+    sets = {"none": None, "A": {"a": 1.0}, "A+B": {"a": 1.0, "b": 0.5}}
     try:
         solo = {}
-        for key in (None, "a", "b"):  # (alone: the references, with their top-2 margins)
+        for key, lora in sets.items():  # (alone: the references, with their top-2 margins)
             solo[key] = srv.generate(PROMPT, max_tokens=10, temp=0, ignore_eos=True, cache_prompt=False,
-                                     logprobs=2, lora={key: 1.0} if key else None)
+                                     logprobs=2, lora=lora)
         assert len({tuple(c.tokens) for c in solo.values()}) == 3
         results: dict[int, lc.Completion] = {}
-        keys = [None, "a", "b"] * 3
+        keys = ["none", "A", "A+B", "A", "none", "A+B", "A", "A+B"]  # (8 requests, 4 slots, 3 sets)
 
         def run(i: int) -> None:
-            key = keys[i]
             results[i] = srv.generate(PROMPT, max_tokens=10, temp=0, ignore_eos=True, cache_prompt=False,
-                                      lora={key: 1.0} if key else None)
+                                      lora=sets[keys[i]])
 
         before = srv.stats()["lora_switches"]
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(keys))]
@@ -194,6 +195,10 @@ def test_the_server_runs_each_request_under_its_adapters_and_rotates_between_set
         for i, key in enumerate(keys):
             assert_greedy_equivalent(results[i], solo[key], what=f"request {i} under {key}")
         assert srv.stats()["lora_switches"] > before
+        # a request naming an unknown adapter gets a clear error, and nothing else fails
+        with pytest.raises(lc.InvalidArgumentError, match="no adapter named 'c'"):
+            srv.generate(PROMPT, max_tokens=2, lora={"c": 1.0})
+        assert srv.generate(PROMPT, max_tokens=2, lora={"a": 1.0}).finish_reason in ("length", "eog")
     finally:
         srv.close()
 
@@ -542,3 +547,72 @@ def test_an_idle_server_applies_no_adapter(model, lora_path):
         assert adapter.closed
         with pytest.raises(lc.ClosedError):
             srv.generate(PROMPT, max_tokens=2, lora={adapter: 1.0})
+
+
+def _last_logits(model, tokens, loras=None):
+    ctx = lc.Context.create(model, n_ctx=128)
+    try:
+        with ctx.lease() as lease:
+            lease.set_loras(loras)
+            lease.prefill(tokens, reuse=False)
+            return np.array(lease.logits(-1), dtype=np.float64)
+    finally:
+        ctx.close()
+
+
+def test_an_adapter_equals_its_weights_merged_into_the_model(model, tmp_path, vocab_dir, lora_path, other_lora_path):
+    """llama.cpp's LoRA is W·x + s·alpha/rank·B·(A·x): the same logits (within float32 rounding) as a
+    model whose weights are W + s·alpha/rank·B·A, and the same greedy tokens."""
+    from tiny_models import merged_deltas, tiny_lora_pairs, write_tiny_llama
+
+    vocab = vocab_dir / "ggml-vocab-llama-spm.gguf"
+    a, b = model.load_lora(lora_path, "a"), model.load_lora(other_lora_path, "b")
+    pairs_a, pairs_b = tiny_lora_pairs(seed=1), tiny_lora_pairs(seed=7)  # (what write_tiny_lora wrote)
+    tokens = model.tokenize(PROMPT)
+    for loras, merged in (({a: 0.7}, [(pairs_a, 4.0, 0.7)]),
+                          ({a: 0.7, b: -0.3}, [(pairs_a, 4.0, 0.7), (pairs_b, 4.0, -0.3)])):
+        path = write_tiny_llama(tmp_path / f"merged{len(loras)}.gguf", vocab, deltas=merged_deltas(*merged))
+        with lc.load_model(path) as merged_model:
+            want = _last_logits(merged_model, tokens)
+            got = _last_logits(model, tokens, loras)
+            # (float32 sums in another order: within 1e-4 of the largest logit)
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), np.abs(got - want).max()
+            assert np.abs(got - _last_logits(model, tokens)).max() > 0.1 * np.abs(want).max()  # (it does change)
+            ref = _greedy(merged_model, logprobs=2)
+            assert_greedy_equivalent(_greedy(model, lora=loras), ref, what=f"{len(loras)} adapter(s) vs merged")
+
+
+def test_bad_adapter_files_and_scales_are_clear_errors(model, lora_path, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(lora_path.read_bytes()[: lora_path.stat().st_size // 2])
+    with pytest.raises(lc.ModelLoadError, match="LoRA adapter"):
+        model.load_lora(truncated)
+    text = tmp_path / "text.gguf"
+    text.write_text("not a gguf")
+    with pytest.raises(lc.ModelLoadError, match="not a GGUF"):
+        model.load_lora(text)
+    adapter = model.load_lora(lora_path)
+    for bad in (float("nan"), float("inf"), 1e300, "1", True):
+        with pytest.raises((lc.InvalidArgumentError, lc.ArgumentTypeError)):
+            _greedy(model, lora={adapter: bad})
+    # a negative scale subtracts the adapter (llama.cpp and llama-server accept it)
+    assert _greedy(model, lora={adapter: -1.0}).tokens != _greedy(model).tokens
+    assert model.loras == [adapter] and _greedy(model).finish_reason == "length"
+
+
+def test_the_same_greedy_tokens_as_llama_server_with_the_same_adapter(tiny_model_path, lora_path):
+    from llama_server import NOT_BUILT, LlamaServer, find_llama_server
+
+    exe = find_llama_server()
+    if exe is None:
+        pytest.skip(NOT_BUILT)
+    with lc.load_model(tiny_model_path) as model:
+        adapter = model.load_lora(lora_path)
+        refs = {scale: _greedy(model, lora={adapter: scale}, logprobs=2) for scale in (1.0, 0.5, 0.0)}
+    with LlamaServer(exe, tiny_model_path, ["-c", "512", "--parallel", "1", "--lora", str(lora_path)]) as ls:
+        for scale, ref in refs.items():
+            r = httpx.post(f"{ls.url}/completion", timeout=60, json={
+                "prompt": PROMPT, "n_predict": 12, "temperature": 0, "ignore_eos": True, "return_tokens": True,
+                "cache_prompt": False, "lora": [{"id": 0, "scale": scale}]})
+            assert r.status_code == 200, r.text
+            assert_greedy_equivalent(_Tokens(r.json()["tokens"]), ref, what=f"llama-server --lora at scale {scale}")

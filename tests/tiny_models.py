@@ -53,10 +53,12 @@ def _ones(n: int) -> np.ndarray:
 
 def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
-                     chat_template: str | None = None, fim_tokens: tuple[int, ...] | None = None) -> Path:
+                     chat_template: str | None = None, fim_tokens: tuple[int, ...] | None = None,
+                     deltas: dict[str, np.ndarray] | None = None) -> Path:
     """A 2-layer ``llama`` model with random f32 weights (about 2 x n_vocab x n_embd floats).
 
-    ``fim_tokens``: ids of the fill-in-the-middle tokens (pre, suf, mid[, pad, rep, sep]) to declare."""
+    ``fim_tokens``: ids of the fill-in-the-middle tokens (pre, suf, mid[, pad, rep, sep]) to declare.
+    ``deltas``: arrays added to the named tensors (the same random weights otherwise: a LoRA merged in)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama-test")
@@ -77,21 +79,25 @@ def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
         writer.add_uint32(f"tokenizer.ggml.fim_{name}_token_id", token)
 
     w = _random(rng, 0.5)
+    add_tensor = writer.add_tensor
+    if deltas:
+        def add_tensor(name: str, value: np.ndarray) -> None:  # noqa: F811 - the same writer, deltas added
+            writer.add_tensor(name, (value + deltas[name]).astype(np.float32) if name in deltas else value)
 
     head_dim = n_embd // n_head
-    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", _ones(n_embd))
-    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    add_tensor("output_norm.weight", _ones(n_embd))
+    add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
     for i in range(n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+        add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        add_tensor(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
+        add_tensor(f"blk.{i}.attn_k.weight", w(n_head_kv * head_dim, n_embd))
+        add_tensor(f"blk.{i}.attn_v.weight", w(n_head_kv * head_dim, n_embd))
+        add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
+        add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
     _finish(writer)
     return path
 
@@ -380,17 +386,41 @@ def write_perturbed_copy(src: Path, dst: Path, *, scale: float, seed: int = 1,
     return dst
 
 
+def tiny_lora_pairs(*, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128,
+                    n_vocab: int = 32000, rank: int = 4, seed: int = 1, scale: float = 0.5
+                    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The low-rank pairs of :func:`write_tiny_lora`: tensor name -> (A: rank x n_in, B: n_out x rank),
+    on every layer's attention q/v and FFN down projections and on the output head, random f32."""
+    rng = np.random.default_rng(seed)
+    w = _random(rng, scale)
+    head_dim = n_embd // n_head
+    shapes = {"output.weight": (n_embd, n_vocab)}
+    for i in range(n_layer):
+        shapes[f"blk.{i}.attn_q.weight"] = (n_embd, n_embd)
+        shapes[f"blk.{i}.attn_v.weight"] = (n_embd, n_head_kv * head_dim)
+        shapes[f"blk.{i}.ffn_down.weight"] = (n_ff, n_embd)
+    return {name: (w(rank, n_in), w(n_out, rank)) for name, (n_in, n_out) in shapes.items()}
+
+
+def merged_deltas(*adapters: tuple[dict[str, tuple[np.ndarray, np.ndarray]], float, float]) -> dict[str, np.ndarray]:
+    """The weight deltas of adapters merged into the base, as llama.cpp applies them: for each
+    ``(pairs, alpha, scale)``, ``scale * alpha / rank * B @ A`` per tensor (summed over adapters)."""
+    out: dict[str, np.ndarray] = {}
+    for pairs, alpha, scale in adapters:
+        for name, (a, b) in pairs.items():
+            factor = scale * alpha / a.shape[0] if alpha else scale
+            out[name] = out.get(name, 0) + factor * (b.astype(np.float64) @ a.astype(np.float64))
+    return out
+
+
 def write_tiny_lora(path: Path, *, arch: str = "llama", n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                     n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 32000, rank: int = 4, alpha: float = 4.0,
                     seed: int = 1, scale: float = 0.5, name: str = "tiny-lora-test",
                     invocation_tokens: tuple[int, ...] | None = None) -> Path:
-    """A LoRA adapter (``general.type = adapter``) for :func:`write_tiny_llama`'s model: low-rank pairs
-    on every layer's attention q/v and FFN down projections and on the output head, random f32.
-
-    Shapes follow llama.cpp's convention (``lora_a``: rank x n_in, ``lora_b``: n_out x rank, numpy
+    """A LoRA adapter (``general.type = adapter``) for :func:`write_tiny_llama`'s model: the pairs of
+    :func:`tiny_lora_pairs` (llama.cpp's convention: ``lora_a`` rank x n_in, ``lora_b`` n_out x rank, numpy
     order). ``n_embd`` other than the base's gives an adapter of the wrong shape; ``arch`` another
     architecture's; ``invocation_tokens`` makes it an activated LoRA (aLoRA)."""
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_string("general.type", "adapter")
     writer.add_name(name)
@@ -399,16 +429,11 @@ def write_tiny_lora(path: Path, *, arch: str = "llama", n_layer: int = 2, n_embd
     if invocation_tokens:
         writer.add_key_value("adapter.alora.invocation_tokens", [int(t) for t in invocation_tokens],
                              gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)
-    w = _random(rng, scale)
-    head_dim = n_embd // n_head
-    pairs = {"output.weight": (n_embd, n_vocab)}
-    for i in range(n_layer):
-        pairs[f"blk.{i}.attn_q.weight"] = (n_embd, n_embd)
-        pairs[f"blk.{i}.attn_v.weight"] = (n_embd, n_head_kv * head_dim)
-        pairs[f"blk.{i}.ffn_down.weight"] = (n_ff, n_embd)
-    for tensor, (n_in, n_out) in pairs.items():
-        writer.add_tensor(f"{tensor}.lora_a", w(rank, n_in))
-        writer.add_tensor(f"{tensor}.lora_b", w(n_out, rank))
+    pairs = tiny_lora_pairs(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, n_ff=n_ff,
+                            n_vocab=n_vocab, rank=rank, seed=seed, scale=scale)
+    for tensor, (a, b) in pairs.items():
+        writer.add_tensor(f"{tensor}.lora_a", a)
+        writer.add_tensor(f"{tensor}.lora_b", b)
     _finish(writer)
     return path
 
