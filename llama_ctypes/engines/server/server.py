@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from ...core.context import Context
 from ...core.control_vector import load_control_vector
 from ...core.generation import Completion, GenerationParams
-from ...core.lora import LoraAdapter, activation_start, check_lora_spec, resolve_loras
+from ...core.lora import LoraAdapter, activation_start
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
@@ -39,6 +39,7 @@ from ...core.text import TextAssembler
 from ...errors import ArgumentTypeError, BusyError, CancelledError, InvalidArgumentError
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from ..speculative.mtp import MTPDraft
+from .adapters import ServedAdapters
 from .engine import Engine
 from .params import DEFAULT_MAX_QUEUE, ServerParams
 from .request import Channel, Request
@@ -118,14 +119,6 @@ class Server:
                  speculative: Drafter | str | os.PathLike | None = None, n_draft: int = _DEFAULTS.n_draft,
                  loras: Sequence[Any] = (), control_vector: Any = None, **opts: Any):
         self._drafter: SlotDrafter | None = None
-        self._adapters: dict[str, LoraAdapter] = {}  # the adapters requests may name, by name
-        self._unloading: dict[str, LoraAdapter] = {}  # out of service, waiting for their requests
-        self._owned_adapters: set[LoraAdapter] = set()  # loaded by this server: closed with it
-        self._lora_scales: dict[str, float] = {}  # what requests that name no adapter get
-        self._lora_ids: dict[str, int] = {}  # each adapter's id (never reused: a client's id stays valid)
-        self._next_lora_id = 0
-        self._resolving: dict[LoraAdapter, int] = {}  # requests resolved with an adapter, not yet queued
-        self._adapters_lock = threading.Lock()
         if isinstance(speculative, (DraftModel, MTPDraft)) and speculative.context is not None:
             # (before taking it over: it is someone else's, and must stay open)
             raise InvalidArgumentError("this DraftModel already serves a session or server; create one per user")
@@ -137,6 +130,7 @@ class Server:
                                   prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
                                   speculative=speculative, n_draft=n_draft, control_vector=control_vector)
             self._build(model_path, model, params, opts)
+            self._served = ServedAdapters(self.model)
         except BaseException:
             if isinstance(speculative, Drafter):  # the server took it over: a failed server closes it
                 speculative.close()
@@ -371,16 +365,16 @@ class Server:
         loras: Any = ()
         try:
             text = TextAssembler.for_vocab(vocab, params.special, params.stop)
-            loras = self._request_loras(params)
+            loras = self._served.resolve(params.lora)
             start = activation_start(loras, tokens)
             if start is not None and start >= len(tokens):
-                self._unresolve([loras])
+                self._served.unresolve([loras])
                 loras, start = (), None  # (no invocation in the prompt: the activated LoRA stays off)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
                               speculative=speculative, pin=pin, progress=progress,
                               loras=loras, alora_start=start or None)
         except BaseException:
-            self._unresolve([loras])
+            self._served.unresolve([loras])
             sampler.close()
             raise
         return request
@@ -514,63 +508,25 @@ class Server:
         """Serve an adapter already loaded over the model under its name (closed with the server only
         when ``owned``; ``scale`` as for :meth:`load_lora`). Returns its id: a number never reused by
         this server (llama-server's ids, which requests may name instead of the name)."""
-        if not isinstance(adapter, LoraAdapter):
-            raise ArgumentTypeError(f"{adapter!r}: expected a LoraAdapter (from model.load_lora)")
-        if adapter.model is not self.model:
-            raise InvalidArgumentError(f"the LoRA adapter {adapter.name!r} was loaded over another model")
-        check_lora_spec({adapter: scale})
-        with self._adapters_lock:
-            if adapter.name in self._adapters or adapter.name in self._unloading:
-                raise InvalidArgumentError(f"a LoRA adapter named {adapter.name!r} is already loaded")
-            lora_id = self._next_lora_id
-            self._next_lora_id += 1
-            self._adapters[adapter.name] = adapter
-            self._lora_ids[adapter.name] = lora_id
-            self._lora_scales[adapter.name] = float(scale)
-            if owned:
-                self._owned_adapters.add(adapter)
-        return lora_id
+        return self._served.add(adapter, owned, scale)
 
     def lora_scales(self) -> dict[str, float]:
         """The scale each adapter gets in requests that name none (llama-server's global adapter scales)."""
-        with self._adapters_lock:
-            return dict(self._lora_scales)
+        return self._served.scales()
 
     def lora_table(self) -> list[tuple[int, LoraAdapter, float]]:
         """(id, adapter, default scale) of each adapter served, by id (llama-server's ``/lora-adapters``)."""
-        with self._adapters_lock:
-            return sorted(((self._lora_ids[n], a, self._lora_scales.get(n, 0.0)) for n, a in self._adapters.items()),
-                          key=lambda row: row[0])
+        return self._served.table()
 
     def set_lora_scales(self, scales: Mapping[Any, float]) -> None:
         """Set the scales of requests that name no adapter, as llama-server's ``POST /lora-adapters``:
         ``{name or id: scale}``; adapters not listed get 0. Running requests keep theirs."""
-        with self._adapters_lock:
-            resolved = resolve_loras(self.model, self._by_id(dict(scales)), list(self._adapters.values()))
-            self._lora_scales = {name: 0.0 for name in self._adapters}
-            for adapter, scale in resolved:
-                self._lora_scales[adapter.name] = scale
-
-    def _by_id(self, spec: dict[Any, Any]) -> dict[Any, Any]:
-        """``spec`` with adapter ids replaced by the adapters (the caller holds ``_adapters_lock``)."""
-        if not any(isinstance(k, int) and not isinstance(k, bool) for k in spec):
-            return spec
-        by_id = {self._lora_ids[name]: a for name, a in self._adapters.items()}
-        out: dict[Any, Any] = {}
-        for key, scale in spec.items():
-            if isinstance(key, int) and not isinstance(key, bool):
-                if key not in by_id:
-                    raise InvalidArgumentError(f"lora: no adapter with id {key} "
-                                               f"(ids: {', '.join(map(str, sorted(by_id))) or 'none is loaded'})")
-                key = by_id[key]
-            out[key] = scale
-        return out
+        self._served.set_scales(scales)
 
     @property
     def loras(self) -> dict[str, LoraAdapter]:
         """The adapters requests may name, by name (a copy)."""
-        with self._adapters_lock:
-            return dict(self._adapters)
+        return self._served.by_name()
 
     def unload_lora(self, name: str, timeout: float | None = None) -> None:
         """Stop serving an adapter: new requests naming it are refused at once; this waits (up to
@@ -578,24 +534,15 @@ class Server:
         computed under it and closes it if the server loaded it (once nothing applies it any more).
         Raises InvalidArgumentError for an unknown name, TimeoutError when the requests did not end in
         time (the adapter stays out of service, and a later call finishes the unload)."""
-        with self._adapters_lock:
-            adapter = self._adapters.pop(name, None) or self._unloading.get(name)
-            if adapter is None:
-                raise InvalidArgumentError(f"no LoRA adapter named {name!r} is loaded "
-                                           f"({', '.join(sorted(self._adapters)) or 'none'})")
-            self._unloading[name] = adapter
-            self._lora_scales.pop(name, None)
-            self._lora_ids.pop(name, None)
+        adapter = self._served.begin_unload(name)
         engine = self._engine
         scheduler = engine.scheduler
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closed:
             # (requests resolved but not queued yet, then those queued or running: the latter are read
             # on the scheduler thread, which alone moves requests between its queues)
-            with self._adapters_lock:
-                pending = self._resolving.get(adapter, 0)
             try:
-                if not pending and not engine.call(lambda: scheduler.uses_adapter(adapter)):
+                if not self._served.resolving(adapter) and not engine.call(lambda: scheduler.uses_adapter(adapter)):
                     engine.call(lambda: engine.drop_adapter(adapter))
                     break
             except ServerClosedError:
@@ -603,44 +550,12 @@ class Server:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"requests still use the LoRA adapter {name!r}")
             time.sleep(0.02)
-        with self._adapters_lock:
-            self._unloading.pop(name, None)
-            owned = adapter in self._owned_adapters
-            self._owned_adapters.discard(adapter)
-        if owned:
+        if self._served.end_unload(name, adapter):
             adapter.close_when_unused()  # (a one-call generation may still apply it: freed after it)
-
-    def _request_loras(self, params: GenerationParams) -> Any:
-        """The LoRA set a request names (the default scales when it names none), resolved against the
-        adapters served and counted in ``_resolving`` until the request is queued (:meth:`_queued`)."""
-        with self._adapters_lock:
-            spec = dict(params.lora) if params.lora is not None else \
-                {name: s for name, s in self._lora_scales.items() if s}
-            if not spec:
-                return ()
-            for key in spec:
-                if isinstance(key, str) and key in self._unloading or \
-                        isinstance(key, LoraAdapter) and key in self._unloading.values():
-                    name = key if isinstance(key, str) else key.name
-                    raise InvalidArgumentError(f"lora: the adapter {name!r} is being unloaded")
-            loras = resolve_loras(self.model, self._by_id(spec), list(self._adapters.values()))
-            for adapter, _ in loras:
-                self._resolving[adapter] = self._resolving.get(adapter, 0) + 1
-        return loras
 
     def _queued(self, requests: Sequence[Request]) -> None:
         """``requests`` are in the scheduler's queue now (or were refused): no longer merely resolved."""
-        self._unresolve([r.loras for r in requests])
-
-    def _unresolve(self, sets: Sequence[Any]) -> None:
-        with self._adapters_lock:
-            for loras in sets:
-                for adapter, _ in loras:
-                    left = self._resolving.get(adapter, 0) - 1
-                    if left > 0:
-                        self._resolving[adapter] = left
-                    else:
-                        self._resolving.pop(adapter, None)
+        self._served.unresolve([r.loras for r in requests])
 
     def stats(self) -> dict[str, Any]:
         """Slots in use, queue length, ticks, tokens per tick, prefix-cache counters and, with
@@ -777,10 +692,7 @@ class Server:
         if self._drafter is not None:
             self._drafter.close()
         self._ctx.close()
-        with self._adapters_lock:
-            owned, self._owned_adapters = self._owned_adapters, set()
-            self._adapters.clear()
-        for adapter in owned:
+        for adapter in self._served.clear():
             adapter.close_when_unused()  # (the context let go of it above)
         if self._owns_model:
             self.model.close()
