@@ -65,6 +65,7 @@ from .errors import (
     IndexOutOfRangeError,
     InsufficientMemoryError,
     InvalidArgumentError,
+    KVPoolFullError,
     LayoutMismatchError,
     LlamaError,
     ModelLoadError,
@@ -122,7 +123,7 @@ __all__ = [
     "grammar", "schema", "ResponseValidationError",
     # errors
     "LlamaError", "NativeLibraryError", "LayoutMismatchError", "ModelLoadError", "ContextCreationError",
-    "ContextOverflowError", "DecodeError", "TokenizationError", "GrammarError", "SchemaError",
+    "ContextOverflowError", "DecodeError", "KVPoolFullError", "TokenizationError", "GrammarError", "SchemaError",
     "SchemaTooLargeError", "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
     "IndexOutOfRangeError", "ModelNotFoundError", "InsufficientMemoryError", "AlreadyLoadedError",
     "RPCError", "RPCConnectionError",

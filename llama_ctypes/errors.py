@@ -67,6 +67,11 @@ class DecodeError(LlamaError):
         self.code = code
 
 
+class KVPoolFullError(DecodeError):
+    """A server's slots share one KV pool (``share_kv``) and it filled up: the request that arrived
+    last was stopped so that the others could go on (llama-server stops them all)."""
+
+
 class TokenizationError(LlamaError, ValueError):
     """Text could not be tokenized or tokens could not be detokenized."""
 

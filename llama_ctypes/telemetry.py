@@ -14,6 +14,7 @@ Events emitted by the server:
   metadata {finish_reason}
 * ``server.request.cancelled`` — {generated_tokens}
 * ``server.queue_full``     — {queue_length}, metadata {max_queue}
+* ``server.kv_full``        — {generated_tokens, running} of the request stopped for KV room (``share_kv``)
 * ``server.tick``           — {batch_tokens, decode_tokens, prefill_tokens, decode_ms, active_slots}
 """
 

@@ -180,8 +180,19 @@ def test_response_fields_and_probabilities(servers):
     entries = probs["completion_probabilities"]
     assert len(entries) == 4 and all(len(e["top_logprobs"]) == 3 for e in entries)
     assert all(e["id"] == e["top_logprobs"][0]["id"] for e in entries)  # greedy: the best is chosen
-    r = _post(ours, "/completion", {"prompt": "Hello", "n_probs": 3, "post_sampling_probs": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "post_sampling_probs"
     r = _post(ours, "/completion", {"prompt": {"prompt_string": "x <__media__>", "multimodal_data": "iVBO"}})
     assert r.status_code == 400
 
+
+def test_post_sampling_probs_as_llama_server(servers):
+    body = {"prompt": "Hello", "n_predict": 1, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "min_p": 0.0,
+            "n_probs": 5, "post_sampling_probs": True, "seed": 3}
+    got = [_post(url, "/completion", body).json()["completion_probabilities"][0] for url in servers]
+    for entry in got:
+        assert "prob" in entry and "logprob" not in entry and 0 < entry["prob"] <= 1
+        assert len(entry["top_probs"]) == 5
+        assert sum(p["prob"] for p in entry["top_probs"]) == pytest.approx(1, abs=1e-4)
+    ours, theirs = ({p["id"]: p["prob"] for p in e["top_probs"]} for e in got)
+    assert ours.keys() == theirs.keys() and all(abs(ours[t] - theirs[t]) < 1e-3 for t in ours)
+    greedy = _post(servers[0], "/completion", {**body, "temperature": 0}).json()["completion_probabilities"][0]
+    assert greedy["prob"] == 1.0 and [p["id"] for p in greedy["top_probs"]] == [greedy["id"]]

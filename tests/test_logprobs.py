@@ -561,3 +561,56 @@ def test_asubmit_from_a_worker_thread_for_a_loop(server):
         server.asubmit("Hello", max_tokens=1)
     with pytest.raises(lc.ArgumentTypeError):
         server.asubmit("Hello", loop="nope", max_tokens=1)
+
+
+# ---- post-sampling probabilities (llama-server's post_sampling_probs) ----------------------------
+
+def _check_post(done, top_k: int) -> None:
+    """Entries of a run with ``post_sampling=True`` under top-k truncation: the candidates left are
+    the k best of the raw row, their probabilities sum to one, and the chosen token is among them."""
+    assert len(done.logprobs) == len(done.tokens)
+    for entry in done.logprobs:
+        probs = [math.exp(alt.logprob) for alt in entry.top]
+        assert 0 < len(entry.top) <= top_k and all(0 < p <= 1 for p in probs)
+        assert probs == sorted(probs, reverse=True)
+        assert sum(probs) == pytest.approx(1.0, abs=1e-4)  # (all k candidates are listed)
+        chosen = next(alt for alt in entry.top if alt.token == entry.token)
+        assert chosen.logprob == entry.logprob
+
+
+def test_post_sampling_reports_what_the_chain_left_and_draws_the_same_tokens(tiny_model):
+    opts = dict(max_tokens=10, temp=0.9, top_k=4, seed=123, ignore_eos=True)
+    plain = lc.generate(tiny_model, PROMPT, **opts, logprobs=4)
+    post = lc.generate(tiny_model, PROMPT, **opts, logprobs=4, post_sampling=True)
+    assert post.tokens == plain.tokens  # (the same chain, the same seed, the same logits)
+    _check_post(post, 4)
+    # what the chain left is the raw distribution over its best tokens (top-k, then top-p and min-p
+    # may cut more), renormalised at temperature 0.9
+    for raw, entry in zip(plain.logprobs, post.logprobs):
+        left = [alt.token for alt in entry.top]
+        assert left == [alt.token for alt in raw.top][:len(left)]
+        scaled = {alt.token: alt.logprob / 0.9 for alt in raw.top if alt.token in left}
+        norm = math.log(sum(math.exp(v) for v in scaled.values()))
+        for alt in entry.top:
+            assert alt.logprob == pytest.approx(scaled[alt.token] - norm, abs=1e-4)
+    greedy = lc.generate(tiny_model, PROMPT, max_tokens=4, temp=0, logprobs=3, post_sampling=True)
+    assert all(e.logprob == 0.0 and [a.token for a in e.top] == [e.token] for e in greedy.logprobs)
+    with pytest.raises(ValueError, match="logprobs"):
+        lc.generate(tiny_model, PROMPT, max_tokens=2, post_sampling=True)
+
+
+def test_post_sampling_in_a_server_with_other_requests(tiny_model):
+    opts = dict(max_tokens=8, temp=0.9, top_k=4, seed=7, ignore_eos=True, cache_prompt=False)
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=128) as srv:
+        plain = srv.generate(PROMPT, **opts, logprobs=4)
+        post = srv.generate(PROMPT, **opts, logprobs=4, post_sampling=True)
+        assert post.tokens == plain.tokens  # solo both times: the same logits and the same draws
+        _check_post(post, 4)
+        # beside a request that asks for raw logprobs, each gets its own kind
+        a = srv.stream(PROMPT, **opts, logprobs=4, post_sampling=True)
+        b = srv.stream("Another prompt", **{**opts, "temp": 0}, logprobs=4)
+        done_a, done_b = a.completion(), b.completion()
+        _check_post(done_a, 4)
+        # greedy and raw: four alternatives of the whole row (post-sampling would leave the chosen one alone)
+        assert all(len(e.top) == 4 and e.top[0].token == e.token and e.logprob < 0 for e in done_b.logprobs)
+        wait_idle(srv)

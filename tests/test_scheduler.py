@@ -15,7 +15,7 @@ from llama_ctypes.engines.server.request import Channel, End, Request, Status
 from llama_ctypes.engines.server.scheduler import QueueFullError, Scheduler, ServerClosedError, Step, TickPlan
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
-from llama_ctypes.errors import CancelledError, ClosedError, DecodeError
+from llama_ctypes.errors import CancelledError, ClosedError, DecodeError, KVPoolFullError
 
 EOG = 99
 
@@ -282,6 +282,40 @@ def test_a_failed_decode_fails_only_the_planned_requests():
     s.update_from_output(p, None, DecodeError("boom", code=1))
     assert a.status is b.status is Status.FAILED and isinstance(items(a)[-1], DecodeError)
     assert s.pool.n_active == 0
+
+
+def test_a_full_kv_fails_the_last_arrival_and_replans_the_others():
+    s = make(n_parallel=3, budget=8)
+    first, second = req([1], max_tokens=50), req([2], max_tokens=50)
+    s.submit(first)
+    tick(s, 0)
+    s.submit(second)
+    tick(s, 0, 1)
+    held = [list(sl.tokens) for sl in s.pool.slots]
+    p = plan(s)
+    assert s.kv_full(p, capacity=4) is second  # nothing of the plan was decoded
+    assert second.status is Status.FAILED and first.status is Status.RUNNING
+    err = items(second)[-1]
+    assert isinstance(err, KVPoolFullError) and isinstance(err, DecodeError)
+    assert "context size has been exceeded" in str(err).lower() and "4 tokens" in str(err)
+    assert [list(sl.tokens) for sl in s.pool.slots][0] == held[0]  # the survivor's KV is untouched
+    assert ("forget", second.seq_id) in s.pool.kv.calls  # the victim's cells are freed
+    again = plan(s)  # the survivor is planned again from where it was
+    assert [st.request for st in again.steps] == [first] and again.steps[0].tokens == [first.generated[-1]]
+    s.update_from_output(again, [2])
+    assert first.generated == [0, 0, 2] and second.generated == [1]
+
+
+def test_a_full_kv_with_a_cancelled_request_fails_nobody():
+    s = make(n_parallel=2, budget=8)
+    a, b = req([1], max_tokens=50), req([2], max_tokens=50)
+    s.submit(a)
+    s.submit(b)
+    tick(s, 0, 0)
+    s.cancel(b)
+    p = plan(s)
+    assert s.kv_full(p, capacity=4) is None  # the cancelled request's cells make the room
+    assert b.status is Status.CANCELLED and a.status is Status.RUNNING
 
 
 def test_fail_all_ends_waiting_and_running_requests():

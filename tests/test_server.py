@@ -224,13 +224,45 @@ def test_a_failed_decode_fails_only_its_requests(server, monkeypatch):
 
     def fail_once(batch):
         calls["n"] += 1
-        return 1 if calls["n"] == 1 else real(batch)
+        return -3 if calls["n"] == 1 else real(batch)  # (a compute error; 1, a full KV, fails one request)
 
     monkeypatch.setattr(engine, "_decode", fail_once)
     with pytest.raises(lc.DecodeError):
         server.generate("this one fails", max_tokens=5, temp=0)
     assert server.generate("this one works", max_tokens=5, temp=0, ignore_eos=True).tokens
     wait_idle(server)
+
+
+def test_shared_kv_lets_one_slot_fill_the_pool_and_a_full_pool_stops_only_the_last_arrival(tiny_model):
+    # 4 slots x 64 tokens: 256 KV cells. Split, a slot holds 64; shared, one request may use them all.
+    opts = dict(model=tiny_model, n_parallel=4, n_ctx=64, n_batch=64, temp=0, ignore_eos=True)
+    with lc.Server(**opts) as split:
+        assert split.n_ctx == 64 and len(split.generate("one long answer", max_tokens=200).tokens) < 64
+    with lc.Server(**opts, share_kv=True) as srv:
+        pool = srv.n_ctx
+        assert pool == 256 and srv.slots()[0].n_ctx == pool
+        solo = srv.generate("one long answer", max_tokens=200)
+        assert len(solo.tokens) == 200 and solo.finish_reason == "length"
+        with pytest.raises(lc.ContextOverflowError):
+            srv.generate("word " * 300, max_tokens=4)  # longer than the whole pool
+        # Four requests of 100 tokens need ~420 cells: the pool fills while all four run.
+        streams = [srv.stream(f"request {i}", max_tokens=100) for i in range(4)]  # (arrival order)
+        results = []
+        for st in streams:
+            try:
+                results.append(len(st.completion().tokens))
+            except lc.KVPoolFullError as exc:
+                results.append(exc)
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+        assert failed and 3 in failed, results  # the last to arrive goes first
+        assert all("context size has been exceeded" in str(results[i]).lower() for i in failed)
+        assert all(results[i] == 100 for i in range(4) if i not in failed)  # the others went on to the end
+        assert len(failed) < 4
+        wait_idle(srv)
+        again = srv.generate("one long answer", max_tokens=200)  # the pool is whole again
+        assert len(again.tokens) == 200
+    with pytest.raises(ValueError, match="share_kv"):
+        lc.Server(model=tiny_model, share_kv=True, kv_unified=False)
 
 
 def test_prompt_too_long_for_a_slot(server):

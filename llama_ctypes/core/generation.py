@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Seq
 from ..errors import ArgumentTypeError, CancelledError, InvalidArgumentError
 from .control_vector import ControlVector
 from .handle import Closeable
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, post_sampling_logprob, token_logprob
 from .lora import activation_start, check_lora_spec, resolve_loras
 from .prompt import check_prompt
 from .text import RunControl, TextAssembler, assemble
@@ -60,6 +60,10 @@ class GenerationParams:
     """Log-probabilities of the generated tokens (``Completion.logprobs``): None = off, 0 = the
     chosen token's only, 1..20 = also that many most likely alternatives. From the model's raw
     distribution (before temperature, penalties and grammar); see ``core/logprobs.py``."""
+    post_sampling: bool = False
+    """With ``logprobs``: report the probabilities after the sampler chain (truncation by top-k,
+    top-p, min-p, ... and temperature; the candidates the token was drawn from; greedy: the chosen
+    token at 1) instead of the model's raw distribution (llama-server's ``post_sampling_probs``)."""
     lora: Any = None
     """LoRA adapters for this generation: ``{adapter or name: scale}`` (names of ``model.loras``), one
     adapter or name (scale 1.0), or a list of them; ``{}``: none. None: the context keeps the adapters
@@ -70,7 +74,7 @@ class GenerationParams:
     context keeps the one it applies (the one-call API then applies none; a Server applies its own)."""
 
     def __post_init__(self) -> None:
-        for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt"):
+        for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt", "post_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentTypeError(f"{name}={getattr(self, name)!r}: expected True or False")
         if (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < -1
@@ -99,6 +103,8 @@ class GenerationParams:
             if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidArgumentError(f"logprobs={self.logprobs!r}: expected None or an integer "
                                            f"0..{MAX_TOP_LOGPROBS} (alternatives per token)")
+        elif self.post_sampling:
+            raise InvalidArgumentError("post_sampling=True needs logprobs= (how many alternatives to report)")
 
 
 @dataclass
@@ -212,13 +218,15 @@ def read_prompt(lease: ContextLease, prompt: list[int], params: GenerationParams
 
 
 def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[int], params: GenerationParams,
-               run: _Run, cancelled: Callable[[], bool] = lambda: False) -> Iterator[int]:
+               run: _Run, cancelled: Callable[[], bool] = lambda: False,
+               post: dict[int, Any] | None = None) -> Iterator[int]:
     """Yield generated token ids; the caller holds the context (``lease``) and the sampler.
 
     Each token is yielded before the next decode starts, so a consumer that
     stops iterating costs no extra decode. ``cancelled()`` is checked between
     tokens (an abort stops a decode in flight). With ``params.logprobs`` set,
-    each token's :class:`TokenLogprob` goes to ``run.logprobs`` before it is yielded.
+    each token's :class:`TokenLogprob` goes to ``run.logprobs`` before it is yielded
+    (with ``params.post_sampling``, from ``post``: the sampler binding's record of each row).
     """
     t0 = time.perf_counter()
     timings = run.timings
@@ -232,7 +240,7 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
     max_tokens, n_ctx, ignore_eos = params.max_tokens, lease.ctx.n_ctx_seq, params.ignore_eos
     logprob = None
     if params.logprobs is not None:
-        logprob = _logprob_fn(lease, params)
+        logprob = _logprob_fn(lease, params, post)
         if run.logprobs is None:
             run.logprobs = []
     entries = run.logprobs
@@ -276,14 +284,30 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
             timings.sample_ms = sample_s * 1e3
 
 
-def _logprob_fn(lease: ContextLease, params: GenerationParams) -> Callable[[int], TokenLogprob]:
+def post_candidates(params: GenerationParams) -> int:
+    """Candidates a sampler binding keeps per row for these parameters (0: none)."""
+    return max(params.logprobs or 0, 1) if params.post_sampling else 0
+
+
+def _logprob_fn(lease: ContextLease, params: GenerationParams,
+                post: dict[int, Any] | None = None) -> Callable[[int], TokenLogprob]:
     """``token -> TokenLogprob`` over the last decode's output row (the row the token was sampled
-    from, still unchanged: sampling copies the logits); pieces rendered as the stream renders them."""
+    from, still unchanged: sampling copies the logits), or from what the sampler chain left of it
+    (``params.post_sampling``); pieces rendered as the stream renders them."""
     logits_of, k, special = lease.logits_view_fn(), params.logprobs or 0, params.special
     token_bytes = lease.ctx.vocab.token_bytes
 
     def piece(token: int) -> bytes:
         return token_bytes(token, special)
+
+    if params.post_sampling:
+        if post is None:
+            raise InvalidArgumentError("post_sampling=True is not available on this path")
+
+        def post_entry(token: int) -> TokenLogprob:
+            return post_sampling_logprob(post.pop(-1), k, piece)
+
+        return post_entry
 
     def entry(token: int) -> TokenLogprob:
         return token_logprob(logits_of(-1), token, k, piece)
@@ -378,7 +402,7 @@ class _TextGeneration:
         try:
             lease = self.ctx.lease(held=True)
             try:
-                binding = self.sampler.bind(lease, held=True)
+                binding = self.sampler.bind(lease, held=True, candidates=post_candidates(self.params))
             except BaseException:
                 lease.release()
                 raise
@@ -386,7 +410,7 @@ class _TextGeneration:
             try:
                 with control.running(self.run):
                     yield from token_loop(lease, binding.sample, self.prompt, self.params, self.run,
-                                          lambda: control.cancelled)
+                                          lambda: control.cancelled, binding.post)
             finally:
                 binding.release()
                 lease.release()

@@ -5,17 +5,20 @@ row a token was sampled from, before temperature, penalties, logit bias or a
 grammar reshape it. That is what llama-server's ``n_probs`` reports by default
 and what OpenAI documents, and it does not depend on the sampling settings:
 the same prompt gives the same values greedy or sampled.
+
+Asked for (``post_sampling=True``), the values are instead those of the candidates the sampler
+chain left (llama-server's ``post_sampling_probs``): after top-k/top-p/min-p and temperature.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["TokenLogprob", "MAX_TOP_LOGPROBS", "log_softmax_top", "token_logprob"]
+__all__ = ["TokenLogprob", "MAX_TOP_LOGPROBS", "log_softmax_top", "token_logprob", "post_sampling_logprob"]
 
 #: Most alternatives per token (OpenAI's limit for ``top_logprobs``).
 MAX_TOP_LOGPROBS = 20
@@ -95,3 +98,14 @@ def token_logprob(logits: np.ndarray, token: int, k: int, piece: Callable[[int],
     chosen, ids, values = log_softmax_top(logits, token, k)
     top = tuple(TokenLogprob(t, piece(t), v) for t, v in zip(ids.tolist(), values.tolist()))
     return TokenLogprob(token, piece(token), chosen, top)
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else -math.inf
+
+
+def post_sampling_logprob(post: Any, k: int, piece: Callable[[int], bytes]) -> TokenLogprob:
+    """The :class:`TokenLogprob` of a token from what the sampler chain left (a ``PostSampling``,
+    ``core/sampler.py``): log-probabilities after truncation and temperature, up to ``k`` alternatives."""
+    top = tuple(TokenLogprob(t, piece(t), _log(p)) for t, p in zip(post.ids[:k].tolist(), post.probs[:k].tolist()))
+    return TokenLogprob(post.token, piece(post.token), _log(post.p), top)

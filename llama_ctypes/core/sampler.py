@@ -244,6 +244,19 @@ def _prefill_tokens(vocab, text: str) -> list[int] | None:
     return out if pos == len(data) else None
 
 
+@dataclass(frozen=True)
+class PostSampling:
+    """What the sampler chain left of one row when it picked ``token`` (llama-server's
+    ``post_sampling_probs``): the chosen token's probability after truncation (top-k, top-p, min-p,
+    ...) and temperature, and the most probable candidates left, by descending probability, none at
+    probability 0. Greedy sampling leaves the chosen token alone, at probability 1."""
+
+    token: int
+    p: float
+    ids: np.ndarray
+    probs: np.ndarray
+
+
 class SamplerBinding:
     """A Sampler claimed for one generation on one leased context: ``sample(idx) -> token``.
 
@@ -251,14 +264,16 @@ class SamplerBinding:
     it from being freed until :meth:`release`.
     """
 
-    def __init__(self, sampler: "Sampler", lease, held: bool = False) -> None:
+    def __init__(self, sampler: "Sampler", lease, held: bool = False, candidates: int = 0) -> None:
         if sampler.model is not lease.ctx.model:
             raise InvalidArgumentError("this Sampler was made for another Model than the context's "
                                        "(token ids and grammars belong to one vocabulary)")
         sampler._begin_exclusive(held)
         self._sampler = sampler
+        #: With ``candidates``: row -> :class:`PostSampling` of the last token sampled from it.
+        self.post: dict[int, PostSampling] | None = {} if candidates else None
         try:
-            fn = sampler._sample_fn(lease)
+            fn = sampler._candidates_fn(lease, candidates, self.post) if candidates else sampler._sample_fn(lease)
         except BaseException:
             sampler._end_exclusive()
             raise
@@ -457,13 +472,15 @@ class Sampler(NativeHandle):
         with ctx.lease() as lease:
             return self.sample(lease, idx)
 
-    def bind(self, lease, held: bool = False) -> SamplerBinding:
+    def bind(self, lease, held: bool = False, candidates: int = 0) -> SamplerBinding:
         """Claim this sampler for a generation on a leased context (see :class:`SamplerBinding`).
 
         ``held``: the caller keeps the sampler alive with :meth:`hold`, so a close requested
-        meanwhile does not stop the claim.
+        meanwhile does not stop the claim. ``candidates`` > 0: each sample keeps that many of the
+        candidates the chain left (``binding.post``); the tokens drawn are the same (with a grammar,
+        which then masks before the chain instead of checking after it: the same for greedy).
         """
-        return SamplerBinding(self, lease, held)
+        return SamplerBinding(self, lease, held, candidates)
 
     def _sample_fn(self, lease) -> Callable[[int], int]:
         # The cheapest exact strategy: a numpy argmax for plain greedy, the llama.cpp chain
@@ -523,6 +540,55 @@ class Sampler(NativeHandle):
                     raise GrammarError("no token allowed by the grammar is left after logit_bias and the "
                                        "other samplers (is every end-of-generation token banned?)")
             accept(grammar, tok)
+            accept(chain, tok)
+            return tok
+
+        return sample
+
+    def _candidates_fn(self, lease, keep: int, out: dict[int, PostSampling]) -> Callable[[int], int]:
+        """Sampling through the chain on a candidate array of our own, so that what the chain leaves of
+        it can be read (``out[idx]``, the ``keep`` most probable). The chain sees what
+        ``llama_sampler_sample`` would give it, so the same token is drawn; a grammar masks first
+        (llama.cpp's exact path, which the rejection shortcut of :meth:`_constrained_fn` equals for
+        greedy)."""
+        if self._ptr is None:
+            raise ClosedError("Sampler is closed")
+        lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
+        apply, accept = lib.llama_sampler_apply, lib.llama_sampler_accept
+        cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+        arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
+        arr_ref, logits_of, greedy = ctypes.byref(arr), lease.logits_view_fn(), self.params.greedy
+        ids = np.arange(n_vocab, dtype=np.int32)
+
+        def sample(idx: int) -> int:
+            cand["id"] = ids
+            cand["logit"] = logits_of(idx)
+            cand["p"] = 0.0
+            arr.data = cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
+            arr.size, arr.selected, arr.sorted = n_vocab, -1, False
+            if grammar:
+                apply(grammar, arr_ref)
+            apply(chain, arr_ref)
+            # (a sampler may point the array at a buffer of its own: read it through the array)
+            size, sel = arr.size, arr.selected
+            if not 0 <= sel < size:
+                raise GrammarError("the sampler chain selected no token")
+            left = np.frombuffer((ctypes.c_char * (size * _TOKEN_DATA.itemsize)).from_address(
+                ctypes.addressof(arr.data.contents)), dtype=_TOKEN_DATA).copy()
+            tok = int(left["id"][sel])
+            if not np.isfinite(left["logit"][sel]):
+                raise GrammarError("no token allowed by the grammar is left after logit_bias and the "
+                                   "other samplers (is every end-of-generation token banned?)")
+            if greedy:  # (as llama-server at temperature 0: the chosen token alone, certain)
+                out[idx] = PostSampling(tok, 1.0, np.array([tok]), np.array([1.0]))
+            else:
+                probs = left["p"].astype(np.float64)
+                top = np.argpartition(-probs, keep)[:keep] if size > keep else np.arange(size)
+                top = top[np.lexsort((left["id"][top], -probs[top]))]
+                top = top[probs[top] > 0]
+                out[idx] = PostSampling(tok, float(probs[sel]), left["id"][top].astype(np.int64), probs[top])
+            if grammar:
+                accept(grammar, tok)
             accept(chain, tok)
             return tok
 

@@ -188,7 +188,8 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--cache-type-v", "-ctv", help="KV cache type of V (f16, q8_0, ...)")
     p.add_argument("--swa-full", action="store_true", help="a full-size cache for sliding-window attention")
     p.add_argument("--kv-unified", "-kvu", action="store_true",
-                   help="one KV buffer shared by all slots (the default here; see --no-kv-unified)")
+                   help="as llama-server: every slot may fill the whole -c (one KV pool; when it is full, "
+                        "the request that arrived last fails). Without it each slot holds -c / --parallel")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, help="layers on the GPU (default -1: all)")
     p.add_argument("--threads", "-t", type=int, help="CPU threads")
     p.add_argument("--flash-attn", "-fa", choices=["auto", "enabled", "disabled", "on", "off"])

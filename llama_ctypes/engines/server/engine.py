@@ -28,8 +28,9 @@ from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import ContextLease
 from ...core.decode_status import check_decode
-from ...core.logprobs import TokenLogprob, token_logprob
-from ...errors import DecodeError, LlamaError, RPCConnectionError
+from ...core.generation import post_candidates
+from ...core.logprobs import TokenLogprob, post_sampling_logprob, token_logprob
+from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache
 from .request import Request
 from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
@@ -132,7 +133,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
                                    max_outputs=ctx.n_outputs_max,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
-                                   bind=lambda request: request.sampler.bind(lease),
+                                   bind=lambda request: request.sampler.bind(
+                                       lease, candidates=post_candidates(request.params)),
                                    n_draft=n_draft if drafter is not None else 0)
         self._check_tokens = ctx.vocab.check_tokens
         self._calls: collections.deque[_Call] = collections.deque()
@@ -227,7 +229,14 @@ class Engine:
                 plan = scheduler.schedule()
                 if plan.steps:
                     outputs, logprobs, failure, row_errors = self.execute(plan)
-                    scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs, row_errors=row_errors)
+                    if isinstance(failure, KVPoolFullError):
+                        victim = scheduler.kv_full(plan, self.ctx.n_ctx)
+                        if victim is not None:
+                            logger.warning("the KV memory is full (%d tokens): request %d, the last to arrive, "
+                                           "was stopped", self.ctx.n_ctx, victim.id)
+                    else:
+                        scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs,
+                                                     row_errors=row_errors)
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
         except RPCConnectionError as exc:  # an RPC worker of the model was lost: the context is unusable
@@ -297,7 +306,9 @@ class Engine:
                                                BaseException | None, dict[int, BaseException] | None]:
         """Decode the plan's batch and sample its output rows.
 
-        Returns ``(tokens, logprobs, None, row_errors)`` with the tokens in plan order, ``logprobs``
+        Returns ``(None, None, KVPoolFullError, None)`` when the batch does not fit in the KV memory
+        even with the idle slots' caches dropped (nothing was decoded), else
+        ``(tokens, logprobs, None, row_errors)`` with the tokens in plan order, ``logprobs``
         parallel to them (None when no request of the plan asked for logprobs) and ``row_errors``
         (output index → the error of a request whose sampler refused, e.g. a grammar left with no
         allowed token; its token is -1), or ``(None, None, error, None)``.
@@ -327,6 +338,8 @@ class Engine:
         self.batch_tokens += batch.n_tokens
         self.max_batch_tokens = max(self.max_batch_tokens, batch.n_tokens)
         self.slot_steps += len(plan.steps)
+        if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in)
+            return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         if rc != 0:
             try:
                 check_decode(rc, "llama_decode", batch.n_tokens)
@@ -409,9 +422,14 @@ class Engine:
                 continue
             params = request.params
             piece = pieces[params.special]
+            post = request.binding.post if params.post_sampling and request.binding is not None else None
             for i in step.sample:
                 tok = outputs[k]
-                entries.append(token_logprob(logits_of(step.row + i), tok, params.logprobs or 0, piece)
-                               if tok >= 0 else None)
+                if tok < 0:
+                    entries.append(None)
+                elif post is not None:  # (what the chain left of the row, recorded as it sampled)
+                    entries.append(post_sampling_logprob(post.pop(step.row + i), params.logprobs or 0, piece))
+                else:
+                    entries.append(token_logprob(logits_of(step.row + i), tok, params.logprobs or 0, piece))
                 k += 1
         return entries

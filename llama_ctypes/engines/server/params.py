@@ -35,6 +35,7 @@ class ServerParams:
     cache_prompt: bool = True
     prompt_cache_ram_mb: float = 0
     kv_unified: bool = True
+    share_kv: bool = False
     speculative: Any = None
     n_draft: int = 4
     loras: Any = ()  # LoRA adapters to load at start: paths, (path, name) pairs or adapters (Server checks them)
@@ -45,6 +46,8 @@ class ServerParams:
             raise InvalidArgumentError(f"n_parallel={self.n_parallel!r}: expected an integer >= 1")
         if not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise InvalidArgumentError(f"max_queue={self.max_queue!r}: expected an integer >= 0")
+        if self.share_kv and not self.kv_unified:
+            raise InvalidArgumentError("share_kv=True needs kv_unified=True (slots can only share one KV buffer)")
         ram = self.prompt_cache_ram_mb
         if not isinstance(ram, (int, float)) or ram < 0:
             raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ... import telemetry
 from ...core.logprobs import TokenLogprob
-from ...errors import CancelledError, ClosedError, LlamaError
+from ...errors import CancelledError, ClosedError, KVPoolFullError, LlamaError
 from .request import End, Progress, Request, Status
 from .slots import Slot, SlotPool
 from .strategies import BatchStrategy
@@ -468,6 +468,31 @@ class Scheduler:
                 k += 1
                 if request.ended is None:  # not finished by an earlier token of this step
                     self._accept(slot, request, tok, now, entry)
+
+    def kv_full(self, plan: TickPlan, capacity: int) -> Request | None:
+        """The plan's batch did not fit in the KV memory (``capacity`` cells), idle slots' caches
+        already dropped, and nothing of it was decoded: make room and let the next tick plan again.
+
+        Cancelled slots end first, which frees their cells; without any, the running request that
+        arrived last fails with :class:`KVPoolFullError` (vLLM's choice of victim; llama-server fails
+        every running request). Returns the request that failed, if one did."""
+        for slot in plan.cancelled:
+            self.finish(slot, slot.request, Status.CANCELLED)
+        if plan.cancelled:
+            return None
+        running = [slot for slot in self.pool.slots if slot.request is not None]
+        if not running:  # pragma: no cover - a plan always has a running request
+            return None
+        slot = max(running, key=lambda s: (s.request.arrived, s.request.id))
+        request = slot.request
+        self.finish(slot, request, Status.FAILED, error=KVPoolFullError(
+            f"Context size has been exceeded: the KV memory the slots share ({capacity} tokens) is full; "
+            f"this request, the last to arrive, was stopped after {len(request.generated)} tokens so "
+            f"that the others could go on", code=1))
+        if telemetry.enabled("server.kv_full"):
+            telemetry.emit("server.kv_full", {"generated_tokens": len(request.generated),
+                                              "running": len(running)}, {"id": request.id})
+        return request
 
     def _verified(self, step: Step, outputs: Sequence[int], k: int, now: float,
                   logprobs: Sequence[TokenLogprob | None] | None,

@@ -95,6 +95,11 @@ class Server:
         prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
+        share_kv: let every slot fill the whole KV pool (``n_ctx * n_parallel`` tokens, at most the
+            model's training context), as llama-server's ``--kv-unified`` (default False: each slot holds
+            ``n_ctx``). When the pool is full, idle slots' cached prefixes are dropped first; if the
+            running requests still do not fit, the one that arrived last fails with
+            :class:`KVPoolFullError` and the others go on. Needs ``kv_unified``.
         control_vector: a :class:`ControlVector` (``lc.load_control_vector``) every request runs with, or
             ``{"files": ..., "layer_range": ...}`` to load one.
         loras: LoRA adapters to load now (:meth:`load_lora`): paths, ``(path, name)`` pairs, or
@@ -116,7 +121,8 @@ class Server:
                  n_batch: int = _DEFAULTS.n_batch, batch_strategy: Any = _DEFAULTS.batch_strategy,
                  max_queue: int = _DEFAULTS.max_queue, cache_prompt: bool = _DEFAULTS.cache_prompt,
                  prompt_cache_ram_mb: float = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
-                 speculative: Drafter | str | os.PathLike | None = None, n_draft: int = _DEFAULTS.n_draft,
+                 share_kv: bool = _DEFAULTS.share_kv, speculative: Drafter | str | os.PathLike | None = None,
+                 n_draft: int = _DEFAULTS.n_draft,
                  loras: Sequence[Any] = (), control_vector: Any = None, **opts: Any):
         self._drafter: SlotDrafter | None = None
         if isinstance(speculative, (DraftModel, MTPDraft)) and speculative.context is not None:
@@ -128,7 +134,8 @@ class Server:
             params = ServerParams(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, batch_strategy=batch_strategy,
                                   max_queue=max_queue, cache_prompt=cache_prompt,
                                   prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
-                                  speculative=speculative, n_draft=n_draft, control_vector=control_vector)
+                                  share_kv=share_kv, speculative=speculative, n_draft=n_draft,
+                                  control_vector=control_vector)
             self._build(model_path, model, params, opts)
             self._served = ServedAdapters(self.model)
         except BaseException:
@@ -200,7 +207,9 @@ class Server:
                 lease.set_control_vector(cvec)  # (every request runs with it: a prefix cache stays valid)
             self.control_vector = cvec
             self.n_parallel = n_parallel
-            self.n_ctx = min(n_ctx, ctx.n_ctx_seq)
+            # (shared: the whole pool, as llama-server's n_ctx_slot(), capped at the training context)
+            self.n_ctx = min(ctx.n_ctx_seq, model.n_ctx_train or ctx.n_ctx_seq) if params.share_kv \
+                else min(n_ctx, ctx.n_ctx_seq)
             self.n_batch = n_batch
             self.batch_strategy = strategy
             self.speculative = speculative

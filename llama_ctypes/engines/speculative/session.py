@@ -141,6 +141,9 @@ class SpeculativeSession(Closeable):
         gen_opts, sampling_opts = split_options(opts, GenerationParams, SamplingParams,
                                                 where="SpeculativeSession: unknown")
         gparams, sparams = GenerationParams(**gen_opts), SamplingParams(**sampling_opts)
+        if gparams.post_sampling:
+            raise InvalidArgumentError("post_sampling=True is not offered with a single-sequence speculative "
+                                       "session (a Server with speculative= offers it)")
         ctx = self._ctx
         tokens = prompt_tokens(ctx.vocab, prompt, gparams, ctx.n_ctx_seq)
         check_prompt(ctx, tokens)

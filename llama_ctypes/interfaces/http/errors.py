@@ -20,6 +20,7 @@ from ...errors import (
     ContextOverflowError,
     InsufficientMemoryError,
     InvalidArgumentError,
+    KVPoolFullError,
     LlamaError,
     RPCConnectionError,
     SchemaError,
@@ -139,6 +140,8 @@ def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
         return Unavailable(f"the model is not available: {exc}")
     if isinstance(exc, ContextOverflowError):
         return ContextExceeded(str(exc), n_prompt_tokens=exc.n_tokens, n_ctx=exc.n_ctx, param=param)
+    if isinstance(exc, KVPoolFullError):  # (500 with its message, as llama-server's "Context size has been exceeded.")
+        return InternalError(str(exc))
     if isinstance(exc, SchemaError):
         return BadRequest(str(exc), param=param or "response_format", code="invalid_schema")
     if isinstance(exc, InsufficientMemoryError):

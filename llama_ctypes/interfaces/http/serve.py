@@ -214,6 +214,8 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
                        "template (llama-server's legacy path approximates it; docs/http_server.md)")
     if args.no_kv_unified:
         cli_opts["kv_unified"] = False
+    elif getattr(args, "kv_unified", False):
+        cli_opts["share_kv"] = True  # (llama-server's meaning: each slot may use the whole -c)
     if args.no_cache_prompt:
         cli_opts["cache_prompt"] = False
     if getattr(args, "model_draft", None):

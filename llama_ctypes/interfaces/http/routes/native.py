@@ -10,6 +10,7 @@ vocabulary's FIM tokens (:mod:`llama_ctypes.features.infill`) and answers in the
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, AsyncIterator, Sequence
 
@@ -107,9 +108,6 @@ def _logit_bias(vocab: Any, bias: Any) -> dict[int, float]:
 
 def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str, Any]:
     """The server options of a /completion request (a worker thread: it tokenizes and converts schemas)."""
-    if body.post_sampling_probs:
-        raise BadRequest("post_sampling_probs is not supported: completion_probabilities are the model's own "
-                         "probabilities, before the sampler's truncation", param="post_sampling_probs")
     opts: dict[str, Any] = {}
     for field, name in (("temperature", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
                         ("repeat_penalty", "penalty_repeat"), ("presence_penalty", "penalty_present"),
@@ -132,6 +130,8 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
         opts["progress"] = True
     if body.n_probs:
         opts["logprobs"] = body.n_probs
+        if body.post_sampling_probs:
+            opts["post_sampling"] = True
     if body.logit_bias:
         opts["logit_bias"] = _logit_bias(vocab, body.logit_bias)
     if body.grammar is not None and body.json_schema is not None:
@@ -148,8 +148,15 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
 
 # ---- the response -------------------------------------------------------------------------------
 
-def _probs(vocab: Any, entries: Sequence[Any]) -> list[dict[str, Any]]:
-    """``completion_probabilities`` entries (logprobs of the chosen token and of the top alternatives)."""
+def _probs(entries: Sequence[Any], post: bool = False) -> list[dict[str, Any]]:
+    """``completion_probabilities`` entries (logprobs of the chosen token and of the top alternatives;
+    ``post``: probabilities after the sampler chain, as llama-server's ``post_sampling_probs``)."""
+    if post:
+        def one(lp: Any) -> dict[str, Any]:
+            return {"id": lp.token, "token": lp.text, "bytes": list(lp.bytes), "prob": math.exp(lp.logprob)}
+
+        return [{**one(lp), "top_probs": [one(alt) for alt in lp.top]} for lp in entries]
+
     def one(lp: Any) -> dict[str, Any]:
         return {"id": lp.token, "token": lp.text, "bytes": list(lp.bytes), "logprob": lp.logprob}
 
@@ -190,7 +197,7 @@ class _Reply:
             "stop_type": _STOP_TYPES.get(s.finish_reason or "", "none"), "stopping_word": s.stop_word or "",
             "tokens_cached": s.timings.cached_tokens, "timings": timings(s.timings)}
         if self.body.n_probs and not self.body.stream:
-            result["completion_probabilities"] = _probs(vocab, s.logprobs or [])
+            result["completion_probabilities"] = _probs(s.logprobs or [], self.body.post_sampling_probs)
         return _pick(result, self.body.response_fields) if self.body.response_fields else result
 
     async def _one(self, index: int) -> dict[str, Any]:
@@ -203,7 +210,6 @@ class _Reply:
 
     async def _chunks(self, index: int) -> AsyncIterator[dict[str, Any]]:
         s = self.streams[index]
-        vocab = self.server.model.vocab
         k = sent = 0
         async for piece in items(s, self.body.return_progress):
             if not isinstance(piece, str):
@@ -220,7 +226,7 @@ class _Reply:
             k += 1
             if self.body.n_probs:
                 entries = s.logprobs or []
-                chunk["completion_probabilities"] = _probs(vocab, entries[sent:])
+                chunk["completion_probabilities"] = _probs(entries[sent:], self.body.post_sampling_probs)
                 sent = len(entries)
             if self.body.timings_per_token:
                 chunk["timings"] = timings(s.timings)
