@@ -226,6 +226,8 @@ def test_wheel_is_manylinux_and_self_contained(wheels):
     assert "llama_ctypes/lib/LICENSE.llama.cpp.txt" in names
     assert not any("ggml-rpc" in n for n in names)  # RPC ships in its plugin
     assert "llama_ctypes/lib/build_info.json" in names
+    page = {n.rsplit("/", 1)[1] for n in names if n.startswith("llama_ctypes/interfaces/http/webui/")}
+    assert {"index.html", "app.js", "api.js", "markdown.js", "highlight.js", "store.js", "style.css"} <= page
     proc = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(base)], capture_output=True, text=True)
     assert proc.returncode == 0 and "manylinux_" in proc.stdout, proc.stdout + proc.stderr
     with zipfile.ZipFile(wheels["rpc"]) as zf:

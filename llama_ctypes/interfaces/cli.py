@@ -236,6 +236,13 @@ def _add_serve_parser(sub) -> None:
                    help="add a control vector with that strength (repeatable)")
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"),
                    help="the layers the control vector applies to, inclusive (default: all)")
+    webui = p.add_mutually_exclusive_group()
+    webui.add_argument("--no-webui", dest="webui", action="store_false",
+                       help="no chat page at / (as llama-server's --no-webui)")
+    webui.add_argument("--webui", dest="webui", action="store_true", help="the chat page at / (the default)")
+    p.set_defaults(webui=True)
+    p.add_argument("--webui-path", "--path", metavar="DIR",
+                   help="serve this folder's index.html and files at / instead of the built-in page")
     p.add_argument("--spm-infill", action="store_true",
                    help="/infill prompts in suffix/prefix/middle order (for models trained that way)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")

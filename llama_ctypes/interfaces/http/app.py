@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...engines.manager import ModelManager
@@ -55,6 +55,7 @@ from .routes.service import (
     unload_model,
 )
 from .routing import ModelSettings, Router
+from .webui import WebUI
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,21 @@ _ROUTES = [
 _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
 
 
-def _endpoint_label(path: str) -> str:
-    return _LABELS.get(path, "other")  # (unknown paths share one label: no unbounded label values)
+def _endpoint_label(path: str, webui: WebUI | None = None) -> str:
+    label = _LABELS.get(path)
+    if label is None:  # (unknown paths share one label: no unbounded label values)
+        label = "webui" if webui is not None and webui.serves(path) else "other"
+    return label
+
+
+async def _page(request: Request) -> Response:
+    """A file of the web page (``GET /`` and the files beside it), else the usual 404."""
+    context: AppContext = request.app.state.llama
+    path = "/" + request.path_params.get("path", "")
+    response = context.webui.response(request, path) if context.webui is not None else None
+    if response is None:
+        raise HTTPException(404, "Not Found")
+    return response
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -111,7 +125,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
-               slot_save_path: str | os.PathLike | None = None) -> Starlette:
+               slot_save_path: str | os.PathLike | None = None,
+               webui: bool | str | os.PathLike = True) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -141,6 +156,9 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         router_mode: ``/props`` without ``?model=`` describes the router (several models or none).
         slot_save_path: a folder for ``/slots/{id}?action=save|restore`` files (None: 501, as llama-server
             without ``--slot-save-path``); file names cannot leave it.
+        webui: the chat page at ``/`` (True: the one in the package, ``docs/webui.md``; a folder: its
+            ``index.html`` and the files beside it, as llama-server's ``--path``; False: none, as
+            ``--no-webui``). Its files need no API key; the page asks for one.
     """
     save_path = None
     if slot_save_path is not None:
@@ -162,12 +180,14 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         raise ValueError(f"limits={limits!r}: expected a RequestLimits")
     if catalog is not None and catalog.manager is not manager:
         raise ValueError("the catalog must be over the same manager")
+    page = None if webui is False else WebUI() if webui is True else WebUI(webui)
     router = Router(manager, models, catalog)
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_keys=keys,
                          cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
-                         spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path)
+                         spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
+                         webui=page)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -179,8 +199,10 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                 await anyio.to_thread.run_sync(manager.close)
 
     routes = [Route(path, fn, methods=methods) for paths, methods, fn, _ in _ROUTES for path in paths]
+    routes.append(Route("/{path:path}", _page, methods=["GET", "HEAD"]))  # (last: the API's paths win)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
-                    middleware=[Middleware(ServiceMiddleware, context=context, endpoint_of=_endpoint_label)])
+                    middleware=[Middleware(ServiceMiddleware, context=context,
+                                           endpoint_of=lambda path: _endpoint_label(path, page))])
     app.state.llama = context
     return app
 

@@ -21,6 +21,7 @@ from .limits import RequestLimits
 from .metrics import Metrics
 from .routing import Router
 from .streaming import ClientGone
+from .webui import WebUI
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class AppContext:
     spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
     router_mode: bool = False  # several models (or none) rather than one: /props describes the router
     slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)
+    webui: WebUI | None = None  # the page at / (None: --no-webui)
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

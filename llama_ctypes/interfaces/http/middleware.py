@@ -77,7 +77,8 @@ class ServiceMiddleware:
                                      "headers": [*_preflight(scope), (b"content-length", b"0")] if cors else
                                      [(b"content-length", b"0")]})
                 await send({"type": "http.response.body", "body": b""})
-            elif ctx.api_keys and path not in OPEN_PATHS and not _authorized(scope, ctx.api_keys):
+            elif ctx.api_keys and path not in OPEN_PATHS and not _public_page(ctx, scope, path) \
+                    and not _authorized(scope, ctx.api_keys):
                 await Unauthorized("invalid or missing API key (send 'Authorization: Bearer <key>')").response(
                     shape_of(path))(scope, receive, counting_send)
             elif ctx.closing and path not in OPEN_PATHS:
@@ -87,6 +88,11 @@ class ServiceMiddleware:
                 await self.app(scope, receive, counting_send)
         finally:
             ctx.metrics.request_done(self.endpoint_of(path), status)
+
+
+def _public_page(ctx: AppContext, scope: Scope, path: str) -> bool:
+    """A file of the web page: open, as llama-server's UI (the page asks for the key, then sends it)."""
+    return ctx.webui is not None and scope["method"] in ("GET", "HEAD") and ctx.webui.serves(path)
 
 
 def _authorized(scope: Scope, keys: tuple[str, ...]) -> bool:

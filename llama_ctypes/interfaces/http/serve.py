@@ -388,6 +388,18 @@ def api_keys(args: argparse.Namespace) -> list[str] | None:
     return keys or None
 
 
+def webui_option(args: argparse.Namespace) -> bool | str:
+    """``--no-webui`` / ``--webui-path DIR`` as create_app's ``webui``."""
+    path = getattr(args, "webui_path", None)
+    if path and getattr(args, "webui", True) is False:
+        raise ArgumentTypeError("pass either --no-webui or --webui-path")
+    if path:
+        if not (Path(path).expanduser() / "index.html").is_file():
+            raise ArgumentTypeError(f"--webui-path {path}: no index.html in that folder")
+        return path
+    return getattr(args, "webui", True)
+
+
 def slot_folder(path: str | None) -> Path | None:
     """``--slot-save-path``: the folder (made if missing, as llama-server does)."""
     if not path:
@@ -469,7 +481,8 @@ def run(args: argparse.Namespace) -> int:
                          cors_origins=getattr(args, "cors_origins", None) or "*",
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
                          catalog=catalog, router_mode=router_mode,
-                         slot_save_path=slot_folder(getattr(args, "slot_save_path", None)))
+                         slot_save_path=slot_folder(getattr(args, "slot_save_path", None)),
+                         webui=webui_option(args))
     except BaseException:
         manager.close()
         raise

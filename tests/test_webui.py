@@ -1,0 +1,338 @@
+"""The chat page at ``/``: its files and headers, then the page itself in a real headless Chromium
+(Debian's ``chromium`` and ``chromium-driver``, driven with Selenium) against a real ``serve``.
+
+Two models from a config: ``gemma`` (Gemma 3 270M, ``ignore_eos`` so an answer runs until stopped)
+and ``echo`` (the tiny model under a grammar that makes it write HTML and Markdown, to check that
+model output is shown as text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+from http_helpers import ServeProcess, busy, wait_for
+from starlette.testclient import TestClient
+
+from llama_ctypes.engines.manager import ModelManager
+from llama_ctypes.interfaces.http import create_app
+from llama_ctypes.interfaces.http.webui import CSP, PACKAGE_DIR
+
+ECHO = "<script>window.pwned=1</script><img src=x onerror=window.pwned=2> **bold** `code`"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+# ---- the files, without a browser -------------------------------------------------------------
+
+@pytest.fixture
+def client():
+    manager = ModelManager()
+    try:
+        yield TestClient(create_app(manager))
+    finally:
+        manager.close()
+
+
+def test_the_page_is_served_with_a_strict_policy_etags_and_gzip(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert r.text == (PACKAGE_DIR / "index.html").read_text()
+    csp = r.headers["content-security-policy"]
+    assert csp == CSP and "script-src 'self'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert r.headers["x-content-type-options"] == "nosniff"
+    etag = r.headers["etag"]
+    again = client.get("/", headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b""
+    js = client.get("/app.js", headers={"Accept-Encoding": "gzip"})
+    assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+    assert js.headers["content-encoding"] == "gzip" and js.text == (PACKAGE_DIR / "app.js").read_text()
+    plain = client.get("/app.js", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.text == js.text
+    head = client.head("/style.css")
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+    for path in ("/nothing.js", "/../pyproject.toml", "/%2e%2e/pyproject.toml", "/webui.py"):
+        r = client.get(path)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert client.get("/v1/models").json()["data"] == []  # (the API's paths come first)
+
+
+def test_the_page_needs_no_key_but_the_api_does():
+    manager = ModelManager()
+    try:
+        c = TestClient(create_app(manager, api_key="sesame"))
+        assert c.get("/").status_code == 200 and c.get("/app.js").status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.post("/").status_code in (401, 405)  # (only GET and HEAD reach the page's files)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+    finally:
+        manager.close()
+
+
+def test_no_webui_another_folder_and_an_api_prefix(tmp_path):
+    manager = ModelManager()
+    try:
+        off = TestClient(create_app(manager, webui=False))
+        assert off.get("/").status_code == 404 and off.get("/app.js").status_code == 404
+        (tmp_path / "index.html").write_text("<!doctype html><title>mine</title>")
+        (tmp_path / "assets").mkdir()
+        (tmp_path / "assets" / "a.js").write_text("export const a = 1;\n")
+        (tmp_path / ".secret").write_text("hidden")
+        mine = TestClient(create_app(manager, webui=tmp_path))
+        assert "mine" in mine.get("/").text and mine.get("/assets/a.js").text == "export const a = 1;\n"
+        assert mine.get("/.secret").status_code == 404 and mine.get("/app.js").status_code == 404
+        with pytest.raises(ValueError, match="index.html"):
+            create_app(manager, webui=tmp_path / "assets")
+        prefixed = TestClient(create_app(manager, api_prefix="/llama"))
+        r = prefixed.get("/llama", follow_redirects=False)
+        assert r.status_code in (307, 308) and r.headers["location"].endswith("/llama/")
+        assert prefixed.get("/llama/").status_code == 200 and prefixed.get("/llama/app.js").status_code == 200
+        assert prefixed.get("/app.js").status_code == 404
+    finally:
+        manager.close()
+
+
+# ---- the page in a browser --------------------------------------------------------------------
+
+def _browser_missing() -> str | None:
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        return "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install '.[test]')"
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser_available():
+    missing = _browser_missing()
+    if missing:
+        if os.environ.get("LLAMA_CTYPES_REQUIRE_BROWSER"):  # (.ci/run installs them: missing is a failure there)
+            pytest.fail(missing)
+        pytest.skip(missing)
+
+
+@pytest.fixture
+def browser(browser_available, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    # (the network here is closed: Chromium's background connections are turned off, as the machine notes say)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1200,800", f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.implicitly_wait(0)
+    try:
+        yield driver
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "favicon" not in e["message"]
+                  and "401" not in e["message"] and "400" not in e["message"]]
+        assert not errors, errors  # (no script error, no blocked resource, no CSP violation)
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def served(browser_available, tmp_path_factory, tiny_model_path, gemma_path):
+    folder = tmp_path_factory.mktemp("webui")
+    grammar = 'root ::= "' + ECHO.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    config = folder / "models.toml"
+    config.write_text(f"""
+[[models]]
+id = "echo"
+path = "{tiny_model_path}"
+n_parallel = 1
+n_ctx = 512
+grammar = '''{grammar}'''
+
+[[models]]
+id = "gemma"
+path = "{gemma_path}"
+n_parallel = 1
+n_ctx = 4096
+ignore_eos = true
+""")
+    server = ServeProcess(["--config", str(config), "--threads", "2"], folder / "serve.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def _by(css: str):
+    from selenium.webdriver.common.by import By
+
+    return By.CSS_SELECTOR, css
+
+
+def _open(driver, url: str) -> None:
+    driver.get(url)
+    assert wait_for(lambda: len(driver.find_elements(*_by("#model option"))) > 0, 20), "no model listed"
+
+
+def _choose(driver, model: str) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    Select(driver.find_element(*_by("#model"))).select_by_value(model)
+
+
+def _say(driver, text: str) -> None:
+    from selenium.webdriver.common.keys import Keys
+
+    box = driver.find_element(*_by("#input"))
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+
+
+def _answer(driver) -> str:
+    nodes = driver.find_elements(*_by("#messages .msg.assistant .content"))
+    return nodes[-1].text if nodes else ""
+
+
+def _idle(driver) -> bool:
+    return not driver.find_elements(*_by("#messages .msg.streaming")) and \
+        driver.find_element(*_by("#stop")).get_attribute("hidden") is not None
+
+
+def test_a_streamed_answer_grows_stops_frees_its_slot_and_survives_a_reload(served, browser, tmp_path):
+    _open(browser, served.base_url + "/")
+    assert sorted(o.get_attribute("value") for o in browser.find_elements(*_by("#model option"))) == ["echo", "gemma"]
+    _choose(browser, "gemma")
+    _say(browser, "Tell me a long story about a lighthouse.")
+    seen = []
+    deadline = time.monotonic() + 60
+    while len(set(seen)) < 4 and time.monotonic() < deadline:
+        seen.append(len(_answer(browser)))
+        time.sleep(0.2)
+    assert len(set(seen)) >= 4 and seen == sorted(seen), seen  # the text grew piece by piece
+    assert browser.find_element(*_by("#stop")).is_displayed()
+    assert wait_for(lambda: busy(served, "gemma")[0] == 1, 10)
+    browser.save_screenshot(str(tmp_path / "mid-answer.png"))
+    assert (tmp_path / "mid-answer.png").stat().st_size > 1000
+    browser.find_element(*_by("#stop")).click()
+    assert wait_for(lambda: _idle(browser), 10)
+    assert "stopped" in browser.find_elements(*_by("#messages .msg.assistant .meta"))[-1].text
+    assert wait_for(lambda: busy(served, "gemma") == (0, 0), 10), "the stopped request still holds its slot"
+    stopped_at = _answer(browser)
+    assert stopped_at
+    browser.refresh()
+    assert wait_for(lambda: browser.find_elements(*_by("#conversations li")), 10)
+    titles = [li.text for li in browser.find_elements(*_by("#conversations li .conv-title"))]
+    assert titles == ["Tell me a long story about a lighthouse."]
+    assert wait_for(lambda: _answer(browser) == stopped_at, 10)  # (kept in the browser as it was stopped)
+    assert browser.find_element(*_by("#model")).get_attribute("value") == "gemma"
+
+
+def test_model_output_is_shown_as_text_never_run(served, browser):
+    _open(browser, served.base_url + "/")
+    _choose(browser, "echo")
+    _say(browser, "Say it")
+    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    content = browser.find_elements(*_by("#messages .msg.assistant .content"))[-1]
+    assert "<script>window.pwned=1</script><img src=x onerror=window.pwned=2>" in content.text
+    assert not content.find_elements(*_by("script")) and not content.find_elements(*_by("img"))
+    assert content.find_element(*_by("strong")).text == "bold" and content.find_element(*_by("code")).text == "code"
+    assert browser.execute_script("return window.pwned === undefined")
+
+
+def test_settings_rename_delete_import_and_keyboard(served, browser, tmp_path):
+    from selenium.webdriver.common.keys import Keys
+
+    _open(browser, served.base_url + "/")
+    _choose(browser, "echo")
+    box = browser.find_element(*_by("#input"))
+    box.send_keys("first line", Keys.SHIFT, Keys.ENTER, Keys.NULL, "second line")
+    assert box.get_attribute("value") == "first line\nsecond line" and not _answer(browser)  # not sent
+    box.clear()
+    browser.find_element(*_by("#settings-button")).click()
+    browser.find_element(*_by("#set-system")).send_keys("Be brief.")
+    temperature = browser.find_element(*_by("#set-temperature"))
+    temperature.clear()
+    temperature.send_keys("0")
+    browser.find_element(*_by("#set-max-tokens")).send_keys("3")
+    browser.find_element(*_by("#settings-save")).click()
+    _say(browser, "Short one")
+    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    assert len(_answer(browser)) < len(ECHO) // 2  # three tokens of the grammar's text
+    # rename, then reload: the title and the settings are kept with the conversation
+    browser.find_element(*_by("#conversations li .conv-rename")).click()
+    title = browser.find_element(*_by(".conv-rename-input"))
+    title.send_keys(Keys.CONTROL, "a")
+    title.send_keys("Renamed chat", Keys.ENTER)
+    browser.refresh()
+    assert wait_for(lambda: [e.text for e in browser.find_elements(*_by(".conv-title"))] == ["Renamed chat"], 10)
+    browser.find_element(*_by("#settings-button")).click()
+    assert browser.find_element(*_by("#set-system")).get_attribute("value") == "Be brief."
+    assert browser.find_element(*_by("#set-max-tokens")).get_attribute("value") == "3"
+    browser.find_element(*_by("#settings button[value=cancel]")).click()
+    # import an export file: two conversations join the list
+    export = {"format": "llama_ctypes.conversations", "version": 1, "conversations": [
+        {"id": "a", "title": "Imported one", "model": "echo", "updated": 1, "settings": {},
+         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<b>x</b>"}]},
+        {"id": "b", "title": "Imported two", "messages": [{"role": "user", "content": "yo"}]},
+        {"id": "bad", "messages": [{"role": "system<script>", "content": 1}]}]}
+    path = tmp_path / "conversations.json"
+    path.write_text(json.dumps(export))
+    browser.find_element(*_by("#import-file")).send_keys(str(path))
+    assert wait_for(lambda: len(browser.find_elements(*_by(".conv-title"))) == 3, 10)
+    one = next(e for e in browser.find_elements(*_by(".conv-title")) if e.text == "Imported one")
+    one.click()
+    assert wait_for(lambda: _answer(browser) == "<b>x</b>", 5)
+    # delete (confirmed): gone, also after a reload
+    item = next(li for li in browser.find_elements(*_by("#conversations li")) if "Imported two" in li.text)
+    item.find_element(*_by(".conv-delete")).click()
+    browser.switch_to.alert.accept()
+    browser.refresh()
+    assert wait_for(lambda: sorted(e.text for e in browser.find_elements(*_by(".conv-title")))
+                    == ["Imported one", "Renamed chat"], 10)
+
+
+def test_errors_from_the_server_are_shown(served, browser):
+    _open(browser, served.base_url + "/")
+    _choose(browser, "echo")
+    browser.execute_script("document.getElementById('input').value = 'word '.repeat(2000)")
+    browser.find_element(*_by("#send")).click()
+    assert wait_for(lambda: browser.find_element(*_by("#error")).is_displayed(), 20)
+    assert "context" in browser.find_element(*_by("#error-text")).text.lower()
+    assert wait_for(lambda: _idle(browser), 5)
+
+
+def test_a_phone_sized_window_slides_the_list_over(served, browser):
+    browser.set_window_size(390, 844)
+    _open(browser, served.base_url + "/")
+    sidebar = browser.find_element(*_by("#sidebar"))
+    menu = browser.find_element(*_by("#menu"))
+    assert menu.is_displayed() and sidebar.rect["x"] + sidebar.rect["width"] <= 0
+    menu.click()
+    assert wait_for(lambda: sidebar.rect["x"] >= 0, 5)
+    browser.find_element(*_by("#new-chat")).click()
+    assert wait_for(lambda: sidebar.rect["x"] + sidebar.rect["width"] <= 0, 5)
+    composer = browser.find_element(*_by("#input"))
+    assert composer.is_displayed() and composer.rect["width"] > 200
+
+
+def test_with_an_api_key_the_page_asks_for_it(browser_available, browser, tmp_path, tiny_model_path):
+    server = ServeProcess(["--model", str(tiny_model_path), "--threads", "1", "--n-predict", "8"],
+                          tmp_path / "serve.log", api_key="sesame")
+    try:
+        server.wait_ready()
+        _ = httpx.get(server.base_url + "/", timeout=10).raise_for_status()
+        browser.get(server.base_url + "/")
+        assert wait_for(lambda: browser.find_element(*_by("#apikey")).is_displayed(), 10)
+        browser.find_element(*_by("#apikey-input")).send_keys("sesame")
+        browser.find_element(*_by("#apikey-save")).click()
+        assert wait_for(lambda: len(browser.find_elements(*_by("#model option"))) == 1, 10)
+        _say(browser, "Hello")
+        assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+        assert browser.execute_script("return localStorage.getItem('llama_ctypes.apiKey')") == "sesame"
+    finally:
+        server.stop()
