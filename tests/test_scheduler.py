@@ -318,6 +318,47 @@ def test_a_full_kv_with_a_cancelled_request_fails_nobody():
     assert b.status is Status.CANCELLED and a.status is Status.RUNNING
 
 
+def test_a_full_kv_sends_a_request_without_output_back_to_the_queue_and_holds_admission():
+    s = make(n_parallel=3, budget=8)
+    old = req([1], max_tokens=50)
+    s.submit(old)
+    tick(s, 0)
+    late, later = req(range(6), max_tokens=5), req([7], max_tokens=5)
+    s.submit(late)
+    p = plan(s)  # old decodes, late's prompt goes in
+    assert [st.request for st in p.steps] == [old, late]
+    s.submit(later)
+    assert s.kv_full(p, capacity=8) is None  # nobody fails
+    assert late.status is Status.WAITING and late.n_prefilled == 0 and s.queue_length() == 2
+    assert s.kv_hold and not items(late)  # (its consumer saw nothing)
+    for _ in range(3):  # while held, only the running request is planned; nothing is admitted
+        assert [st.request for st in tick(s, 0).steps] == [old]
+    s.cancel(old)
+    s.update_from_output(plan(s), [])  # a request ended: admission goes on, the oldest waiting first
+    assert not s.kv_hold and old.status is Status.CANCELLED
+    p = plan(s)
+    assert [st.request for st in p.steps] == [late, later]
+
+
+def test_a_full_kv_drops_drafts_first_and_counts_late_cancellations():
+    s = make(n_parallel=2, budget=8)
+    a, b = req([1], max_tokens=50), req([2], max_tokens=50)
+    s.submit(a)
+    s.submit(b)
+    tick(s, 0, 0)
+    p = plan(s)
+    p.steps[0].n_draft = 2  # (as if the step carried drafts)
+    s.n_draft = 4
+    assert s.kv_full(p, capacity=4) is None and s.kv_hold and s.draft_asks() == []
+    assert a.status is b.status is Status.RUNNING
+    s.kv_hold = False
+    assert len(s.draft_asks()) == 2  # (drafts come back once a request ends)
+    s.kv_hold = True
+    b.cancel_requested = True  # asked while the failing decode ran: not in the plan's cancelled list
+    assert s.kv_full(plan(s), capacity=4) is None
+    assert b.status is Status.CANCELLED and a.status is Status.RUNNING
+
+
 def test_fail_all_ends_waiting_and_running_requests():
     s = make(n_parallel=1)
     running, waiting = req([1], max_tokens=50), req([2])

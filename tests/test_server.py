@@ -265,6 +265,19 @@ def test_shared_kv_lets_one_slot_fill_the_pool_and_a_full_pool_stops_only_the_la
         lc.Server(model=tiny_model, share_kv=True, kv_unified=False)
 
 
+def test_shared_kv_a_request_that_does_not_fit_yet_waits_instead_of_failing(tiny_model):
+    # 2 slots x 128 tokens: 256 cells. A fills most of them; B's prompt arrives when it cannot fit.
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=128, n_batch=128, temp=0, ignore_eos=True,
+                   share_kv=True, cache_prompt=False) as srv:
+        a = srv.stream("x", max_tokens=240)
+        while len(a.tokens) < 200:
+            next(iter(a))
+        b = srv.stream("y " * 80, max_tokens=5)
+        assert len(b.completion().tokens) == 5  # it waited for A's cells, then ran
+        assert len(a.completion().tokens) == 240
+        wait_idle(srv)
+
+
 def test_prompt_too_long_for_a_slot(server):
     with pytest.raises(lc.ContextOverflowError):
         server.generate("word " * 600, max_tokens=4)

@@ -52,12 +52,25 @@ def test_the_page_is_served_with_a_strict_policy_etags_and_gzip(client):
     assert js.headers["content-encoding"] == "gzip" and js.text == (PACKAGE_DIR / "app.js").read_text()
     plain = client.get("/app.js", headers={"Accept-Encoding": "identity"})
     assert "content-encoding" not in plain.headers and plain.text == js.text
+    for refused in ("GZIP;Q=0", "*;q=0", "gzip;q=0, *"):
+        assert "content-encoding" not in client.get("/app.js", headers={"Accept-Encoding": refused}).headers
+    assert client.get("/app.js", headers={"Accept-Encoding": "br;q=1, *;q=0.5"}).headers["content-encoding"] == "gzip"
+    assert client.get("/", headers={"If-None-Match": "*"}).status_code == 304
     head = client.head("/style.css")
     assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
     for path in ("/nothing.js", "/../pyproject.toml", "/%2e%2e/pyproject.toml", "/webui.py"):
         r = client.get(path)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert client.get("/v1/models").json()["data"] == []  # (the API's paths come first)
+    # the rest is answered as without the page: 405 for an API path's other methods, a redirect for a
+    # trailing slash, 404 for anything else
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert client.post("/nope").status_code == 404 and client.put("/v1/nope").status_code == 404
+    r = client.get("/v1/models/", follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith("/v1/models")
+    r = client.post("/index.html")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
 
 
 def test_the_page_needs_no_key_but_the_api_does():
@@ -81,6 +94,12 @@ def test_no_webui_another_folder_and_an_api_prefix(tmp_path):
         (tmp_path / "assets").mkdir()
         (tmp_path / "assets" / "a.js").write_text("export const a = 1;\n")
         (tmp_path / ".secret").write_text("hidden")
+        (tmp_path / "metrics").write_text("a file named as an API path")
+        (tmp_path / "v1").mkdir()
+        (tmp_path / "v1" / "models").write_text("{}")
+        keyed = TestClient(create_app(manager, webui=tmp_path, api_key="sesame"))
+        assert keyed.get("/metrics").status_code == 401 and keyed.get("/v1/models").status_code == 401
+        assert keyed.get("/assets/a.js").status_code == 200
         mine = TestClient(create_app(manager, webui=tmp_path))
         assert "mine" in mine.get("/").text and mine.get("/assets/a.js").text == "export const a = 1;\n"
         assert mine.get("/.secret").status_code == 404 and mine.get("/app.js").status_code == 404
@@ -304,6 +323,54 @@ def test_errors_from_the_server_are_shown(served, browser):
     assert wait_for(lambda: browser.find_element(*_by("#error")).is_displayed(), 20)
     assert "context" in browser.find_element(*_by("#error-text")).text.lower()
     assert wait_for(lambda: _idle(browser), 5)
+    # the failed turn is taken out (the next request must not carry it) and the text is back in the box
+    assert not browser.find_elements(*_by("#messages .msg"))
+    assert browser.find_element(*_by("#input")).get_attribute("value").startswith("word word")
+
+
+def test_hostile_markdown_renders_quickly(served, browser, tmp_path):
+    nasty = [">" * 5000, "# a" + " " * 5000 + "x", " **a" * 12000, "[a](" * 10000, " __a" * 12000,
+             "`" * 3000, "- " * 5000 + "\n" + "  x\n" * 2000]
+    export = {"format": "llama_ctypes.conversations", "version": 1, "conversations": [
+        {"id": f"n{i}", "title": f"nasty {i}", "updated": 10 - i,
+         "messages": [{"role": "user", "content": "?"}, {"role": "assistant", "content": text}]}
+        for i, text in enumerate(nasty)]}
+    path = tmp_path / "nasty.json"
+    path.write_text(json.dumps(export))
+    _open(browser, served.base_url + "/")
+    browser.find_element(*_by("#import-file")).send_keys(str(path))
+    assert wait_for(lambda: len(browser.find_elements(*_by(".conv-title"))) == len(nasty), 10)
+    for i in range(len(nasty)):
+        t0 = time.monotonic()
+        next(e for e in browser.find_elements(*_by(".conv-title")) if e.text == f"nasty {i}").click()
+        assert wait_for(lambda: browser.find_elements(*_by("#messages .msg.assistant")), 10)
+        assert time.monotonic() - t0 < 3, f"nasty {i} took {time.monotonic() - t0:.1f} s"
+    t0 = time.monotonic()
+    browser.refresh()  # (the page opens the newest conversation, the deepest quotes, at start)
+    assert wait_for(lambda: browser.find_elements(*_by("#messages .msg.assistant")), 10)
+    assert time.monotonic() - t0 < 5
+
+
+def test_two_tabs_keep_each_others_conversations(served, browser):
+    _open(browser, served.base_url + "/")
+    first = browser.current_window_handle
+    _choose(browser, "gemma")
+    _say(browser, "A long answer in the first tab")
+    assert wait_for(lambda: len(_answer(browser)) > 10, 60)
+    browser.switch_to.new_window("tab")
+    _open(browser, served.base_url + "/")
+    browser.find_element(*_by("#new-chat")).click()
+    _choose(browser, "echo")
+    _say(browser, "Second tab")
+    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    browser.switch_to.window(first)
+    assert wait_for(lambda: len(browser.find_elements(*_by(".conv-title"))) == 2, 10)  # (its list took it)
+    browser.find_element(*_by("#stop")).click()
+    assert wait_for(lambda: _idle(browser), 10)
+    browser.refresh()
+    assert wait_for(lambda: sorted(e.text for e in browser.find_elements(*_by(".conv-title")))
+                    == ["A long answer in the first tab", "Second tab"], 10)
+    assert wait_for(lambda: busy(served, "gemma") == (0, 0), 10)
 
 
 def test_a_phone_sized_window_slides_the_list_over(served, browser):

@@ -63,7 +63,9 @@ class GenerationParams:
     post_sampling: bool = False
     """With ``logprobs``: report the probabilities after the sampler chain (truncation by top-k,
     top-p, min-p, ... and temperature; the candidates the token was drawn from; greedy: the chosen
-    token at 1) instead of the model's raw distribution (llama-server's ``post_sampling_probs``)."""
+    token at 1) instead of the model's raw distribution (llama-server's ``post_sampling_probs``). The
+    tokens drawn are the same, but with a grammar and a temperature above 0: the grammar then masks
+    the candidates before the chain (llama.cpp's exact path) instead of checking the chain's choice."""
     lora: Any = None
     """LoRA adapters for this generation: ``{adapter or name: scale}`` (names of ``model.loras``), one
     adapter or name (scale 1.0), or a list of them; ``{}``: none. None: the context keeps the adapters

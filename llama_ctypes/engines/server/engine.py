@@ -334,12 +334,12 @@ class Engine:
         if rc == 1 and self.pool.evict_idle():  # KV full: idle slots' cached prefixes make room
             rc = decode(batch)
         decode_ms = (time.perf_counter() - t0) * 1e3
+        if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in; not counted)
+            return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         self.ticks += 1
         self.batch_tokens += batch.n_tokens
         self.max_batch_tokens = max(self.max_batch_tokens, batch.n_tokens)
         self.slot_steps += len(plan.steps)
-        if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in)
-            return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         if rc != 0:
             try:
                 check_decode(rc, "llama_decode", batch.n_tokens)

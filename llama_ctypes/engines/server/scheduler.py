@@ -170,6 +170,8 @@ class Scheduler:
         self._admitting: collections.deque[Request] = collections.deque()  # taken, not yet in a slot
         self._pinned = 0  # waiting requests pinned to a slot (the plain take() runs while there are none)
         self.closing = False
+        # After the KV memory was found full: admit nothing and draft nothing until a request ends.
+        self.kv_hold = False
         self.failure: BaseException | None = None
         self.prompt_tokens_evaluated = 0
 
@@ -253,7 +255,7 @@ class Scheduler:
         promised to another; it waits meanwhile, without holding up the requests behind it."""
         n = self.pool.n_free - len(self._admitting)
         waiting = self._waiting
-        if n <= 0 or not waiting:
+        if n <= 0 or not waiting or (self.kv_hold and self.pool.n_active):
             return
         if not self._pinned and not any(r.pin is not None for r in self._admitting):
             while n > 0 and waiting:
@@ -312,7 +314,7 @@ class Scheduler:
     def draft_asks(self) -> list[DraftAsk]:
         """What to draft before this tick's :meth:`schedule`: one ask per decoding slot whose request
         speculates, with as many tokens as could still be emitted (max_tokens, the slot's context)."""
-        if not self.n_draft:
+        if not self.n_draft or self.kv_hold:
             return []
         asks = []
         n_ctx = self.n_ctx_seq
@@ -471,28 +473,66 @@ class Scheduler:
 
     def kv_full(self, plan: TickPlan, capacity: int) -> Request | None:
         """The plan's batch did not fit in the KV memory (``capacity`` cells), idle slots' caches
-        already dropped, and nothing of it was decoded: make room and let the next tick plan again.
+        already dropped, and nothing of it was decoded: make room, the least costly way first, and
+        let the next tick plan again. Until a request ends, no request is admitted and nothing is
+        drafted (``kv_hold``), so the running ones can finish.
 
-        Cancelled slots end first, which frees their cells; without any, the running request that
-        arrived last fails with :class:`KVPoolFullError` (vLLM's choice of victim; llama-server fails
-        every running request). Returns the request that failed, if one did."""
-        for slot in plan.cancelled:
+        1. Requests cancelled by now end (their cells are freed).
+        2. A plan with drafts: the next ticks decode without them.
+        3. A request that has generated nothing yet and holds cells or was in the plan (a prompt
+           being read) goes back to the head of the queue, its cells freed: it starts again later.
+        4. Else the request that arrived last among those holding cells fails with
+           :class:`KVPoolFullError` (llama-server fails every running request here).
+
+        Returns the request that failed, if one did."""
+        was_held, self.kv_hold = self.kv_hold, True
+        cancelled = [slot for slot in self.pool.slots if slot.request is not None and slot.request.cancel_requested]
+        for slot in cancelled:
             self.finish(slot, slot.request, Status.CANCELLED)
-        if plan.cancelled:
+        if cancelled:
+            self.kv_hold = True  # (finish() lifted it: the room is not there yet)
             return None
+        if not was_held and any(step.n_draft for step in plan.steps):
+            return None
+        planned = {id(step.request) for step in plan.steps}
         running = [slot for slot in self.pool.slots if slot.request is not None]
-        if not running:  # pragma: no cover - a plan always has a running request
+        fresh = [slot for slot in running if not slot.request.generated
+                 and (slot.tokens or id(slot.request) in planned)]
+        if fresh:
+            slot = max(fresh, key=lambda s: (s.request.arrived, s.request.id))
+            self._requeue(slot, slot.request)
             return None
-        slot = max(running, key=lambda s: (s.request.arrived, s.request.id))
+        holding = [slot for slot in running if slot.tokens]
+        if not holding:  # pragma: no cover - a full memory is held by someone
+            return None
+        slot = max(holding, key=lambda s: (s.request.arrived, s.request.id))
         request = slot.request
         self.finish(slot, request, Status.FAILED, error=KVPoolFullError(
             f"Context size has been exceeded: the KV memory the slots share ({capacity} tokens) is full; "
             f"this request, the last to arrive, was stopped after {len(request.generated)} tokens so "
             f"that the others could go on", code=1))
+        self.kv_hold = True
         if telemetry.enabled("server.kv_full"):
             telemetry.emit("server.kv_full", {"generated_tokens": len(request.generated),
                                               "running": len(running)}, {"id": request.id})
         return request
+
+    def _requeue(self, slot: Slot, request: Request) -> None:
+        """Put a running request that has generated nothing back at the head of the wait queue, its
+        slot and cells freed (its sampler has accepted nothing: it starts over unchanged)."""
+        release = getattr(request.binding, "release", None)
+        if release is not None:
+            release()
+        request.binding = None
+        self.pool.release(slot, keep=False)
+        request.status = Status.WAITING
+        request.n_prefilled = request.cached_tokens = 0
+        request.started = request.seq_id = None
+        with self.cond:
+            request.queued = True
+            self._waiting.appendleft(request)
+            if request.pin is not None:
+                self._pinned += 1
 
     def _verified(self, step: Step, outputs: Sequence[int], k: int, now: float,
                   logprobs: Sequence[TokenLogprob | None] | None,
@@ -593,6 +633,7 @@ class Scheduler:
             slot.sample = None
             # A finished request's KV is a valid prefix cache; a cancelled or failed one is dropped.
             self.pool.release(slot, keep=status is Status.FINISHED and request.params.cache_prompt)
+            self.kv_hold = False  # (its cells are free, or idle: they can be evicted)
         request.sampler.close()
         if status is Status.FINISHED:
             request.channel.put(End(reason or "stop"))

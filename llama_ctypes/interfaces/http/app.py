@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from ...engines.manager import ModelManager
@@ -99,14 +99,28 @@ def _endpoint_label(path: str, webui: WebUI | None = None) -> str:
     return label
 
 
+_METHODS = {path: methods for paths, methods, _, _ in _ROUTES for path in paths}
+
+
 async def _page(request: Request) -> Response:
-    """A file of the web page (``GET /`` and the files beside it), else the usual 404."""
+    """A file of the web page (``GET /`` and the files beside it). Anything else is answered as
+    without the page: 405 for an API path asked with another method, a redirect for an API path
+    with a trailing slash, else 404."""
     context: AppContext = request.app.state.llama
     path = "/" + request.path_params.get("path", "")
-    response = context.webui.response(request, path) if context.webui is not None else None
-    if response is None:
-        raise HTTPException(404, "Not Found")
-    return response
+    webui = context.webui
+    if webui is not None and webui.serves(path):
+        if request.method not in ("GET", "HEAD"):
+            raise HTTPException(405, "Method Not Allowed", headers={"Allow": "GET, HEAD"})
+        response = webui.response(request, path)
+        assert response is not None
+        return response
+    if path in _METHODS:
+        raise HTTPException(405, "Method Not Allowed", headers={"Allow": ", ".join(_METHODS[path])})
+    if path.endswith("/") and path.rstrip("/") in _METHODS:
+        url = request.url.replace(path=request.url.path.rstrip("/"))
+        return RedirectResponse(str(url), status_code=307)
+    raise HTTPException(404, "Not Found")
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -180,7 +194,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         raise ValueError(f"limits={limits!r}: expected a RequestLimits")
     if catalog is not None and catalog.manager is not manager:
         raise ValueError("the catalog must be over the same manager")
-    page = None if webui is False else WebUI() if webui is True else WebUI(webui)
+    page = None if webui is False else WebUI(reserved=_LABELS) if webui is True else WebUI(webui, reserved=_LABELS)
     router = Router(manager, models, catalog)
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_keys=keys,
                          cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
@@ -199,7 +213,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                 await anyio.to_thread.run_sync(manager.close)
 
     routes = [Route(path, fn, methods=methods) for paths, methods, fn, _ in _ROUTES for path in paths]
-    routes.append(Route("/{path:path}", _page, methods=["GET", "HEAD"]))  # (last: the API's paths win)
+    if page is not None:  # (last: the API's paths win)
+        routes.append(Route("/{path:path}", _page, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(ServiceMiddleware, context=context,
                                            endpoint_of=lambda path: _endpoint_label(path, page))])

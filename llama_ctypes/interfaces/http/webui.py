@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import mimetypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from starlette.requests import Request
 from starlette.responses import Response
+
+logger = logging.getLogger(__name__)
 
 #: The page shipped in the package.
 PACKAGE_DIR = Path(__file__).with_name("webui")
@@ -46,10 +50,13 @@ class _File:
 class WebUI:
     """The files of one web UI folder, by URL path (``/`` is ``index.html``)."""
 
-    def __init__(self, folder: str | Path = PACKAGE_DIR):
+    def __init__(self, folder: str | Path = PACKAGE_DIR, reserved: Iterable[str] = ()):
+        """``reserved``: the API's paths; a file of the folder at one of them is not served (it would
+        answer in the API's place, and without the API key)."""
         root = Path(folder).expanduser().resolve()
         if not (root / "index.html").is_file():
             raise ValueError(f"web UI folder {str(folder)!r}: no index.html in it")
+        reserved = frozenset(reserved)
         self.root = root
         self._files: dict[str, _File] = {}
         total = 0
@@ -58,6 +65,10 @@ class WebUI:
                 continue
             resolved = path.resolve()
             if root not in resolved.parents:  # (a link out of the folder is not served)
+                continue
+            url = "/" + path.relative_to(root).as_posix()
+            if url in reserved:
+                logger.warning("web UI file %s is not served: the API answers at %s", path, url)
                 continue
             if len(self._files) >= MAX_FILES:
                 raise ValueError(f"web UI folder {str(folder)!r}: more than {MAX_FILES} files")
@@ -69,7 +80,9 @@ class WebUI:
             media = _TYPES.get(suffix) or mimetypes.guess_type(path.name)[0] or "application/octet-stream"
             gz = gzip.compress(body, 9, mtime=0) if suffix in _COMPRESSIBLE and len(body) > 512 else None
             etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-            self._files["/" + path.relative_to(root).as_posix()] = _File(body, gz, etag, media)
+            self._files[url] = _File(body, gz, etag, media)
+        if "/index.html" not in self._files:
+            raise ValueError(f"web UI folder {str(folder)!r}: its index.html is a link out of the folder")
         self._files["/"] = self._files["/index.html"]
 
     def serves(self, path: str) -> bool:
@@ -83,7 +96,8 @@ class WebUI:
             return None
         headers = {"ETag": file.etag, "Cache-Control": "no-cache", "Content-Security-Policy": CSP,
                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Vary": "Accept-Encoding"}
-        if file.etag in _etags(request.headers.get("if-none-match", "")):
+        tags = _etags(request.headers.get("if-none-match", ""))
+        if file.etag in tags or "*" in tags:
             return Response(status_code=304, headers=headers)
         body = file.body
         if file.gz is not None and _accepts_gzip(request.headers.get("accept-encoding", "")):
@@ -100,12 +114,18 @@ def _etags(header: str) -> set[str]:
 
 
 def _accepts_gzip(header: str) -> bool:
+    """Whether ``Accept-Encoding`` admits gzip: named with q > 0, or covered by ``*`` with q > 0."""
+    weights: dict[str, float] = {}
     for part in header.split(","):
-        name, _, params = part.strip().partition(";")
-        if name.strip().lower() in ("gzip", "*"):
-            q = params.strip().removeprefix("q=")
-            try:
-                return not params.strip().startswith("q=") or float(q) > 0
-            except ValueError:
-                return True
-    return False
+        name, _, params = part.partition(";")
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        if name.strip():
+            weights[name.strip().lower()] = q
+    return weights.get("gzip", weights.get("*", 0.0)) > 0

@@ -44,8 +44,8 @@ export async function listModels() {
   return (body.data || []).map((m) => m.id).filter((id) => typeof id === "string");
 }
 
-// Yields the chunks of a streamed chat completion; `signal` aborts the request (the server then
-// cancels the generation and frees its slot).
+// Yields the chunks of a streamed chat completion until its [DONE]; `signal` aborts the request (the
+// server then cancels the generation and frees its slot). A stream cut before [DONE] is an error.
 export async function* streamChat(body, signal) {
   const response = await fetch("v1/chat/completions", {
     method: "POST", headers: headers(), body: JSON.stringify({ ...body, stream: true }), signal,
@@ -56,7 +56,7 @@ export async function* streamChat(body, signal) {
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) throw new ApiError(502, "the connection closed before the answer was complete");
     buffer += decoder.decode(value, { stream: true });
     let cut;
     while ((cut = buffer.search(/\r?\n\r?\n/)) >= 0) {

@@ -26,12 +26,23 @@ function clearError() {
   $("error-text").textContent = "";
 }
 
-function persist() {
+function storageError(err) {
+  showError(`This browser could not keep the conversations (${err.message}); export them and delete some.`);
+}
+
+// Runs a change of the list; a full storage is shown, and the change undone by the store.
+function guarded(fn) {
   try {
-    store.save();
+    fn();
+    return true;
   } catch (err) {
-    showError(`This browser could not keep the conversations (${err.message}); export them and delete some.`);
+    storageError(err);
+    return false;
   }
+}
+
+function persist() {
+  guarded(() => store.save());
 }
 
 // ---- models ----------------------------------------------------------------------------------
@@ -101,7 +112,7 @@ function renderList() {
     del.addEventListener("click", () => {
       if (!confirm(`Delete "${c.title}"?`)) return;
       if (state.running && state.running.conversation === c) stop();
-      store.remove(c.id);
+      if (!guarded(() => store.remove(c.id))) return;
       if (state.current && state.current.id === c.id) state.current = null;
       renderList();
       renderMessages();
@@ -116,8 +127,11 @@ function startRename(item, c) {
   input.className = "conv-rename-input";
   input.value = c.title;
   input.setAttribute("aria-label", "New title");
+  let finished = false;
   const done = (commit) => {
-    if (commit) store.rename(c.id, input.value);
+    if (finished) return; // (Escape re-renders the list, and the input's blur then fires)
+    finished = true;
+    if (commit) guarded(() => store.rename(c.id, input.value));
     renderList();
   };
   input.addEventListener("keydown", (e) => {
@@ -245,6 +259,7 @@ async function send() {
   };
   if (s.max_tokens) body.max_tokens = s.max_tokens;
 
+  // (redrawn at most every 100 ms: a long answer is rendered again whole each time)
   let frame = 0;
   const redraw = () => {
     frame = 0;
@@ -264,7 +279,7 @@ async function send() {
         answer.speed = chunk.timings.predicted_per_second;
         $("speed").textContent = `${answer.speed.toFixed(1)} tokens/s`;
       }
-      if (!frame) frame = requestAnimationFrame(redraw);
+      if (!frame) frame = setTimeout(redraw, 100);
     }
   } catch (err) {
     if (err.name === "AbortError") {
@@ -274,8 +289,15 @@ async function send() {
       showError(err.message);
       if (err instanceof ApiError && err.status === 401) askKey();
     }
+    if (!answer.content && !answer.reasoning) {
+      // Nothing came back: the turn is taken out (the next request must not carry an empty answer),
+      // and the message goes back to the box to be sent again.
+      c.messages.splice(c.messages.indexOf(answer) - 1, 2);
+      if (!input.value) input.value = text;
+      if (!c.messages.length && c.title === text.slice(0, 60)) c.title = "New chat";
+    }
   } finally {
-    if (frame) cancelAnimationFrame(frame);
+    if (frame) clearTimeout(frame);
     state.running = null;
     setRunning(false);
     store.touch(c);
@@ -387,7 +409,13 @@ function wire() {
     $("menu").setAttribute("aria-expanded", String(open));
   });
   window.addEventListener("storage", (e) => {
-    if (e.key && e.key.startsWith("llama_ctypes.conversations") && !state.running) location.reload();
+    // Another tab changed the list: take its changes (this tab's answer in progress stays as it is).
+    if (!e.key || !e.key.startsWith("llama_ctypes.conversations")) return;
+    const running = state.running && state.running.conversation;
+    store.refresh(running);
+    if (state.current) state.current = store.get(state.current.id);
+    renderList();
+    if (!running) renderMessages();
   });
 }
 

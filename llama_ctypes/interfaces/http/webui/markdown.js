@@ -12,8 +12,9 @@ function el(tag, cls) {
 
 const SAFE_URL = /^(https?:\/\/|mailto:)/i;
 
-// Inline: `code`, **bold**, __bold__, *italic*, _italic_, [text](url)
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([^*]*?[^\s*])\*|\b_(?=[^\s_])([^_]*?[^\s_])_\b|\[([^\]\n]+)\]\(([^)\s]+)\)/;
+// Inline: `code`, **bold**, __bold__, *italic*, _italic_, [text](url). Every span is bounded in
+// length, so an unclosed marker costs a bounded scan, not one to the end of a long answer.
+const INLINE = /(`{1,8})([^`][\s\S]{0,2000}?)\1(?!`)|\*\*(?=\S)([\s\S]{0,500}?\S)\*\*|__(?=\S)([\s\S]{0,500}?\S)__|\*(?=[^\s*])([^*]{0,500}?[^\s*])\*|\b_(?=[^\s_])([^_]{0,500}?[^\s_])_\b|\[([^\]\n]{1,500})\]\(([^)\s]{1,2000})\)/;
 
 export function renderInline(text, parent) {
   let rest = text;
@@ -63,7 +64,18 @@ function appendText(parent, text) {
 }
 
 const FENCE = /^ {0,3}(```+|~~~+)\s*([\w+#.-]*)/;
-const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+const HEADING = /^ {0,3}(#{1,6})[ \t]+(.*)$/;
+// The nesting of quotes rendered as such; deeper markers stay text (no recursion without end).
+const MAX_DEPTH = 8;
+
+// A heading's text without its closing #s, in linear time (a regex here backtracks on long lines).
+function headingText(raw) {
+  let text = raw.trimEnd();
+  let end = text.length;
+  while (end > 0 && text[end - 1] === "#") end--;
+  if (end < text.length && (end === 0 || text[end - 1] === " " || text[end - 1] === "\t")) text = text.slice(0, end);
+  return text.trim();
+}
 const RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
 const BULLET = /^(\s*)([-*+])\s+(.*)$/;
 const NUMBERED = /^(\s*)(\d{1,9})[.)]\s+(.*)$/;
@@ -71,7 +83,7 @@ const QUOTE = /^ {0,3}>\s?(.*)$/;
 
 // Renders `source` into a DocumentFragment. An unclosed code fence (a reply still streaming)
 // runs to the end.
-export function renderMarkdown(source) {
+export function renderMarkdown(source, depth = 0) {
   const out = document.createDocumentFragment();
   const lines = String(source).replace(/\r\n?/g, "\n").split("\n");
   let i = 0;
@@ -108,7 +120,7 @@ export function renderMarkdown(source) {
     if ((m = HEADING.exec(line))) {
       flush();
       const h = el(`h${Math.min(m[1].length + 2, 6)}`);
-      renderInline(m[2], h);
+      renderInline(headingText(m[2]), h);
       out.append(h);
       i++;
       continue;
@@ -119,7 +131,7 @@ export function renderMarkdown(source) {
       i++;
       continue;
     }
-    if (QUOTE.test(line)) {
+    if (depth < MAX_DEPTH && QUOTE.test(line)) {
       flush();
       const inner = [];
       while (i < lines.length && (m = QUOTE.exec(lines[i]))) {
@@ -127,7 +139,7 @@ export function renderMarkdown(source) {
         i++;
       }
       const q = el("blockquote");
-      q.append(renderMarkdown(inner.join("\n")));
+      q.append(renderMarkdown(inner.join("\n"), depth + 1));
       out.append(q);
       continue;
     }

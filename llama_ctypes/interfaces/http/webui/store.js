@@ -36,15 +36,22 @@ function clean(c) {
   };
 }
 
+function readStored() {
+  try {
+    const raw = JSON.parse(localStorage.getItem(STORE) || "[]");
+    return Array.isArray(raw) ? raw.filter(valid).map(clean) : [];
+  } catch (_) {
+    return [];
+  }
+}
+
+// Several tabs share the list: every save merges with what is stored (per conversation, the newer
+// copy wins; deletions made here are applied), so one tab never writes over another's changes.
 export class Store {
   constructor() {
-    this.conversations = [];
-    try {
-      const raw = JSON.parse(localStorage.getItem(STORE) || "[]");
-      if (Array.isArray(raw)) this.conversations = raw.filter(valid).map(clean);
-    } catch (_) {
-      this.conversations = [];
-    }
+    this.conversations = readStored();
+    this.deleted = new Set();
+    this.seen = new Set(this.conversations.map((c) => c.id)); // ids this tab has seen stored
     this.sort();
   }
 
@@ -52,9 +59,40 @@ export class Store {
     this.conversations.sort((a, b) => b.updated - a.updated);
   }
 
-  // Throws when the browser's storage is full (the caller shows it).
-  save() {
-    localStorage.setItem(STORE, JSON.stringify(this.conversations));
+  // What is stored merged with what is here; `keep` (a conversation being written to) stays ours.
+  // (A conversation this tab saw stored that is gone from storage was deleted by another tab.)
+  merged(keep = null) {
+    const stored = readStored();
+    const byId = new Map(stored.map((c) => [c.id, c]));
+    for (const c of this.conversations) {
+      const theirs = byId.get(c.id);
+      if (theirs ? c === keep || c.updated >= theirs.updated : c === keep || !this.seen.has(c.id)) byId.set(c.id, c);
+    }
+    for (const id of this.deleted) byId.delete(id);
+    for (const c of stored) this.seen.add(c.id);
+    return [...byId.values()];
+  }
+
+  // Another tab saved: take its changes, keeping `keep` as it is here.
+  refresh(keep = null) {
+    this.conversations = this.merged(keep);
+    this.sort();
+  }
+
+  // Throws when the browser's storage is full; nothing is then half-stored, and the list here is
+  // what it was before the change (`undo` puts it back).
+  save(undo = null) {
+    const list = this.merged();
+    try {
+      localStorage.setItem(STORE, JSON.stringify(list));
+    } catch (err) {
+      if (undo) undo();
+      throw err;
+    }
+    this.deleted.clear();
+    for (const c of list) this.seen.add(c.id);
+    this.conversations = list;
+    this.sort();
   }
 
   get(id) {
@@ -68,44 +106,52 @@ export class Store {
   }
 
   touch(c) {
-    c.updated = Date.now();
+    c.updated = Math.max(Date.now(), c.updated + 1);
     this.sort();
   }
 
   rename(id, title) {
     const c = this.get(id);
-    if (c && title.trim()) {
-      c.title = title.trim().slice(0, 200);
-      this.save();
-    }
+    if (!c || !title.trim()) return;
+    const before = [c.title, c.updated];
+    c.title = title.trim().slice(0, 200);
+    this.touch(c);
+    this.save(() => { [c.title, c.updated] = before; });
   }
 
   remove(id) {
-    this.conversations = this.conversations.filter((c) => c.id !== id);
-    this.save();
+    const before = this.conversations;
+    this.conversations = before.filter((c) => c.id !== id);
+    this.deleted.add(id);
+    this.save(() => {
+      this.conversations = before;
+      this.deleted.delete(id);
+    });
   }
 
   exportJSON() {
     return JSON.stringify({ format: FORMAT, version: 1, conversations: this.conversations }, null, 2);
   }
 
-  // Adds the conversations of an export (new ids where they clash); returns how many.
+  // Adds the conversations of an export (new ids where they clash; times no later than now);
+  // returns how many. Nothing is added when they do not fit in the browser's storage.
   importJSON(text) {
     const data = JSON.parse(text);
     const list = data && data.format === FORMAT && Array.isArray(data.conversations) ? data.conversations : null;
     if (!list) throw new Error("not a conversations file exported from this page");
     const taken = new Set(this.conversations.map((c) => c.id));
-    let n = 0;
+    const added = [];
     for (const c of list) {
       if (!valid(c)) continue;
       const copy = clean(c);
       if (taken.has(copy.id)) copy.id = newId();
+      copy.updated = Math.min(copy.updated, Date.now());
       taken.add(copy.id);
-      this.conversations.push(copy);
-      n++;
+      added.push(copy);
     }
-    this.sort();
-    this.save();
-    return n;
+    const before = this.conversations;
+    this.conversations = [...before, ...added];
+    this.save(() => { this.conversations = before; });
+    return added.length;
   }
 }
