@@ -48,7 +48,7 @@ def test_props_report_the_command_line(server, tiny_model_path):
     assert props["build_info"] == lc.version_info().build_info and props["build_info"].startswith("b")
     assert props["total_slots"] == 2
     settings = props["default_generation_settings"]
-    assert settings["n_ctx"] == 1024  # per slot
+    assert settings["n_ctx"] == 2048  # per slot: with --kv-unified a slot may fill the whole -c, as llama-server
     assert settings["params"]["seed"] == 42 and settings["params"]["temperature"] == pytest.approx(0.8)
     assert settings["params"]["n_predict"] == 16
     assert props["endpoint_slots"] is True and props["modalities"] == {"vision": False, "video": False,

@@ -309,6 +309,16 @@ def test_telemetry_events(server):
     lc.telemetry.detach("dup")
 
 
+def test_stats_split_the_scheduler_threads_time(server):
+    before = server.stats()["tick_seconds"]
+    server.generate("where does the time go", max_tokens=16, temp=0, ignore_eos=True)
+    after = server.stats()["tick_seconds"]
+    assert set(after) == {"admit", "draft", "schedule", "decode", "sample", "update", "text", "handoff"}
+    grew = {k for k in after if after[k] > before[k]}
+    assert {"admit", "schedule", "decode", "sample", "update", "text", "handoff"} <= grew, (before, after)
+    assert after["update"] - before["update"] >= (after["text"] - before["text"]) + (after["handoff"] - before["handoff"])
+
+
 def test_strategies_split_the_budget():
     decoding = ["d1", "d2", "d3"]
     prefilling = [("p1", 10), ("p2", 10)]

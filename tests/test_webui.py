@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +24,7 @@ from llama_ctypes.interfaces.http import create_app
 from llama_ctypes.interfaces.http.webui import CSP, PACKAGE_DIR
 
 ECHO = "<script>window.pwned=1</script><img src=x onerror=window.pwned=2> **bold** `code`"
+THOUGHT, ANSWER = "pondering the question", "The answer is 42."
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
@@ -135,8 +137,8 @@ def browser_available():
         pytest.skip(missing)
 
 
-@pytest.fixture
-def browser(browser_available, tmp_path):
+def _chrome(profile: Path):
+    """Debian's Chromium, headless, with a profile (its localStorage) of its own."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -145,11 +147,17 @@ def browser(browser_available, tmp_path):
     # (the network here is closed: Chromium's background connections are turned off, as the machine notes say)
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--disable-dev-shm-usage", "--window-size=1200,800", f"--user-data-dir={tmp_path / 'profile'}"):
+                "--disable-dev-shm-usage", "--window-size=1200,800", f"--user-data-dir={profile}"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.implicitly_wait(0)
+    return driver
+
+
+@pytest.fixture
+def browser(browser_available, tmp_path):
+    driver = _chrome(tmp_path / "profile")
     try:
         yield driver
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE" and "favicon" not in e["message"]
@@ -160,9 +168,10 @@ def browser(browser_available, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def served(browser_available, tmp_path_factory, tiny_model_path, gemma_path):
+def served(browser_available, tmp_path_factory, tiny_model_path, gemma_path, vocab_dir):
     folder = tmp_path_factory.mktemp("webui")
     grammar = 'root ::= "' + ECHO.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    qwen3 = vocab_dir / "templates" / "Qwen-Qwen3-0.6B.jinja"  # (a template whose replies think first)
     config = folder / "models.toml"
     config.write_text(f"""
 [[models]]
@@ -171,6 +180,14 @@ path = "{tiny_model_path}"
 n_parallel = 1
 n_ctx = 512
 grammar = '''{grammar}'''
+
+[[models]]
+id = "think"
+path = "{tiny_model_path}"
+n_parallel = 1
+n_ctx = 512
+chat_template = "{qwen3}"
+grammar = '''root ::= "<think>{THOUGHT}</think>{ANSWER}"'''
 
 [[models]]
 id = "gemma"
@@ -224,7 +241,8 @@ def _idle(driver) -> bool:
 
 def test_a_streamed_answer_grows_stops_frees_its_slot_and_survives_a_reload(served, browser, tmp_path):
     _open(browser, served.base_url + "/")
-    assert sorted(o.get_attribute("value") for o in browser.find_elements(*_by("#model option"))) == ["echo", "gemma"]
+    assert sorted(o.get_attribute("value") for o in browser.find_elements(*_by("#model option"))) == [
+        "echo", "gemma", "think"]
     _choose(browser, "gemma")
     _say(browser, "Tell me a long story about a lighthouse.")
     seen = []
@@ -261,6 +279,47 @@ def test_model_output_is_shown_as_text_never_run(served, browser):
     assert not content.find_elements(*_by("script")) and not content.find_elements(*_by("img"))
     assert content.find_element(*_by("strong")).text == "bold" and content.find_element(*_by("code")).text == "code"
     assert browser.execute_script("return window.pwned === undefined")
+
+
+def test_reasoning_is_shown_apart_and_the_speed_below(served, browser):
+    _open(browser, served.base_url + "/")
+    _choose(browser, "think")
+    _say(browser, "Think first")
+    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    message = browser.find_elements(*_by("#messages .msg.assistant"))[-1]
+    details = message.find_element(*_by("details.reasoning"))
+    assert details.is_displayed() and details.get_attribute("open") is None  # collapsed
+    assert _answer(browser) == ANSWER and THOUGHT not in _answer(browser)
+    details.find_element(*_by("summary")).click()
+    assert message.find_element(*_by(".reasoning-text")).text == THOUGHT
+    assert "tokens/s" in message.find_element(*_by(".meta")).text and "tokens/s" in browser.find_element(
+        *_by("#speed")).text
+
+
+def test_export_then_import_in_another_browser(served, browser, tmp_path):
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
+    _open(browser, served.base_url + "/")
+    _choose(browser, "echo")
+    _say(browser, "Keep this")
+    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    browser.find_element(*_by("#export")).click()
+    exported = downloads / "conversations.json"
+    assert wait_for(exported.exists, 10)
+    data = json.loads(exported.read_text())
+    assert data["format"] == "llama_ctypes.conversations" and data["conversations"][0]["title"] == "Keep this"
+    assert data["conversations"][0]["messages"][1]["content"] == ECHO  # (the Markdown source, not its rendering)
+    other = _chrome(tmp_path / "other-profile")  # a second browser: an empty list of its own
+    try:
+        _open(other, served.base_url + "/")
+        assert not other.find_elements(*_by(".conv-title"))
+        other.find_element(*_by("#import-file")).send_keys(str(exported))
+        assert wait_for(lambda: [e.text for e in other.find_elements(*_by(".conv-title"))] == ["Keep this"], 10)
+        other.find_element(*_by(".conv-title")).click()
+        assert wait_for(lambda: _answer(other) == _answer(browser), 5)
+    finally:
+        other.quit()
 
 
 def test_settings_rename_delete_import_and_keyboard(served, browser, tmp_path):

@@ -83,6 +83,19 @@ class ContextKV:
         return self._lease.seq_pos_max(seq)
 
 
+class TickSplit:
+    """Seconds the scheduler thread spent in each part of its ticks, summed (``Server.stats()``):
+    ``admit`` (taking and admitting requests, prefix reuse), ``draft``, ``schedule`` (the plan),
+    ``decode`` (filling the batch and ``llama_decode``), ``sample`` (sampling every output row,
+    logprobs), ``update`` (end conditions, detokenizing, stop strings and handing pieces to the
+    callers; the last two also apart, from the scheduler: ``text`` and ``handoff``)."""
+
+    __slots__ = ("admit", "draft", "schedule", "decode", "sample", "update")
+
+    def __init__(self) -> None:
+        self.admit = self.draft = self.schedule = self.decode = self.sample = self.update = 0.0
+
+
 class _Call:
     """A function to run on the scheduler thread, and its result."""
 
@@ -145,6 +158,7 @@ class Engine:
         self.batch_tokens = 0
         self.max_batch_tokens = 0  # the largest decode so far, in tokens
         self.slot_steps = 0  # slots decoded, summed over ticks (busy slots per decode = this / ticks)
+        self.split = TickSplit()  # where the scheduler thread's time goes
         self.thread = threading.Thread(target=self._run, name="llama_ctypes-server", daemon=True)
 
     # ---- client side (any thread) ----------------------------------------------------------
@@ -205,6 +219,7 @@ class Engine:
     def _run(self) -> None:
         scheduler = self.scheduler
         cond = scheduler.cond
+        clock = time.perf_counter
         error: BaseException = ServerClosedError("the server was closed before the request finished")
         try:
             while True:
@@ -219,14 +234,23 @@ class Engine:
                         break
                     if self._calls:
                         calls, self._calls = self._calls, collections.deque()
+                    t0 = clock()
                     scheduler.take()
                 if calls:
                     for call in calls:
                         call.run()
+                    t0 = clock()  # (a caller's function is not the tick's work)
                 scheduler.admit()
+                t1 = clock()
                 if self.drafter is not None:
                     self._draft()
+                t2 = clock()
                 plan = scheduler.schedule()
+                t3 = clock()
+                split = self.split
+                split.admit += t1 - t0
+                split.draft += t2 - t1
+                split.schedule += t3 - t2
                 if plan.steps:
                     outputs, logprobs, failure, row_errors = self.execute(plan)
                     if isinstance(failure, KVPoolFullError):
@@ -235,8 +259,10 @@ class Engine:
                             logger.warning("the KV memory is full (%d tokens): request %d, the last to arrive, "
                                            "was stopped", self.ctx.n_ctx, victim.id)
                     else:
+                        t4 = clock()
                         scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs,
                                                      row_errors=row_errors)
+                        split.update += clock() - t4
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
         except RPCConnectionError as exc:  # an RPC worker of the model was lost: the context is unusable
@@ -317,6 +343,7 @@ class Engine:
             self.lease.apply_loras(plan.loras)  # (nothing to do while the set stays the same)
         except LlamaError as error:
             return None, None, error, None
+        t_fill = time.perf_counter()
         batch = self.batch
         batch.clear()
         for step in plan.steps:
@@ -333,7 +360,9 @@ class Engine:
         rc = decode(batch)
         if rc == 1 and self.pool.evict_idle():  # KV full: idle slots' cached prefixes make room
             rc = decode(batch)
-        decode_ms = (time.perf_counter() - t0) * 1e3
+        t_decoded = time.perf_counter()
+        decode_ms = (t_decoded - t0) * 1e3
+        self.split.decode += t_decoded - t_fill
         if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in; not counted)
             return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         self.ticks += 1
@@ -373,6 +402,7 @@ class Engine:
         # One attribute test per step when no request asked: ticks without logprobs keep their speed.
         logprobs = self._logprobs(plan, outputs) \
             if any(step.request.logprobs is not None for step in plan.steps) else None
+        self.split.sample += time.perf_counter() - t_decoded
         if telemetry.enabled("server.tick"):
             decode_tokens = sum(len(step.tokens) for step in plan.steps[:plan.n_decode])
             telemetry.emit("server.tick", {

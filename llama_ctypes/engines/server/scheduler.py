@@ -45,6 +45,7 @@ class ServerClosedError(CancelledError, ClosedError):
 
 
 _FIRST = (0,)
+_clock = time.perf_counter
 _NONE = ()
 
 #: An output row of a speculative step the engine did not sample (after the first rejected draft).
@@ -157,6 +158,8 @@ class Scheduler:
         self.drafted = 0  # draft tokens verified, all requests
         self.drafts = 0  # speculative steps (a draft verified in one slot's tick)
         self.generated = 0  # tokens accepted, all requests
+        self.text_s = 0.0  # seconds detokenizing and matching stop strings (TextAssembler.push)
+        self.handoff_s = 0.0  # seconds handing text pieces to their consumers (Channel.put)
         self.accepted = 0
         self.pool = pool
         self.strategy = strategy
@@ -593,10 +596,15 @@ class Scheduler:
                 request.cancel_requested = True
         text = request.text
         if text is not None:
+            t0 = _clock()
             piece = text.push(tok)
+            t1 = _clock()
+            self.text_s += t1 - t0
             if piece:
                 request.piece_ends.append(len(request.generated))  # (before the piece is seen)
-                if not request.channel.put(piece):
+                delivered = request.channel.put(piece)
+                self.handoff_s += _clock() - t1
+                if not delivered:
                     request.cancel_requested = True  # its consumer is gone (its event loop was closed)
             if text.stopped:
                 self.finish(slot, request, Status.FINISHED, "stop")

@@ -97,9 +97,10 @@ class Server:
             adopted by another with a metadata-only copy.
         share_kv: let every slot fill the whole KV pool (``n_ctx * n_parallel`` tokens, at most the
             model's training context), as llama-server's ``--kv-unified`` (default False: each slot holds
-            ``n_ctx``). When the pool is full, idle slots' cached prefixes are dropped first; if the
-            running requests still do not fit, the one that arrived last fails with
-            :class:`KVPoolFullError` and the others go on. Needs ``kv_unified``.
+            ``n_ctx``). When the pool is full, idle slots' cached prefixes are dropped, drafts
+            skipped and requests with no output yet sent back to the queue; only then does the
+            running request that arrived last fail with :class:`KVPoolFullError` (the others go on).
+            Needs ``kv_unified``.
         control_vector: a :class:`ControlVector` (``lc.load_control_vector``) every request runs with, or
             ``{"files": ..., "layer_range": ...}`` to load one.
         loras: LoRA adapters to load now (:meth:`load_lora`): paths, ``(path, name)`` pairs, or
@@ -567,8 +568,9 @@ class Server:
         self._served.unresolve([r.loras for r in requests])
 
     def stats(self) -> dict[str, Any]:
-        """Slots in use, queue length, ticks, tokens per tick, prefix-cache counters and, with
-        ``speculative=``, draft tokens verified and accepted so far."""
+        """Slots in use, queue length, ticks, tokens per tick, prefix-cache counters, where the
+        scheduler thread's time went (``tick_seconds``) and, with ``speculative=``, draft tokens
+        verified and accepted so far."""
         engine = self._engine
         cache = engine.pool.stats
         ram = engine.pool.ram
@@ -596,6 +598,10 @@ class Server:
             "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
             if engine.scheduler.drafted else 0.0,
             "lora_switches": engine.scheduler.lora_switches,
+            # where the scheduler thread's time went, in seconds (engine.TickSplit; text and handoff
+            # are parts of update)
+            "tick_seconds": {**{name: getattr(engine.split, name) for name in engine.split.__slots__},
+                             "text": engine.scheduler.text_s, "handoff": engine.scheduler.handoff_s},
         }
 
     @property

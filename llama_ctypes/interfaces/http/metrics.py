@@ -45,6 +45,8 @@ class _ServerCollector(Collector):
                                       labels=["model"])
         accepted = CounterMetricFamily(f"{PREFIX}_draft_tokens_accepted", "Speculative draft tokens accepted",
                                        labels=["model"])
+        tick = CounterMetricFamily(f"{PREFIX}_tick_seconds", "Scheduler thread time by part of the tick (text and "
+                                   "handoff are parts of update)", labels=["model", "phase"])
         try:
             stats = self._stats()
         except Exception:  # a scrape must not fail because a model is going away
@@ -60,7 +62,9 @@ class _ServerCollector(Collector):
             evaluated.add_metric([model], s["prompt_tokens_evaluated"])
             drafted.add_metric([model], s.get("draft_tokens", 0))
             accepted.add_metric([model], s.get("draft_accepted", 0))
-        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted]
+            for phase, seconds in s.get("tick_seconds", {}).items():
+                tick.add_metric([model, phase], seconds)
+        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, tick]
 
 
 class _LlamaServerCollector(Collector):
