@@ -77,7 +77,7 @@ def test_a_model_without_a_template_chats_in_chatml_and_says_so(server):
 def test_slots_show_a_running_request_and_fail_on_no_slot(server):
     slots = httpx.get(f"{server.base_url}/slots").json()
     assert [s["id"] for s in slots] == [0, 1]
-    assert all(s["n_ctx"] == 1024 and not s["is_processing"] and "params" not in s for s in slots)
+    assert all(s["n_ctx"] == 2048 and not s["is_processing"] and "params" not in s for s in slots)  # (--kv-unified)
     # two long requests fill both slots: /slots shows them, and ?fail_on_no_slot answers 503
     started = threading.Barrier(3)
 
@@ -137,7 +137,7 @@ def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     error = r.json()["error"]
     assert r.status_code == 400 and error["type"] == "exceed_context_size_error"
     assert error["code"] == "context_length_exceeded"  # (what OpenAI clients look for)
-    assert error["n_ctx"] == 1024 and error["n_prompt_tokens"] > 1024
+    assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] > 2048  # (--kv-unified: the whole -c)
 
 
 BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]

@@ -523,7 +523,7 @@ def test_async_stream_raises_the_request_error(server, monkeypatch):
 
     def fail_once(batch):
         calls["n"] += 1
-        return 1 if calls["n"] == 1 else real(batch)
+        return -3 if calls["n"] == 1 else real(batch)  # (a compute error: 1, a full KV, would requeue it)
 
     monkeypatch.setattr(engine, "_decode", fail_once)
 
