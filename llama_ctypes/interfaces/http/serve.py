@@ -216,6 +216,11 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         cli_opts["kv_unified"] = False
     elif getattr(args, "kv_unified", False):
         cli_opts["share_kv"] = True  # (llama-server's meaning: each slot may use the whole -c)
+    elif getattr(args, "n_parallel", None) is not None:
+        # As llama-server: slots given with -np get a KV stream each unless --kv-unified. At many
+        # slots one buffer costs attention over every slot's cells (64 slots of Gemma 270M: 0.58x
+        # the throughput; bench/server_overhead.py); without -np the 4 default slots share one.
+        cli_opts["kv_unified"] = False
     if args.no_cache_prompt:
         cli_opts["cache_prompt"] = False
     if getattr(args, "model_draft", None):
