@@ -573,8 +573,9 @@ class Sampler(NativeHandle):
             size, sel = arr.size, arr.selected
             if not 0 <= sel < size:
                 raise GrammarError("the sampler chain selected no token")
+            # (a view, read before anything else runs the chain: what is kept below is copied out of it)
             left = np.frombuffer((ctypes.c_char * (size * _TOKEN_DATA.itemsize)).from_address(
-                ctypes.addressof(arr.data.contents)), dtype=_TOKEN_DATA).copy()
+                ctypes.addressof(arr.data.contents)), dtype=_TOKEN_DATA)
             tok = int(left["id"][sel])
             if not np.isfinite(left["logit"][sel]):
                 raise GrammarError("no token allowed by the grammar is left after logit_bias and the "
