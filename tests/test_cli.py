@@ -57,3 +57,18 @@ def test_bench_prints_speeds(tiny_model_path):
     out = run("bench", str(tiny_model_path), "-p", "32", "-n", "8", "-r", "1")
     assert out.returncode == 0, out.stderr
     assert "pp32" in out.stdout and "tg8" in out.stdout and "tok/s" in out.stdout
+
+
+@pytest.mark.parametrize("flags, expect", [
+    ([], {}),  # the 4 default slots share one KV buffer (cross-slot prefix reuse)
+    (["-np", "8"], {"kv_unified": False}),  # as llama-server: -np without --kv-unified, a stream per slot
+    (["-np", "8", "--kv-unified"], {"share_kv": True}),  # as llama-server: every slot may fill the whole -c
+    (["--no-kv-unified"], {"kv_unified": False}),
+])
+def test_serve_kv_flags_mean_what_llama_servers_mean(tiny_model_path, flags, expect):
+    from llama_ctypes.interfaces.cli import build_parser
+    from llama_ctypes.interfaces.http.serve import model_specs
+
+    args = build_parser().parse_args(["serve", str(tiny_model_path), *flags])
+    _, (spec,) = model_specs(args)
+    assert {k: spec[k] for k in ("kv_unified", "share_kv") if k in spec} == expect
