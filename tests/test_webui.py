@@ -229,6 +229,14 @@ def _say(driver, text: str) -> None:
     box.send_keys(Keys.ENTER)
 
 
+def _reply(driver, url: str, model: str, text: str) -> None:
+    """Open the page, pick ``model``, send ``text`` and wait for the whole answer."""
+    _open(driver, url)
+    _choose(driver, model)
+    _say(driver, text)
+    assert wait_for(lambda: _idle(driver) and _answer(driver), 30)
+
+
 def _answer(driver) -> str:
     nodes = driver.find_elements(*_by("#messages .msg.assistant .content"))
     return nodes[-1].text if nodes else ""
@@ -270,10 +278,7 @@ def test_a_streamed_answer_grows_stops_frees_its_slot_and_survives_a_reload(serv
 
 
 def test_model_output_is_shown_as_text_never_run(served, browser):
-    _open(browser, served.base_url + "/")
-    _choose(browser, "echo")
-    _say(browser, "Say it")
-    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    _reply(browser, served.base_url + "/", "echo", "Say it")
     content = browser.find_elements(*_by("#messages .msg.assistant .content"))[-1]
     assert "<script>window.pwned=1</script><img src=x onerror=window.pwned=2>" in content.text
     assert not content.find_elements(*_by("script")) and not content.find_elements(*_by("img"))
@@ -282,10 +287,7 @@ def test_model_output_is_shown_as_text_never_run(served, browser):
 
 
 def test_reasoning_is_shown_apart_and_the_speed_below(served, browser):
-    _open(browser, served.base_url + "/")
-    _choose(browser, "think")
-    _say(browser, "Think first")
-    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    _reply(browser, served.base_url + "/", "think", "Think first")
     message = browser.find_elements(*_by("#messages .msg.assistant"))[-1]
     details = message.find_element(*_by("details.reasoning"))
     assert details.is_displayed() and details.get_attribute("open") is None  # collapsed
@@ -300,10 +302,7 @@ def test_export_then_import_in_another_browser(served, browser, tmp_path):
     downloads = tmp_path / "downloads"
     downloads.mkdir()
     browser.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
-    _open(browser, served.base_url + "/")
-    _choose(browser, "echo")
-    _say(browser, "Keep this")
-    assert wait_for(lambda: _idle(browser) and _answer(browser), 30)
+    _reply(browser, served.base_url + "/", "echo", "Keep this")
     browser.find_element(*_by("#export")).click()
     exported = downloads / "conversations.json"
     assert wait_for(exported.exists, 10)

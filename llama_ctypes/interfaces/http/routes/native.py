@@ -151,16 +151,13 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
 def _probs(entries: Sequence[Any], post: bool = False) -> list[dict[str, Any]]:
     """``completion_probabilities`` entries (logprobs of the chosen token and of the top alternatives;
     ``post``: probabilities after the sampler chain, as llama-server's ``post_sampling_probs``)."""
-    if post:
-        def one(lp: Any) -> dict[str, Any]:
-            return {"id": lp.token, "token": lp.text, "bytes": list(lp.bytes), "prob": math.exp(lp.logprob)}
-
-        return [{**one(lp), "top_probs": [one(alt) for alt in lp.top]} for lp in entries]
+    key, top = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
 
     def one(lp: Any) -> dict[str, Any]:
-        return {"id": lp.token, "token": lp.text, "bytes": list(lp.bytes), "logprob": lp.logprob}
+        return {"id": lp.token, "token": lp.text, "bytes": list(lp.bytes),
+                key: math.exp(lp.logprob) if post else lp.logprob}
 
-    return [{**one(lp), "top_logprobs": [one(alt) for alt in lp.top]} for lp in entries]
+    return [{**one(lp), top: [one(alt) for alt in lp.top]} for lp in entries]
 
 
 def _pick(result: dict[str, Any], fields: Sequence[str]) -> dict[str, Any]:
