@@ -235,9 +235,9 @@ def _shared_libs(folder: Path) -> list[Path]:
 
 
 def _is_package_lib(path: Path) -> bool:
-    """The libraries the Python package loads: ggml (and its backends), llama, llama-common, the adapter."""
+    """The libraries the Python package loads: ggml (and its backends), llama, llama-common, mtmd, the adapter."""
     stem = path.stem[3:] if path.stem.startswith("lib") else path.stem
-    return stem.startswith("ggml") or stem in ("llama", "llama-common", "llama_ctypes_adapter")
+    return stem.startswith("ggml") or stem in ("llama", "llama-common", "mtmd", "llama_ctypes_adapter")
 
 
 def cpu_variants(lib_dir: Path) -> list[str]:
@@ -560,7 +560,7 @@ def build(
         if module:
             targets = [f"ggml-{module}"]
         else:
-            targets = ["llama_ctypes_adapter"] + (["llama-bench", "llama-server"] if tools else [])
+            targets = ["llama_ctypes_adapter", "mtmd"] + (["llama-bench", "llama-server", "llama-mtmd-cli"] if tools else [])
         jobs = str(os.cpu_count() or 2)
         _run([cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *targets])
         elapsed = time.monotonic() - t0
@@ -579,7 +579,7 @@ def build(
             elif tools:  # libraries only the tools use
                 shutil.copy2(lib, staging / "bin" / lib.name)
         if tools:
-            for exe in ("llama-bench", "llama-server"):
+            for exe in ("llama-bench", "llama-server", "llama-mtmd-cli"):
                 for cand in (built / exe, built / f"{exe}.exe"):
                     if cand.exists():
                         shutil.copy2(cand, staging / "bin" / cand.name)

@@ -22,6 +22,8 @@ from .core.lora import LoraAdapter
 from .core.memory import DeviceMemory, MemoryUsage, estimate_memory
 from .core.model import Model, load_model
 from .core.one_call import stream
+from .core.media import MediaLimits
+from .core.projector import MEDIA_MARKER, MediaPrompt, Projector, ProjectorParams
 from .core.params import ContextParams, ModelParams
 from .core.rpc.client import add_rpc_servers
 from .core.sampler import Sampler, SamplingParams
@@ -68,6 +70,8 @@ from .errors import (
     KVPoolFullError,
     LayoutMismatchError,
     LlamaError,
+    MediaError,
+    MediaTooLargeError,
     ModelLoadError,
     ModelNotFoundError,
     NativeLibraryError,
@@ -104,6 +108,8 @@ __all__ = [
     # generation
     "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings", "TokenLogprob",
     "GenerationTarget", "LocalTarget",
+    # images and audio
+    "MEDIA_MARKER", "MediaLimits", "MediaPrompt", "Projector", "ProjectorParams",
     # chat
     "chat", "stream_chat", "chat_completion", "stream_chat_completion", "ChatParams", "ChatReply", "ChatStream",
     "ChatTemplate", "ChatTemplateError",
@@ -126,5 +132,5 @@ __all__ = [
     "ContextOverflowError", "DecodeError", "KVPoolFullError", "TokenizationError", "GrammarError", "SchemaError",
     "SchemaTooLargeError", "ClosedError", "BusyError", "CancelledError", "InvalidArgumentError", "ArgumentTypeError",
     "IndexOutOfRangeError", "ModelNotFoundError", "InsufficientMemoryError", "AlreadyLoadedError",
-    "RPCError", "RPCConnectionError",
+    "RPCError", "RPCConnectionError", "MediaError", "MediaTooLargeError",
 ]

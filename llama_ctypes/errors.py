@@ -76,6 +76,15 @@ class TokenizationError(LlamaError, ValueError):
     """Text could not be tokenized or tokens could not be detokenized."""
 
 
+class MediaError(LlamaError, ValueError):
+    """An image or audio input cannot be used: unreadable, an unsupported format, corrupt, or a kind
+    (image, audio) the model's projector does not take, or the model has no projector at all."""
+
+
+class MediaTooLargeError(MediaError):
+    """An image or audio input over a limit (bytes, pixels, seconds, media per prompt): ``MediaLimits``."""
+
+
 class GrammarError(LlamaError, ValueError):
     """A GBNF grammar was rejected by llama.cpp."""
 

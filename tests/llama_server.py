@@ -33,6 +33,11 @@ def find_llama_server() -> Path | None:
     env = os.environ.get("LLAMA_CTYPES_LLAMA_SERVER")
     if env:
         return Path(env) if Path(env).is_file() else None
+    return find_tool("llama-server")
+
+
+def find_tool(name: str) -> Path | None:
+    """A tool of the tools build (``llama-server``, ``llama-mtmd-cli``, ...) beside the loaded libraries, or None."""
     key = lc.init().build_info.get("cache_key")
     if not key:
         return None
@@ -42,9 +47,9 @@ def find_llama_server() -> Path | None:
     finally:
         sys.path.pop(0)
     bin_dir = build_llama.cache_root() / "native" / key / "bin"
-    for name in ("llama-server", "llama-server.exe"):
-        if (bin_dir / name).is_file():
-            return bin_dir / name
+    for exe in (name, f"{name}.exe"):
+        if (bin_dir / exe).is_file():
+            return bin_dir / exe
     return None
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import llama_ctypes as lc
 from llama_ctypes import native
-from llama_ctypes.native import adapter_h, ggml_h, layout, llama_h, loader
+from llama_ctypes.native import adapter_h, ggml_h, layout, llama_h, loader, mtmd_h
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,9 +32,22 @@ def test_every_prototype_resolves(lib):
             assert fn.restype is restype, name
 
 
+def test_mtmd_prototypes_resolve_on_first_use(lib):
+    from llama_ctypes.core.backend import init_mtmd
+
+    assert init_mtmd() is lib and lib.missing == []
+    for name, argtypes, restype in mtmd_h.PROTOTYPES:
+        fn = getattr(lib, name)
+        assert fn.argtypes == argtypes and fn.restype is restype, name
+    assert lib.mtmd_default_marker() == b"<__media__>"
+    params = lib.mtmd_context_params_default()  # a struct returned by value: read through the mirror
+    assert params.n_threads == 4 and params.batch_max_tokens == 1024 and params.image_min_tokens == -1
+    assert params.media_marker == b"<__media__>" and params.use_gpu and params.warmup
+
+
 def test_struct_layouts_match_native(lib):
     native_table = layout.native_layouts(lib)
-    mirrored = {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS}
+    mirrored = {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS, **mtmd_h.STRUCTS}
     # Every struct the adapter reports is mirrored, and every mirror is checked.
     assert set(native_table) == set(mirrored)
     layout.check_layouts(native_table, mirrored)  # raises on any difference

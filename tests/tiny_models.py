@@ -451,3 +451,167 @@ def write_tiny_control_vector(path: Path, *, n_layer: int = 2, n_embd: int = 64,
         writer.add_tensor(f"direction.{layer}", (rng.standard_normal(n_embd) * scale).astype(np.float32))
     _finish(writer)
     return path
+
+
+def _add_vit_layers(writer: gguf.GGUFWriter, w, prefix: str, *, n_layer: int, n_embd: int, n_ff: int,
+                    k_bias: bool = True) -> None:
+    """Pre-norm ViT / whisper encoder blocks (clip.cpp's names): LayerNorm (ones, zeros) before the
+    attention and the FFN; q/k/v/out and up/down with biases (``k_bias=False``: none on attn_k, as whisper)."""
+    zeros = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+    for i in range(n_layer):
+        blk = f"{prefix}.blk.{i}"
+        writer.add_tensor(f"{blk}.ln1.weight", _ones(n_embd))
+        writer.add_tensor(f"{blk}.ln1.bias", zeros(n_embd))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            writer.add_tensor(f"{blk}.{name}.weight", w(n_embd, n_embd))
+            if name != "attn_k" or k_bias:
+                writer.add_tensor(f"{blk}.{name}.bias", w(n_embd, scale=0.02))
+        writer.add_tensor(f"{blk}.ln2.weight", _ones(n_embd))
+        writer.add_tensor(f"{blk}.ln2.bias", zeros(n_embd))
+        # numpy (out, in): ffn_up (n_ff, n_embd), ffn_down (n_embd, n_ff); clip.cpp swaps up/down of
+        # llava-type projectors when ffn_down's ne[0] (its input width) equals n_embd, so keep n_ff != n_embd
+        writer.add_tensor(f"{blk}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"{blk}.ffn_up.bias", w(n_ff, scale=0.02))
+        writer.add_tensor(f"{blk}.ffn_down.weight", w(n_embd, n_ff))
+        writer.add_tensor(f"{blk}.ffn_down.bias", w(n_embd, scale=0.02))
+
+
+def _clip_header(path: Path, name: str, modality: str, *, projector: str, n_embd: int, n_ff: int, n_layer: int,
+                 n_head: int, projection_dim: int) -> gguf.GGUFWriter:
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_string("clip.projector_type", projector)
+    writer.add_bool("clip.has_vision_encoder", modality == "vision")
+    writer.add_bool("clip.has_audio_encoder", modality == "audio")
+    writer.add_uint32(f"clip.{modality}.embedding_length", n_embd)
+    writer.add_uint32(f"clip.{modality}.feed_forward_length", n_ff)
+    writer.add_uint32(f"clip.{modality}.block_count", n_layer)
+    writer.add_uint32(f"clip.{modality}.projection_dim", projection_dim)
+    writer.add_uint32(f"clip.{modality}.attention.head_count", n_head)
+    writer.add_float32(f"clip.{modality}.attention.layer_norm_epsilon", 1e-6)
+    return writer
+
+
+def write_tiny_mmproj(path: Path, *, n_embd_text: int = 64, image_size: int = 32, patch_size: int = 8,
+                      n_embd: int = 32, n_layer: int = 1, n_head: int = 2, n_ff: int = 64, seed: int = 0) -> Path:
+    """A llava-style vision projector (``clip.projector_type = mlp``, libmtmd's PROJECTOR_TYPE_MLP)
+    with random f32 weights, for :func:`write_tiny_llama`'s model (``n_embd_text`` must be the text
+    model's n_embd: libmtmd refuses a mismatch when it loads the pair).
+
+    An image becomes ``(image_size // patch_size) ** 2`` embeddings (16 by default), always, whatever
+    its size: preprocessing resizes it (bicubic, aspect ratio kept) to fit an ``image_size`` square,
+    centres it on a (122, 116, 104) grey background, then normalizes with mean 0.5 / std 0.5. The
+    encoder is a ViT (conv patch embedding, learned positions, ``n_layer`` pre-norm blocks, all of
+    them run: ``clip.vision.feature_layer = [n_layer]``) and a 2-layer GELU MLP to ``n_embd_text``.
+    No begin/end-of-image marker tokens; the text model decodes the embeddings causally, at
+    ordinary 1-D positions (no M-RoPE, no non-causal attention).
+    """
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is not a multiple of patch_size {patch_size}")
+    rng = np.random.default_rng(seed)
+    n_patches = (image_size // patch_size) ** 2
+    writer = _clip_header(path, "tiny-mmproj-test", "vision", projector="mlp", n_embd=n_embd, n_ff=n_ff,
+                          n_layer=n_layer, n_head=n_head, projection_dim=n_embd_text)
+    writer.add_uint32("clip.vision.image_size", image_size)
+    writer.add_uint32("clip.vision.patch_size", patch_size)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    # llava takes the penultimate layer by default; name the last one so all n_layer layers run
+    writer.add_array("clip.vision.feature_layer", [n_layer])
+    writer.add_bool("clip.use_gelu", True)
+
+    w = _random(rng, 0.2)
+    # conv2d kernel: numpy (out channels, in channels, kh, kw) = ggml ne [kw, kh, 3, n_embd]
+    writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch_size, patch_size, scale=0.1))
+    writer.add_tensor("v.patch_embd.bias", w(n_embd, scale=0.02))
+    writer.add_tensor("v.position_embd.weight", w(n_patches, n_embd))
+    _add_vit_layers(writer, w, "v", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff)
+    # mm.0 and mm.2 (weights and biases) are all required in practice: libmtmd reads n_embd_text from
+    # mm.2.weight and adds both biases unconditionally
+    writer.add_tensor("mm.0.weight", w(n_embd_text, n_embd))
+    writer.add_tensor("mm.0.bias", w(n_embd_text, scale=0.02))
+    writer.add_tensor("mm.2.weight", w(n_embd_text, n_embd_text))
+    writer.add_tensor("mm.2.bias", w(n_embd_text, scale=0.02))
+    _finish(writer)
+    return path
+
+
+def write_tiny_audio_mmproj(path: Path, *, n_embd_text: int = 64, n_mel: int = 32, n_embd: int = 32,
+                            n_layer: int = 1, n_head: int = 2, n_ff: int = 64, stack_factor: int = 30,
+                            n_embd_proj: int = 32, seed: int = 0) -> Path:
+    """An Ultravox-style audio projector (``clip.projector_type = ultravox``) with random f32 weights,
+    for :func:`write_tiny_llama`'s model (``n_embd_text``: the text model's n_embd).
+
+    libmtmd computes the log-mel spectrogram itself (16 kHz, 25 ms window, 10 ms hop, ``n_mel`` bins;
+    the filter bank is built in code, no tensor), pads the audio with 30 s of silence and encodes it in
+    30 s windows of 3000 frames, dropping the last incomplete one; so a clip shorter than 30 s is one
+    window, of ``1500 // stack_factor`` embeddings (50 by default). The encoder is whisper's (two
+    conv1d, the second of stride 2, learned positions for 1500 frames, ``n_layer`` blocks), then
+    ``stack_factor`` frames are stacked and projected (RMS norm, SwiGLU, RMS norm) to ``n_embd_text``.
+    No begin/end-of-audio marker tokens; decoded causally at ordinary positions.
+    ``stack_factor`` must divide 1500 (else libmtmd aborts: its token count and its graph's disagree).
+    """
+    if 1500 % stack_factor:
+        raise ValueError(f"stack_factor {stack_factor} does not divide 1500")
+    rng = np.random.default_rng(seed)
+    writer = _clip_header(path, "tiny-audio-mmproj-test", "audio", projector="ultravox", n_embd=n_embd, n_ff=n_ff,
+                          n_layer=n_layer, n_head=n_head, projection_dim=n_embd_text)
+    writer.add_uint32("clip.audio.num_mel_bins", n_mel)
+    writer.add_uint32("clip.audio.projector.stack_factor", stack_factor)
+
+    w = _random(rng, 0.2)
+    # conv1d kernels: numpy (out, in, kernel); biases (out, 1), as convert_hf_to_gguf writes whisper's
+    writer.add_tensor("a.conv1d.1.weight", w(n_embd, n_mel, 3, scale=0.1))
+    writer.add_tensor("a.conv1d.1.bias", w(n_embd, 1, scale=0.02))
+    writer.add_tensor("a.conv1d.2.weight", w(n_embd, n_embd, 3, scale=0.1))
+    writer.add_tensor("a.conv1d.2.bias", w(n_embd, 1, scale=0.02))
+    writer.add_tensor("a.position_embd.weight", w(1500, n_embd, scale=0.1))
+    _add_vit_layers(writer, w, "a", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, k_bias=False)
+    n_stacked = n_embd * stack_factor
+    writer.add_tensor("mm.a.norm_pre.weight", _ones(n_stacked))
+    writer.add_tensor("mm.a.mlp.1.weight", w(2 * n_embd_proj, n_stacked, scale=0.05))  # SwiGLU: two halves
+    writer.add_tensor("mm.a.norm_mid.weight", _ones(n_embd_proj))
+    writer.add_tensor("mm.a.mlp.2.weight", w(n_embd_text, n_embd_proj))
+    _finish(writer)
+    return path
+
+
+def write_tiny_gemma3_mmproj(path: Path, *, n_embd_text: int = 64, image_size: int = 32, patch_size: int = 8,
+                             n_merge: int = 2, n_embd: int = 32, n_layer: int = 1, n_head: int = 2, n_ff: int = 64,
+                             seed: int = 0) -> Path:
+    """A Gemma-3-style vision projector (``clip.projector_type = gemma3``) with random f32 weights: a
+    projector whose image embeddings libmtmd decodes with NON-causal attention (it switches the text
+    context to non-causal for the image batch, whatever the text architecture).
+
+    An image becomes ``(image_size // patch_size // n_merge) ** 2`` embeddings (4 by default), always:
+    preprocessing resizes it (bilinear, aspect ratio kept) into an ``image_size`` square padded with
+    black, normalized with mean 0.5 / std 0.5. The ViT's patches are average-pooled ``n_merge`` x
+    ``n_merge``, RMS-normed and projected to ``n_embd_text``. libmtmd wraps them in the text
+    ``<start_of_image>`` ... ``<end_of_image>`` (plain text for a vocabulary without those tokens).
+    """
+    side = image_size // patch_size
+    if image_size % patch_size or side % n_merge:
+        raise ValueError(f"image_size {image_size} / patch_size {patch_size} / n_merge {n_merge} do not divide")
+    rng = np.random.default_rng(seed)
+    writer = _clip_header(path, "tiny-gemma3-mmproj-test", "vision", projector="gemma3", n_embd=n_embd, n_ff=n_ff,
+                          n_layer=n_layer, n_head=n_head, projection_dim=n_embd_text)
+    writer.add_uint32("clip.vision.image_size", image_size)
+    writer.add_uint32("clip.vision.patch_size", patch_size)
+    writer.add_uint32("clip.vision.projector.scale_factor", n_merge)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+
+    w = _random(rng, 0.2)
+    writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch_size, patch_size, scale=0.1))
+    writer.add_tensor("v.patch_embd.bias", w(n_embd, scale=0.02))
+    writer.add_tensor("v.position_embd.weight", w(side * side, n_embd))
+    _add_vit_layers(writer, w, "v", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff)
+    writer.add_tensor("v.post_ln.weight", _ones(n_embd))
+    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    writer.add_tensor("mm.soft_emb_norm.weight", _ones(n_embd))
+    # numpy (n_embd, n_embd_text): libmtmd multiplies by its transpose, and reads n_embd_text from ne[0]
+    writer.add_tensor("mm.input_projection.weight", w(n_embd, n_embd_text))
+    _finish(writer)
+    return path

@@ -9,6 +9,8 @@
 #include "json-schema-to-grammar.h"
 #include "chat.h"               // common/: chat templates, tool-call grammars and parsers
 #include "ggml-backend.h"
+#include "mtmd.h"               // tools/mtmd: struct layouts only (the adapter does not link libmtmd)
+#include "mtmd-helper.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -185,6 +187,45 @@ const layout_entry k_layout[] = {
     LCX_FIELD(ggml_backend_dev_props, device_id),
     LCX_FIELD(ggml_backend_dev_props, caps),
 
+    LCX_STRUCT(mtmd_input_text),
+    LCX_FIELD(mtmd_input_text, text),
+    LCX_FIELD(mtmd_input_text, text_len),
+    LCX_FIELD(mtmd_input_text, add_special),
+    LCX_FIELD(mtmd_input_text, parse_special),
+
+    LCX_STRUCT(mtmd_context_params),
+    LCX_FIELD(mtmd_context_params, use_gpu),
+    LCX_FIELD(mtmd_context_params, device),
+    LCX_FIELD(mtmd_context_params, print_timings),
+    LCX_FIELD(mtmd_context_params, n_threads),
+    LCX_FIELD(mtmd_context_params, image_marker),
+    LCX_FIELD(mtmd_context_params, media_marker),
+    LCX_FIELD(mtmd_context_params, flash_attn_type),
+    LCX_FIELD(mtmd_context_params, warmup),
+    LCX_FIELD(mtmd_context_params, image_min_tokens),
+    LCX_FIELD(mtmd_context_params, image_max_tokens),
+    LCX_FIELD(mtmd_context_params, cb_eval),
+    LCX_FIELD(mtmd_context_params, cb_eval_user_data),
+    LCX_FIELD(mtmd_context_params, batch_max_tokens),
+    LCX_FIELD(mtmd_context_params, progress_callback),
+    LCX_FIELD(mtmd_context_params, progress_callback_user_data),
+
+    LCX_STRUCT(mtmd_helper_video_init_params),
+    LCX_FIELD(mtmd_helper_video_init_params, fps_target),
+    LCX_FIELD(mtmd_helper_video_init_params, ffmpeg_bin_dir),
+    LCX_FIELD(mtmd_helper_video_init_params, timestamp_interval_ms),
+
+    LCX_STRUCT(mtmd_helper_init_opt),
+    LCX_FIELD(mtmd_helper_init_opt, video_params),
+
+    LCX_STRUCT(mtmd_helper_bitmap_wrapper),
+    LCX_FIELD(mtmd_helper_bitmap_wrapper, bitmap),
+    LCX_FIELD(mtmd_helper_bitmap_wrapper, video_ctx),
+
+    LCX_STRUCT(mtmd_caps),
+    LCX_FIELD(mtmd_caps, inp_vision),
+    LCX_FIELD(mtmd_caps, inp_audio),
+
     LCX_STRUCT(lcx_device_memory),
     LCX_FIELD(lcx_device_memory, dev),
     LCX_FIELD(lcx_device_memory, model),
@@ -238,6 +279,11 @@ void quiet_log(ggml_log_level, const char *, void *) {}
 // Python log callback may no longer be called safely.
 LCX_API void lcx_log_set_quiet(void) {
     llama_log_set(quiet_log, nullptr);
+}
+
+// The same no-op as a function pointer, for libraries with a log setter of their own (libmtmd).
+LCX_API ggml_log_callback lcx_quiet_log(void) {
+    return quiet_log;
 }
 
 // ---- strings returned to Python ---------------------------------------------

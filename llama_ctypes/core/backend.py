@@ -41,7 +41,7 @@ class _LogRouter:
         self._lock = threading.Lock()
         self._buffer = ""
         self._level = logging.DEBUG
-        self.errors = threading.local()  # last error line logged by each thread
+        self.errors = threading.local()  # last error lines logged by each thread (``last``, ``recent``)
         self.callback = ggml_h.ggml_log_callback(self._on_log)
 
     def _on_log(self, level: int, text: bytes, _user_data) -> None:
@@ -59,6 +59,11 @@ class _LogRouter:
                 for line in lines:
                     if line.strip():
                         self.errors.last = line.strip()
+                        recent = getattr(self.errors, "recent", None)
+                        if recent is None:
+                            recent = self.errors.recent = []
+                        recent.append(line.strip())
+                        del recent[:-4]
             if native_logger.isEnabledFor(py_level):
                 for line in lines:
                     if line.strip():
@@ -113,15 +118,45 @@ def init() -> native.NativeLibrary:
     return lib
 
 
+_mtmd_lock = threading.Lock()
+_mtmd_ready = False
+
+
+def init_mtmd() -> native.NativeLibrary:
+    """:func:`init`, then libmtmd (images and audio) loaded once, its log routed like llama.cpp's."""
+    global _mtmd_ready
+    lib = init()
+    if _mtmd_ready:
+        return lib
+    with _mtmd_lock:
+        if not _mtmd_ready:
+            lib.mtmd()
+            lib.mtmd_helper_log_set(_installed_router.callback, None)
+            atexit.register(_quiet_mtmd_at_exit, lib)
+            _mtmd_ready = True
+    return lib
+
+
+def _quiet_mtmd_at_exit(lib: native.NativeLibrary) -> None:
+    lib.mtmd_helper_log_set(ggml_h.ggml_log_callback(lib.lcx_quiet_log()), None)
+
+
 def clear_native_error() -> None:
     """Forget the last llama.cpp error logged by this thread (call before a native call)."""
     if _router is not None:
         _router.errors.last = None
+        _router.errors.recent = []
 
 
-def native_error(default: str = "") -> str:
-    """The last error line llama.cpp logged in this thread, for exception messages."""
-    last = getattr(_router.errors, "last", None) if _router is not None else None
+def native_error(default: str = "", lines: int = 1) -> str:
+    """The last error line(s) llama.cpp logged in this thread (up to ``lines``, since the last
+    :func:`clear_native_error`), for exception messages."""
+    if _router is None:
+        return default
+    if lines > 1:
+        recent = getattr(_router.errors, "recent", None) or []
+        return f"llama.cpp: {' '.join(recent[-lines:])}" if recent else default
+    last = getattr(_router.errors, "last", None)
     return f"llama.cpp: {last}" if last else default
 
 

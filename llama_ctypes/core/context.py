@@ -37,6 +37,7 @@ from .handle import NativeHandle
 from .hidden_states import HiddenStates
 from .kv_record import KVRecord
 from .lease_adapters import AdapterOps
+from .lease_media import MediaOps
 from .lora import LoraAdapter, LoraSet
 from .params import ContextParams, split_options
 from .prompt import common_prefix
@@ -126,6 +127,7 @@ class Context(NativeHandle):
         self.n_ctx = int(self._lib.llama_n_ctx(ptr))
         self.n_ctx_seq = int(self._lib.llama_n_ctx_seq(ptr))
         self.n_batch = int(self._lib.llama_n_batch(ptr))
+        self.n_ubatch = int(self._lib.llama_n_ubatch(ptr))
         self.n_seq_max = int(self._lib.llama_n_seq_max(ptr))
         # Sliding window whose old cells the cache drops (0: none, or kept whole by swa_full).
         self.n_swa = 0 if self.params.swa_full else model.n_swa
@@ -315,7 +317,7 @@ def _synchronized_check(lib, ptr, watch: ConnectionWatch) -> Callable[[], RPCCon
     return lost
 
 
-class ContextLease(HiddenStates, AdapterOps):
+class ContextLease(HiddenStates, AdapterOps, MediaOps):
     """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
 
     Created by :meth:`Context.lease`. While it is held the context cannot be
@@ -442,9 +444,14 @@ class ContextLease(HiddenStates, AdapterOps):
         ctx, lib, mem = self.ctx, self._lib, self._mem
         record = ctx._record
         held = record.tokens
+        spans = getattr(prompt, "spans", None)  # a MediaPrompt (core/projector.py): images, audio
+        if spans is not None:
+            self.check_media_prompt(prompt)
         common = record.reusable(common_prefix(held, prompt)) if reuse else 0
         if common == len(prompt):
             common -= 1  # the last prompt token must be decoded again to get its logits
+        if spans:
+            common = prompt.cut_point(common)  # a media chunk is decoded whole or not at all
         if common and not self.prefix_complete(0, common):
             common = 0  # a sliding-window cache already dropped cells this prefix needs
         # Always cut from `common` on, even when `held` is shorter: cells a caller put there
@@ -467,6 +474,9 @@ class ContextLease(HiddenStates, AdapterOps):
         self._decode_prompt([*held, *tokens], len(held))
 
     def _decode_prompt(self, prompt: Sequence[int], pos: int) -> None:
+        if getattr(prompt, "spans", None):
+            self._decode_media_prompt(prompt, pos)
+            return
         ctx, record = self.ctx, self.ctx._record
         batch = ctx._batch
         try:

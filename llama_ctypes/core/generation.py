@@ -207,6 +207,8 @@ def read_prompt(lease: ContextLease, prompt: list[int], params: GenerationParams
         return lease.prefill(prompt, reuse=reuse)
     wanted = resolve_loras(lease.ctx.model, dict(params.lora))
     start = activation_start(wanted, prompt)
+    if start and getattr(prompt, "spans", None):
+        raise InvalidArgumentError("an activated LoRA cannot start inside a prompt with images or audio yet")
     if not start:  # (None: plain adapters; 0: activated from the first token)
         lease.apply_loras(wanted)
         return lease.prefill(prompt, reuse=reuse)

@@ -7,9 +7,9 @@ import os
 import threading
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import ClosedError, ModelLoadError
+from ..errors import ClosedError, InvalidArgumentError, ModelLoadError
 from ..native import llama_h as L
 from .backend import clear_native_error, init, native_error
 from .gguf_file import check_gguf_file
@@ -18,6 +18,9 @@ from .lora import AdapterGuard, LoraAdapter, read_string
 from .params import ModelParams, split_options
 from .rpc import client as rpc
 from .vocab import Vocab
+
+if TYPE_CHECKING:
+    from .projector import Projector, ProjectorParams
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,48 @@ class Model(NativeHandle):
         with self._attach_lock:
             return [a for a in self._loras if not a.closed]
 
+    # ---- images and audio -------------------------------------------------------------------
+    def attach_projector(self, path: str | os.PathLike, params: "ProjectorParams | None" = None,
+                         **opts: Any) -> "Projector":
+        """Load a multimodal projector (an ``mmproj`` GGUF) over this model: images and audio in prompts.
+
+        Options are :class:`ProjectorParams`' (``use_gpu``, ``n_threads``, ``image_min_tokens``, ...).
+        One projector per model: ModelLoadError for a file that is not one, or one made for another
+        text model (its embedding size differs); InvalidArgumentError when one is attached already.
+        It is closed with the model.
+        """
+        from .projector import Projector, ProjectorParams
+
+        params = params or ProjectorParams(**opts)
+        with self._attach_lock:
+            if self._closed or self._detaching:
+                raise ClosedError("Model is closed")
+            if "projector" in self._attached:
+                raise InvalidArgumentError(
+                    f"{self.path.name} has a projector already ({self._attached['projector']!r})")
+        projector = Projector(self, path, params)
+        with self._attach_lock:
+            refused = "Model is closed" if self._closed or self._detaching else (
+                "a projector was attached meanwhile" if "projector" in self._attached else None)
+            if refused is None:
+                self._attached["projector"] = projector
+        if refused is not None:
+            projector.close()
+            raise (ClosedError if refused == "Model is closed" else InvalidArgumentError)(refused)
+        return projector
+
+    @property
+    def projector(self) -> "Projector | None":
+        """The attached multimodal projector, if any (see :meth:`attach_projector`)."""
+        with self._attach_lock:
+            return self._attached.get("projector")
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        """What the attached projector adds to text: ``{"vision"}``, ``{"audio"}``, both, or nothing."""
+        projector = self.projector
+        return projector.modalities if projector is not None and not projector.closed else frozenset()
+
     def attachment(self, key: str, factory: Callable[[], Any]) -> Any:
         """The resource attached under ``key``, created by ``factory()`` on first use.
 
@@ -213,6 +258,11 @@ class Model(NativeHandle):
     def n_embd(self) -> int:
         """Embedding (hidden) size."""
         return self._int(self._lib.llama_model_n_embd)
+
+    @property
+    def n_embd_inp(self) -> int:
+        """Width of the input embeddings (what a projector's image and audio embeddings must match)."""
+        return self._int(self._lib.llama_model_n_embd_inp)
 
     @property
     def n_layer(self) -> int:
@@ -384,13 +434,22 @@ class Model(NativeHandle):
         return stream(self, prompt, **opts)
 
 
-def load_model(path: str | os.PathLike, **opts: Any) -> Model:
+def load_model(path: str | os.PathLike, *, mmproj: str | os.PathLike | None = None,
+               mmproj_params: "ProjectorParams | None" = None, **opts: Any) -> Model:
     """Load a GGUF model.
 
     Options are the fields of :class:`ModelParams` (``n_gpu_layers=-1``,
     ``use_mmap``, ``kv_overrides``, ``progress_callback``, ...). A missing file
     raises ``FileNotFoundError``; a file llama.cpp cannot load raises
     :class:`ModelLoadError`; an unknown option raises ``TypeError``.
+    ``mmproj``: a multimodal projector to attach (:meth:`Model.attach_projector`, with ``mmproj_params``).
     """
     (model_opts,) = split_options(opts, ModelParams, where="load_model: unknown")
-    return Model(path, ModelParams(**model_opts))
+    model = Model(path, ModelParams(**model_opts))
+    if mmproj is not None:
+        try:
+            model.attach_projector(mmproj, mmproj_params)
+        except BaseException:
+            model.close()
+            raise
+    return model

@@ -4,21 +4,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import LlamaError
+from ..errors import ArgumentTypeError, ClosedError, InvalidArgumentError, LlamaError, MediaError
 from .context_pool import ContextPool
 from .generation import Completion, GenerationParams, TextStream
+from .media import MediaInput, MediaLimits
 from .params import ContextParams, split_options
+from .projector import MEDIA_MARKER, MediaPrompt, media_of
 from .prompt import prompt_tokens
 from .sampler import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from .model import Model
 
-__all__ = ["stream", "generate"]
+__all__ = ["stream", "generate", "media_prompt"]
 
 
-def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStream:
+def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[MediaInput] | None = None,
+           **opts: Any) -> TextStream:
     """Stream generated text pieces for ``prompt`` (text, or token ids).
+
+    ``media``: images and audio clips for a model with a projector (``load_model(..., mmproj=)``), one
+    per :data:`MEDIA_MARKER` in the text prompt, in order; each a path, bytes, a ``data:`` URL, a numpy
+    array or a PIL image (core/media.py). A :class:`MediaPrompt` (``Projector.tokenize``) is taken as is.
 
     Options: sampling (:class:`SamplingParams`: temp, top_k, top_p, seed, grammar, ...),
     generation (:class:`GenerationParams`: max_tokens=256, stop, logprobs, ...) and context
@@ -36,7 +43,10 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
     # n_batch rows (for Gemma's 262k vocabulary a 514 MiB compute buffer instead of 26 MiB).
     ctx_opts.setdefault("n_outputs_max", 1)
     cparams = ContextParams(**ctx_opts)
-    tokens = prompt_tokens(model, prompt, gparams, cparams.n_ctx or model.n_ctx_train)
+    if media is not None or isinstance(prompt, MediaPrompt):
+        tokens = media_prompt(model, prompt, media or (), gparams)
+    else:
+        tokens = prompt_tokens(model, prompt, gparams, cparams.n_ctx or model.n_ctx_train)
     pool = ContextPool.of(model)
     sampler = Sampler(model, sparams, n_ctx=cparams.n_ctx or model.n_ctx_train)
     try:
@@ -61,10 +71,37 @@ def stream(model: "Model", prompt: str | Sequence[int], **opts: Any) -> TextStre
     return TextStream(ctx, sampler, tokens, gparams, on_close=release)
 
 
-def generate(model: "Model", prompt: str | Sequence[int], **opts: Any) -> Completion:
+def generate(model: "Model", prompt: str | Sequence[int], *, media: Sequence[MediaInput] | None = None,
+             **opts: Any) -> Completion:
     """Generate a completion for ``prompt``; same options as :func:`stream`.
 
     Returns a :class:`Completion` (``str(completion)`` is the text) with the
     finish reason (``"stop"``, ``"length"`` or ``"eog"``) and timings.
     """
-    return stream(model, prompt, **opts).completion()
+    return stream(model, prompt, media=media, **opts).completion()
+
+
+def media_prompt(model: "Model", prompt: str | Sequence[int], media: Sequence[MediaInput],
+                 params: GenerationParams, limits: MediaLimits | None = None) -> MediaPrompt:
+    """A text prompt with :data:`MEDIA_MARKER` s and its media as a :class:`MediaPrompt` of ``model``'s
+    projector (MediaError when the model has none)."""
+    if model.closed:
+        raise ClosedError("Model is closed")
+    projector = model.projector
+    if isinstance(prompt, MediaPrompt):
+        if media:
+            raise InvalidArgumentError("media= goes with a text prompt; this MediaPrompt has its media already")
+        if projector is None or prompt.chunks.projector is not projector:
+            raise InvalidArgumentError("this MediaPrompt was made by another model's projector")
+        return prompt
+    if projector is None or projector.closed:
+        raise MediaError(f"{model.path.name} takes no images or audio: load a projector with "
+                         "load_model(path, mmproj=...) or model.attach_projector(...)")
+    if not isinstance(prompt, str):
+        raise ArgumentTypeError("a prompt with media must be text, with one MEDIA_MARKER per image or audio clip")
+    if isinstance(media, (str, bytes)) or not isinstance(media, Sequence):
+        raise ArgumentTypeError("media must be a list (one item per MEDIA_MARKER)")
+    items = media_of(media, projector, limits)
+    text = prompt.replace(MEDIA_MARKER, projector.marker)
+    return projector.tokenize(text, items, add_special=params.add_special, parse_special=params.parse_special,
+                              limits=limits)

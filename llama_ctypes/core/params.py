@@ -182,7 +182,8 @@ class ModelParams:
         return L.LLAMA_LOAD_MODE_MLOCK if self.use_mlock else L.LLAMA_LOAD_MODE_NONE
 
 
-def _threads_default() -> int:
+def default_threads() -> int:
+    """Threads a context (or projector) uses when not told: the CPUs this process may run on."""
     # llama.cpp's own default is a fixed 4; the physical core count is a better guess.
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -273,7 +274,7 @@ class ContextParams:
         from .backend import init
 
         p = init().llama_context_default_params()
-        threads = self.n_threads or _threads_default()
+        threads = self.n_threads or default_threads()
         p.n_ctx = self.n_ctx
         p.n_batch = self.n_batch
         p.n_ubatch = self.n_ubatch

@@ -52,7 +52,8 @@ def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None
             "(at least one token must be generated); use a larger n_ctx or a shorter prompt",
             n_tokens=len(prompt), n_ctx=n_ctx,
         )
-    ctx.vocab.check_tokens(prompt)
+    spans = getattr(prompt, "spans", None)  # a MediaPrompt: its placeholders are no vocabulary ids
+    ctx.vocab.check_tokens(prompt.text_tokens if spans is not None else prompt)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -70,7 +70,8 @@ class LocalTarget:
     def stream_tokens(self, tokens: Sequence[int], *, session: Any = None, **opts: Any) -> TextStream:
         if session is not None:
             raise ArgumentTypeError("session= needs a Server (it keeps a conversation on its slot)")
-        return self.stream(list(tokens), **opts)
+        # (a MediaPrompt stays one: its media spans go with it)
+        return self.stream(tokens if getattr(tokens, "spans", None) is not None else list(tokens), **opts)
 
     def generate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
         return self.stream(prompt, **opts).completion()

@@ -11,9 +11,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import ArgumentTypeError, InvalidArgumentError
+from ..errors import ArgumentTypeError, InvalidArgumentError, MediaError
 from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings
 from ..core.logprobs import TokenLogprob
+from ..core.media import MediaData, MediaLimits
+from ..core.projector import MediaPrompt
 from ..core.model import Model
 from ..core.target import GenerationTarget, as_target
 from ..core.params import ContextParams, split_options
@@ -21,6 +23,7 @@ from ..core.sampler import SamplingParams
 from ..core.tokenizer import Tokenizer
 from ..native import llama_h as L
 from .openai.shapes import CompletionUsage, usage
+from .chat_media import has_media, split_media
 from .chat_template import ChatTemplate, ChatTemplateError, check_template_kwargs
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
 from .structured import constrain_to, parse_completion
@@ -235,6 +238,19 @@ def prompt_tokens(model: Model, text: str) -> list[int]:
     return ids
 
 
+def media_prompt_tokens(model: Model, text: str, media: Sequence[MediaData],
+                        limits: MediaLimits | None = None) -> MediaPrompt:
+    """:func:`prompt_tokens` for a rendered prompt holding the projector's media markers: the media go
+    where the markers are (BOS added only when the template did not write it)."""
+    projector = model.projector
+    if projector is None:
+        raise MediaError(f"{model.path.name} has no multimodal projector")
+    bos = Tokenizer.bos(model)
+    bos_text = Tokenizer.token_to_piece(model, bos, special=True) if bos is not None else ""
+    add_special = not (bos_text and text.startswith(bos_text))
+    return projector.tokenize(text, media, add_special=add_special, parse_special=True, limits=limits)
+
+
 class ChatReply(str):
     """The assistant's answer (a ``str``), with ``reasoning``, ``finish_reason``, ``usage`` and ``timings``;
     ``logprobs`` (one :class:`~llama_ctypes.TokenLogprob` per token, reasoning included) when asked
@@ -373,13 +389,18 @@ def stream_chat(model: Model | GenerationTarget, messages: Sequence[Message], **
     target = as_target(model)
     model = target.model
     session = opts.pop("session", None)
+    media_limits = opts.pop("media_limits", None)
     params, rest = _split_chat_options(opts)
+    media: list = []
+    if has_media(messages):
+        messages, media = split_media(messages, model.projector, media_limits)
     text, template = render_prompt(model, messages, params)
     formats = formats_for_template(template.source) if params.parse_reasoning else ()
     splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
     if formats:
         rest.setdefault("special", True)  # reasoning markers are often special tokens
-    return ChatStream(target.stream_tokens(prompt_tokens(model, text), session=session, **rest), splitter)
+    tokens = media_prompt_tokens(model, text, media, media_limits) if media else prompt_tokens(model, text)
+    return ChatStream(target.stream_tokens(tokens, session=session, **rest), splitter)
 
 
 def chat(model: Model | GenerationTarget, messages: Sequence[Message], *, response_model: Any = None, **opts: Any) -> ChatReply | Any:

@@ -50,6 +50,8 @@ PROTOTYPES = [
     ("lcx_layout_get", [c_int32, POINTER(c_char_p), POINTER(c_char_p), POINTER(c_size_t), POINTER(c_size_t)], c_bool),
     # void lcx_log_set_quiet(void);
     ("lcx_log_set_quiet", [], None),
+    # ggml_log_callback lcx_quiet_log(void);   (a C no-op, for libmtmd's log setter at exit)
+    ("lcx_quiet_log", [], c_void_p),
     # void lcx_string_free(char * s);   (takes the raw pointer, so restype of producers is c_void_p)
     ("lcx_string_free", [c_void_p], None),
     # char * lcx_json_schema_to_grammar(const char * schema_json, bool force_gbnf, char ** error);

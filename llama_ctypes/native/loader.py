@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from ..errors import NativeLibraryError
-from . import adapter_h, ggml_h, llama_h
+from . import adapter_h, ggml_h, llama_h, mtmd_h
 from .layout import check_layouts, native_layouts
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,7 @@ _ADAPTER = "llama_ctypes_adapter"
 _LLAMA = "llama"
 _GGML = "ggml"
 _GGML_BASE = "ggml-base"
+_MTMD = "mtmd"
 
 
 def library_filename(name: str) -> str:
@@ -82,7 +83,36 @@ class NativeLibrary:
                 f"adapter ABI {abi} in {directory}, this package expects {adapter_h.ABI_VERSION}; rebuild the libraries"
             )
         if structs_check:
-            check_layouts(native_layouts(self), {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS})
+            check_layouts(native_layouts(self),
+                          {**llama_h.STRUCTS, **ggml_h.STRUCTS, **adapter_h.STRUCTS, **mtmd_h.STRUCTS})
+        self._mtmd_lock = threading.Lock()
+        self._mtmd_loaded = False
+
+    def mtmd(self) -> "NativeLibrary":
+        """Load libmtmd (images and audio) on first use and bind its prototypes onto this object.
+
+        Separate from the other libraries so that a text-only program never maps it. Thread-safe;
+        NativeLibraryError when this build has no libmtmd (or one that lacks a declared symbol).
+        """
+        if self._mtmd_loaded:
+            return self
+        with self._mtmd_lock:
+            if not self._mtmd_loaded:
+                path = self.directory / library_filename(_MTMD)
+                try:
+                    self._handles[_MTMD] = ctypes.CDLL(str(path))
+                except OSError as exc:
+                    raise NativeLibraryError(
+                        f"images and audio need libmtmd, which this build lacks ({path}: {exc}); rebuild the "
+                        "libraries from this version's sources") from exc
+                missing_before = len(self.missing)
+                self._bind(mtmd_h.PROTOTYPES, (_MTMD,))
+                if len(self.missing) > missing_before:
+                    lacking = self.missing[missing_before:]
+                    del self.missing[missing_before:]
+                    raise NativeLibraryError(f"{path} lacks {', '.join(lacking)} (built from another llama.cpp?)")
+                self._mtmd_loaded = True
+        return self
 
     def llama_build(self) -> str:
         """llama.cpp's build tag, as its tools print it: ``b<build number>-<commit>`` (``b0-unknown`` for a

@@ -36,7 +36,7 @@ from ...core.params import ContextParams, ModelParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplingParams
 from ...core.text import TextAssembler
-from ...errors import ArgumentTypeError, BusyError, CancelledError, InvalidArgumentError
+from ...errors import ArgumentTypeError, BusyError, CancelledError, InvalidArgumentError, MediaError
 from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_snapshots
 from ..speculative.mtp import MTPDraft
 from .adapters import ServedAdapters
@@ -367,6 +367,8 @@ class Server:
         if params.control_vector is not None:
             raise InvalidArgumentError("a Server applies one control vector to every request: "
                                        "Server(control_vector=...), not per request")
+        if getattr(prompt, "spans", None) is not None:
+            raise MediaError("a Server does not take images or audio yet: use lc.chat/lc.generate on the Model")
         # (a text too long for a slot is refused before it is tokenized)
         vocab = self._ctx.vocab  # the context's: it keeps working after the shared Model is closed
         tokens = prompt_tokens(vocab, prompt, params, self.n_ctx)

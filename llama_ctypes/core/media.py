@@ -1,0 +1,257 @@
+"""Image and audio inputs, before any native call: what a caller may pass, read into bytes or arrays
+and checked against :class:`MediaLimits`.
+
+An input is a path, encoded file bytes, a ``data:`` URL, a numpy array (H×W×3 ``uint8`` RGB for an
+image, 1-D ``float32`` PCM at the projector's sample rate for audio) or a PIL image. Encoded files are
+decoded later by llama.cpp's own helper (stb_image: PNG, JPEG, GIF, BMP; miniaudio: WAV, MP3, FLAC);
+here an image file's header is read first so that a small file claiming a huge picture (a
+decompression bomb) is refused before anything is decoded. Nothing here fetches a URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import numpy as np
+
+from ..errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
+
+__all__ = ["MediaLimits", "MediaData", "MediaInput", "read_media", "image_size", "media_kind_of_bytes"]
+
+MediaInput = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Any]
+"""What ``media=`` and content parts accept (``Any``: a PIL image)."""
+
+MediaKind = Literal["image", "audio"]
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds on one prompt's media, checked before decoding (defaults in parentheses).
+
+    ``max_bytes`` (20 MiB): an encoded file, or a raw array's bytes. ``max_pixels`` (25 M) and
+    ``max_side`` (16384): an image's size as its header states it. ``max_audio_seconds`` (600): decoded
+    audio. ``max_items`` (16): images and clips in one prompt.
+    """
+
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 25_000_000
+    max_side: int = 16384
+    max_audio_seconds: float = 600.0
+    max_items: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_pixels", "max_side", "max_items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"MediaLimits.{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.max_audio_seconds, (int, float)) and self.max_audio_seconds > 0):
+            raise InvalidArgumentError(f"MediaLimits.max_audio_seconds must be > 0, got {self.max_audio_seconds!r}")
+
+
+@dataclass(frozen=True)
+class MediaData:
+    """One input, read: ``data`` is encoded file bytes (``raw`` False) or a C-contiguous array (``raw``
+    True: ``uint8`` H×W×3 for an image, ``float32`` samples for audio). ``id`` is a content hash
+    (SHA-256 hex of what will be decoded, plus the shape of a raw array): equal inputs, equal ids."""
+
+    kind: MediaKind
+    data: bytes | np.ndarray
+    raw: bool
+    id: str
+    width: int = 0  # an image's size (from the header for a file); 0 for audio
+    height: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes if isinstance(self.data, np.ndarray) else len(self.data)
+
+
+_DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+
+
+def read_media(item: MediaInput, limits: MediaLimits | None = None, *, allow_paths: bool = True) -> MediaData:
+    """Read one input into :class:`MediaData`, checked against ``limits``.
+
+    MediaError for what cannot be an image or audio clip (an unknown format, a corrupt header, a bad
+    ``data:`` URL), MediaTooLargeError over a limit, ArgumentTypeError for an unsupported type.
+    ``allow_paths=False`` refuses file paths (an HTTP server never reads its own files for a client).
+    """
+    limits = limits or MediaLimits()
+    if isinstance(item, MediaData):
+        return item
+    if isinstance(item, np.ndarray):
+        return _from_array(item, limits)
+    if _is_pil_image(item):
+        return _from_array(np.asarray(item.convert("RGB")), limits)
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return _from_bytes(bytes(item), limits)
+    if isinstance(item, str) and item[:5].lower() == "data:":
+        return _from_bytes(decode_data_url(item, limits), limits)
+    if isinstance(item, str) and re.match(r"(?i)https?://", item):
+        raise MediaError("media URLs are not fetched here: pass the file's bytes, a path or a data: URL "
+                         "(the HTTP server fetches http(s) URLs only when started with --media-urls)")
+    if isinstance(item, (str, os.PathLike)):
+        if not allow_paths:
+            raise MediaError("file paths are not accepted here: send the media as a data: URL")
+        return _from_bytes(_read_file(Path(item), limits), limits)
+    raise ArgumentTypeError(
+        f"media must be a path, bytes, a data: URL, a numpy array or a PIL image, not {type(item).__name__}")
+
+
+def decode_data_url(url: str, limits: MediaLimits) -> bytes:
+    """The bytes of a ``data:[<mime>][;base64],<data>`` URL (base64 only); MediaError when malformed."""
+    m = _DATA_URL.match(url)
+    if m is None or not m.group("b64"):
+        raise MediaError("a media data: URL must look like data:<type>/<subtype>;base64,<data>")
+    payload = url[m.end():]
+    if len(payload) // 4 * 3 > limits.max_bytes:
+        raise MediaTooLargeError(f"a data: URL of about {len(payload) // 4 * 3} bytes is over the limit of "
+                                 f"{limits.max_bytes} bytes per media")
+    try:
+        return base64.b64decode(payload.strip(), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MediaError(f"the data: URL's base64 is invalid: {exc}") from None
+
+
+def _read_file(path: Path, limits: MediaLimits) -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise MediaTooLargeError(f"{path} is {size} bytes, over the limit of {limits.max_bytes} per media")
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"media file not found: {path}") from None
+    except IsADirectoryError:
+        raise MediaError(f"{path} is a directory, not a media file") from None
+    except OSError as exc:
+        if isinstance(exc, MediaTooLargeError):
+            raise
+        raise MediaError(f"cannot read {path}: {exc}") from None
+
+
+def _from_bytes(data: bytes, limits: MediaLimits) -> MediaData:
+    if len(data) > limits.max_bytes:
+        raise MediaTooLargeError(f"a media file of {len(data)} bytes is over the limit of {limits.max_bytes}")
+    if not data:
+        raise MediaError("the media is empty (0 bytes)")
+    digest = hashlib.sha256(data).hexdigest()
+    if media_kind_of_bytes(data) == "audio":
+        return MediaData("audio", data, False, digest)
+    width, height = image_size(data)
+    _check_image_size(width, height, limits)
+    return MediaData("image", data, False, digest, width, height)
+
+
+def _from_array(arr: np.ndarray, limits: MediaLimits) -> MediaData:
+    if arr.nbytes > limits.max_bytes:
+        raise MediaTooLargeError(f"an array of {arr.nbytes} bytes is over the limit of {limits.max_bytes} per media")
+    if arr.ndim == 3 and arr.shape[2] in (3, 4) and arr.dtype == np.uint8:
+        height, width = int(arr.shape[0]), int(arr.shape[1])
+        _check_image_size(width, height, limits)
+        rgb = np.ascontiguousarray(arr[:, :, :3])
+        digest = hashlib.sha256(b"rgb%dx%d:" % (width, height) + rgb.tobytes()).hexdigest()
+        return MediaData("image", rgb, True, digest, width, height)
+    if arr.ndim == 1 and arr.dtype in (np.float32, np.float64):
+        pcm = np.ascontiguousarray(arr, dtype=np.float32)
+        if pcm.size < 2:
+            raise MediaError(f"an audio clip needs at least 2 samples, got {pcm.size}")
+        if not np.isfinite(pcm).all():
+            raise MediaError("audio samples must be finite (no NaN or infinity)")
+        digest = hashlib.sha256(b"pcm%d:" % pcm.size + pcm.tobytes()).hexdigest()
+        return MediaData("audio", pcm, True, digest)
+    raise MediaError(
+        f"an array of shape {arr.shape} and dtype {arr.dtype} is neither an image (H×W×3 uint8 RGB, or H×W×4: "
+        "alpha dropped) nor audio (1-D float32 PCM at the projector's sample rate)")
+
+
+def _check_image_size(width: int, height: int, limits: MediaLimits) -> None:
+    if width < 1 or height < 1:
+        raise MediaError(f"an image of {width}×{height} pixels is empty")
+    if width > limits.max_side or height > limits.max_side or width * height > limits.max_pixels:
+        raise MediaTooLargeError(
+            f"an image of {width}×{height} pixels is over the limit ({limits.max_pixels} pixels, "
+            f"{limits.max_side} per side)")
+
+
+def _is_pil_image(item: Any) -> bool:
+    cls = type(item)
+    return any(c.__module__.startswith("PIL.") and c.__name__ == "Image" for c in cls.__mro__)
+
+
+def media_kind_of_bytes(data: bytes) -> MediaKind:
+    """"audio" for the files llama.cpp's helper decodes as audio (WAV, MP3, FLAC, by magic bytes, as
+    the helper tells them), else "image"."""
+    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "audio"
+    if data[:3] == b"ID3" or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "audio"
+    if data[:4] == b"fLaC":
+        return "audio"
+    return "image"
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from an image file's header: PNG, JPEG, GIF or BMP. MediaError otherwise.
+
+    Only these formats: their decoder (stb_image) allocates what the header says, so the size must be
+    known before decoding; WebP would need ffmpeg, which llama.cpp runs only in builds with video.
+    """
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        if len(data) < 24 or data[12:16] != b"IHDR":
+            raise MediaError("a corrupt PNG file (no IHDR header)")
+        return struct.unpack(">II", data[16:24])
+    if data[:2] == b"\xff\xd8":
+        return _jpeg_size(data)
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        if len(data) < 10:
+            raise MediaError("a corrupt GIF file (truncated header)")
+        return struct.unpack("<HH", data[6:10])
+    if data[:2] == b"BM":
+        if len(data) < 26:
+            raise MediaError("a corrupt BMP file (truncated header)")
+        header = struct.unpack("<I", data[14:18])[0]
+        if header == 12:
+            return struct.unpack("<HH", data[18:22])
+        width, height = struct.unpack("<ii", data[18:26])
+        return abs(width), abs(height)
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        raise MediaError("WebP images are not supported (PNG, JPEG, GIF and BMP are)")
+    raise MediaError("not an image or audio file llama.cpp can decode (images: PNG, JPEG, GIF, BMP; "
+                     "audio: WAV, MP3, FLAC)")
+
+
+# JPEG start-of-frame markers (baseline, progressive, lossless...): not DHT (C4), JPG (C8) or DAC (CC).
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            raise MediaError("a corrupt JPEG file (bad marker)")
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+            i += 2
+            continue
+        length = struct.unpack(">H", data[i + 2:i + 4])[0]
+        if marker in _SOF:
+            if i + 9 > n:
+                break
+            height, width = struct.unpack(">HH", data[i + 5:i + 9])
+            return width, height
+        if length < 2:
+            raise MediaError("a corrupt JPEG file (bad segment length)")
+        i += 2 + length
+    raise MediaError("a corrupt or truncated JPEG file (no frame header)")

@@ -1,0 +1,119 @@
+"""Images and audio in chat messages: OpenAI content parts → media markers in the text, plus the media.
+
+A message's content list may hold, besides ``{"type": "text", "text": ...}``:
+
+* ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (OpenAI; a path, or for
+  the Python API anything :func:`~llama_ctypes.core.media.read_media` takes, in ``url``);
+* ``{"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav" | "mp3"}}`` (OpenAI);
+* ``{"type": "image", "image": ...}`` and ``{"type": "audio", "audio": ...}`` (the Python API: a path,
+  bytes, an array or a PIL image).
+
+Each becomes the projector's marker, and the parts are joined as llama.cpp joins them (a new line
+between text parts, none around a marker), so the template sees a plain string, as llama-server's does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any, Mapping, Sequence
+
+from ..core.media import MediaData, MediaLimits
+from ..core.projector import Projector
+from ..errors import MediaError
+
+__all__ = ["has_media", "split_media", "MEDIA_PART_TYPES"]
+
+MEDIA_PART_TYPES = ("image_url", "input_audio", "image", "audio")
+
+
+def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether any message's content holds an image or audio part."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, (list, tuple)):
+            for part in content:
+                if isinstance(part, Mapping) and part.get("type") in MEDIA_PART_TYPES:
+                    return True
+    return False
+
+
+def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | None, limits: MediaLimits | None = None,
+                *, allow_paths: bool = True) -> tuple[list[Mapping[str, Any]], list[MediaData]]:
+    """The messages with each media part replaced by ``projector.marker`` (content joined into text),
+    and the media read, in order. MediaError (naming the message and part) for media the model cannot
+    take or that cannot be read."""
+    limits = limits or MediaLimits()
+    out: list[Mapping[str, Any]] = []
+    media: list[MediaData] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, (list, tuple)) or not any(
+                isinstance(p, Mapping) and p.get("type") in MEDIA_PART_TYPES for p in content):
+            out.append(message)
+            continue
+        if projector is None or projector.closed:
+            raise MediaError(f"messages[{i}] holds an image or audio part, and this model takes text only "
+                             "(it has no multimodal projector: load one with mmproj=)")
+        pieces: list[tuple[str, str]] = []  # (type, text): "text" or "marker"
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text":
+                pieces.append(("text", str(part.get("text", ""))))
+                continue
+            if kind not in MEDIA_PART_TYPES:
+                raise MediaError(f"{where}: unsupported content part type {kind!r}")
+            try:
+                item = projector.read(_part_source(part, kind), limits, allow_paths=allow_paths)
+            except MediaError as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+            if len(media) >= limits.max_items:
+                raise MediaError(f"{where}: more than {limits.max_items} media in one request")
+            media.append(item)
+            pieces.append(("marker", projector.marker))
+        out.append({**message, "content": _joined(pieces)})
+    return out, media
+
+
+def _part_source(part: Mapping[str, Any], kind: str) -> Any:
+    if kind == "image_url":
+        value = part.get("image_url")
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if url is None or url == "":
+            raise MediaError("an image_url part needs image_url.url")
+        return url
+    if kind == "input_audio":
+        value = part.get("input_audio")
+        if not isinstance(value, Mapping):
+            raise MediaError("an input_audio part needs input_audio.data (base64) and input_audio.format")
+        data = value.get("data", value.get("url"))
+        if not isinstance(data, str) or not data:
+            raise MediaError("an input_audio part needs input_audio.data (base64)")
+        if data[:5].lower() == "data:":
+            return data
+        fmt = value.get("format")
+        if fmt is not None and fmt not in ("wav", "mp3", "flac"):
+            raise MediaError(f"input_audio.format {fmt!r} is not supported (wav, mp3, flac are)")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise MediaError(f"input_audio.data is not valid base64: {exc}") from None
+    value = part.get(kind)
+    if value is None:
+        raise MediaError(f"an {kind} part needs its {kind!r} field")
+    return value
+
+
+def _joined(pieces: list[tuple[str, str]]) -> str:
+    text = ""
+    after_marker = False
+    for kind, piece in pieces:
+        if kind == "text":
+            if text and not after_marker:
+                text += "\n"
+            after_marker = False
+        else:
+            after_marker = True
+        text += piece
+    return text

@@ -1,0 +1,155 @@
+"""Media inputs before any native call (core/media.py): forms, headers, limits, bad input."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import wave
+import zlib
+
+import numpy as np
+import pytest
+
+from llama_ctypes.core.media import MediaLimits, image_size, read_media
+from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+def png_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    PIL.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width×height, with one tiny (wrong) data chunk: a decompression bomb's shape."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    out = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+    data = zlib.compress(b"\x00" * 64)
+    idat = b"IDAT" + data
+    return out + struct.pack(">I", len(data)) + idat + struct.pack(">I", zlib.crc32(idat))
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+RNG = np.random.default_rng(0)
+IMG = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP"])
+def test_image_size_from_header(fmt):
+    buf = io.BytesIO()
+    PIL.fromarray(IMG).save(buf, format=fmt)
+    assert image_size(buf.getvalue()) == (40, 30)
+
+
+def test_progressive_jpeg_size():
+    buf = io.BytesIO()
+    PIL.fromarray(IMG).save(buf, format="JPEG", progressive=True)
+    assert image_size(buf.getvalue()) == (40, 30)
+
+
+def test_forms_of_one_image_share_an_id(tmp_path):
+    data = png_bytes(IMG)
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    ids = {read_media(x).id for x in (data, bytearray(data), memoryview(data), str(path), path, url)}
+    assert len(ids) == 1
+    got = read_media(data)
+    assert (got.kind, got.raw, got.width, got.height) == ("image", False, 40, 30)
+    # arrays and PIL images are raw RGB: one id for both, another than the file's (it is what gets decoded)
+    raw = {read_media(IMG).id, read_media(PIL.fromarray(IMG)).id,
+           read_media(np.dstack([IMG, np.full((30, 40), 255, np.uint8)])).id}
+    assert len(raw) == 1 and raw != ids
+    assert read_media(IMG[:, :, ::-1].copy()).id not in raw
+
+
+def test_audio_forms():
+    pcm = np.sin(np.linspace(0, 100, 16000)).astype(np.float32)
+    got = read_media(wav_bytes(pcm))
+    assert got.kind == "audio" and not got.raw
+    arr = read_media(pcm)
+    assert arr.kind == "audio" and arr.raw and arr.data.dtype == np.float32
+    assert read_media(pcm.astype(np.float64)).id == arr.id
+    with pytest.raises(MediaError, match="at least 2 samples"):
+        read_media(np.zeros(1, np.float32))
+    with pytest.raises(MediaError, match="finite"):
+        read_media(np.array([0.0, np.nan], np.float32))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (b"hello, I am a text file", "not an image or audio"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "corrupt PNG"),
+    (b"\xff\xd8\xff\xe0\x00\x02", "JPEG"),
+    (b"GIF89a\x01", "corrupt GIF"),
+    (b"RIFF\x00\x00\x00\x00WEBPVP8 ", "WebP"),
+    (b"", "empty"),
+])
+def test_bad_files(bad, match):
+    with pytest.raises(MediaError, match=match):
+        read_media(bad)
+
+
+def test_decompression_bomb_refused_before_decoding():
+    bomb = png_header_only(20000, 20000)
+    assert len(bomb) < 200 and image_size(bomb) == (20000, 20000)
+    with pytest.raises(MediaTooLargeError, match="20000×20000"):
+        read_media(bomb)
+    with pytest.raises(MediaTooLargeError):
+        read_media(png_header_only(17000, 10), MediaLimits(max_pixels=10**9))  # max_side
+    with pytest.raises(MediaError, match="empty"):
+        read_media(png_header_only(0, 10))
+
+
+def test_limits():
+    data = png_bytes(IMG)
+    with pytest.raises(MediaTooLargeError, match="bytes"):
+        read_media(data, MediaLimits(max_bytes=len(data) - 1))
+    with pytest.raises(MediaTooLargeError, match="data: URL"):
+        read_media("data:image/png;base64," + base64.b64encode(data).decode(), MediaLimits(max_bytes=16))
+    with pytest.raises(MediaTooLargeError):
+        read_media(IMG, MediaLimits(max_pixels=100))
+    with pytest.raises(InvalidArgumentError):
+        MediaLimits(max_bytes=0)
+    with pytest.raises(InvalidArgumentError):
+        MediaLimits(max_audio_seconds=-1)
+
+
+@pytest.mark.parametrize("url, match", [
+    ("data:image/png;base64,@@@@", "base64"),
+    ("data:image/png,abcd", "base64"),
+    ("data:nonsense", "data:"),
+])
+def test_bad_data_urls(url, match):
+    with pytest.raises(MediaError, match=match):
+        read_media(url)
+
+
+def test_urls_paths_and_types(tmp_path):
+    with pytest.raises(MediaError, match="not fetched"):
+        read_media("https://example.com/cat.png")
+    with pytest.raises(FileNotFoundError):
+        read_media(str(tmp_path / "missing.png"))
+    with pytest.raises(MediaError, match="directory"):
+        read_media(tmp_path)
+    (tmp_path / "a.png").write_bytes(png_bytes(IMG))
+    with pytest.raises(MediaError, match="paths are not accepted"):
+        read_media(str(tmp_path / "a.png"), allow_paths=False)
+    with pytest.raises(ArgumentTypeError):
+        read_media(12)
+    with pytest.raises(MediaError, match="neither an image"):
+        read_media(np.zeros((4, 4), np.uint8))
+    with pytest.raises(MediaError, match="neither an image"):
+        read_media(np.zeros((4, 4, 3), np.float32))

@@ -1,0 +1,301 @@
+"""Images and audio through libmtmd: the projector, media prompts, the one-call API and chat.
+
+The models are tiny and random (tests/tiny_models.py: a llava-style MLP projector, a Gemma-3-style
+one whose images are decoded with non-causal attention, and an Ultravox-style audio projector), so
+the tests assert invariants and agreement with llama.cpp's own ``llama-mtmd-cli`` on the same files.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import threading
+import wave
+
+import numpy as np
+import pytest
+from llama_server import find_tool
+from margins import NEAR_TIE, assert_greedy_equivalent
+from tiny_models import write_tiny_audio_mmproj, write_tiny_gemma3_mmproj, write_tiny_mmproj
+
+import llama_ctypes as lc
+from llama_ctypes.errors import (
+    ArgumentTypeError,
+    ClosedError,
+    InvalidArgumentError,
+    MediaError,
+    MediaTooLargeError,
+    ModelLoadError,
+)
+
+PIL = pytest.importorskip("PIL.Image")
+
+GREEDY = dict(temp=0.0, n_ctx=512)
+
+
+def png(arr: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    PIL.fromarray(arr).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+RNG = np.random.default_rng(7)
+IMG_A = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+IMG_B = RNG.integers(0, 256, (48, 32, 3), dtype=np.uint8)
+TONE = (0.5 * np.sin(2 * np.pi * 440 * np.arange(16000) / 16000)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_model_path):
+    d = tmp_path_factory.mktemp("mm")
+    out = {
+        "model": tiny_model_path,
+        "vision": write_tiny_mmproj(d / "mmproj-mlp.gguf"),
+        "gemma3": write_tiny_gemma3_mmproj(d / "mmproj-gemma3.gguf"),
+        "audio": write_tiny_audio_mmproj(d / "mmproj-audio.gguf"),
+        "wrong_width": write_tiny_mmproj(d / "mmproj-n32.gguf", n_embd_text=32),
+        "a.png": d / "a.png", "b.png": d / "b.png", "a.jpg": d / "a.jpg", "tone.wav": d / "tone.wav",
+    }
+    out["a.png"].write_bytes(png(IMG_A))
+    out["b.png"].write_bytes(png(IMG_B))
+    out["a.jpg"].write_bytes(png(IMG_A, "JPEG"))
+    out["tone.wav"].write_bytes(wav(TONE))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vlm(files):
+    model = lc.load_model(files["model"], mmproj=files["vision"])
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def alm(files):
+    model = lc.load_model(files["model"], mmproj=files["audio"])
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def gemma3ish(files):
+    model = lc.load_model(files["model"], mmproj=files["gemma3"])
+    yield model
+    model.close()
+
+
+PROMPT = "Look at this: " + lc.MEDIA_MARKER + " What is it?"
+
+
+def test_projector_describes_itself(vlm, alm, gemma3ish, tiny_model):
+    assert vlm.modalities == {"vision"} and alm.modalities == {"audio"} and gemma3ish.modalities == {"vision"}
+    assert tiny_model.modalities == frozenset() and tiny_model.projector is None
+    assert vlm.projector.audio_sample_rate is None and alm.projector.audio_sample_rate == 16000
+    assert not vlm.projector.uses_mrope
+    assert "vision" in repr(vlm.projector)
+    # the marker a projector looks for is random: text from a user never places media
+    assert vlm.projector.marker != alm.projector.marker and lc.MEDIA_MARKER not in vlm.projector.marker
+    with pytest.raises(InvalidArgumentError, match="has a projector already"):
+        vlm.attach_projector(vlm.projector.path)
+
+
+def test_refused_projectors(files):
+    with lc.load_model(files["model"]) as model:
+        with pytest.raises(ModelLoadError, match="mismatch between text model"):
+            model.attach_projector(files["wrong_width"])
+        with pytest.raises(ModelLoadError, match="projector"):
+            model.attach_projector(files["model"])  # a text model is no projector
+        with pytest.raises(FileNotFoundError):
+            model.attach_projector(files["model"].parent / "missing.gguf")
+        assert model.projector is None  # nothing half-attached
+        model.attach_projector(files["vision"])
+        assert model.modalities == {"vision"}
+
+
+def test_prompt_places_media(vlm):
+    prompt = vlm.projector.tokenize("a " + vlm.projector.marker + " b", [vlm.projector.read(IMG_A)])
+    (span,) = prompt.spans
+    assert span.kind == "image" and span.n_tokens == span.n_pos == 16 and span.end < len(prompt)
+    assert all(t < 0 for t in prompt[span.start:span.end]) and all(t >= 0 for t in prompt.text_tokens)
+    assert prompt.cut_point(span.start + 3) == span.start and prompt.cut_point(span.end) == span.end
+    other = vlm.projector.tokenize("a " + vlm.projector.marker + " b", [vlm.projector.read(IMG_B)])
+    assert other.spans[0].id != span.id and other[span.start] != prompt[span.start]
+
+
+def test_same_image_in_every_form_gives_the_same_tokens(vlm, files):
+    data = files["a.png"].read_bytes()
+    forms = [str(files["a.png"]), files["a.png"], data, "data:image/png;base64," + base64.b64encode(data).decode(),
+             IMG_A, PIL.fromarray(IMG_A)]
+    outs = [lc.generate(vlm, PROMPT, media=[m], max_tokens=8, **GREEDY).tokens for m in forms]
+    assert all(o == outs[0] for o in outs), outs  # one decoded picture: the same computation each time
+    other = lc.generate(vlm, PROMPT, media=[IMG_B], max_tokens=8, **GREEDY).tokens
+    assert other != outs[0]  # the image reaches the model
+
+
+def test_cached_image_prefix_equals_cold(vlm):
+    cold = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=12, logprobs=2, **GREEDY)
+    assert cold.timings.cached_tokens == 0
+    warm = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=12, cache_prompt=True, **GREEDY)
+    assert warm.timings.cached_tokens == cold.prompt_tokens - 1  # the image came from the cache
+    assert_greedy_equivalent(warm, cold, what="cached image")
+    # another image at the same place: only the text before it is reused
+    other = lc.generate(vlm, PROMPT, media=[IMG_B], max_tokens=4, cache_prompt=True, **GREEDY)
+    assert 0 < other.timings.cached_tokens < 8
+
+
+def test_second_chat_turn_reuses_the_image(vlm):
+    turn1 = [{"role": "user", "content": [{"type": "image", "image": IMG_A}, {"type": "text", "text": "What?"}]}]
+    first = lc.chat(vlm, turn1, chat_template="chatml", max_tokens=6, cache_prompt=True, **GREEDY)
+    turn2 = turn1 + [{"role": "assistant", "content": str(first)}, {"role": "user", "content": "And?"}]
+    second = lc.chat(vlm, turn2, chat_template="chatml", max_tokens=6, cache_prompt=True, **GREEDY)
+    assert second.timings.cached_tokens > 16 + 5  # BOS, the turn's opening and the 16 image embeddings
+
+
+def test_audio_clip(alm, files):
+    from_file = lc.generate(alm, "Hear " + lc.MEDIA_MARKER + " ok", media=[files["tone.wav"]], max_tokens=6, **GREEDY)
+    assert from_file.prompt_tokens > 50  # 1 s of audio: 50 embeddings, and the text
+    as_array = lc.generate(alm, "Hear " + lc.MEDIA_MARKER + " ok", media=[TONE], max_tokens=6, **GREEDY)
+    assert as_array.prompt_tokens == from_file.prompt_tokens
+    reply = lc.chat(alm, [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(TONE)).decode(), "format": "wav"}},
+        {"type": "text", "text": "What is this sound?"}]}], chat_template="chatml", max_tokens=4, **GREEDY)
+    assert len(reply.tokens) == 4
+
+
+def test_non_causal_projector_needs_a_ubatch_for_its_image(gemma3ish):
+    out = lc.generate(gemma3ish, PROMPT, media=[IMG_A], max_tokens=6, **GREEDY)
+    assert len(out.tokens) == 6
+    with pytest.raises(InvalidArgumentError, match="non-causal"):
+        lc.generate(gemma3ish, PROMPT, media=[IMG_A], max_tokens=2, n_ubatch=2, n_batch=2, **GREEDY)
+
+
+def test_chat_parts_and_literal_markers(vlm):
+    url = "data:image/png;base64," + base64.b64encode(png(IMG_A)).decode()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "this?"}]}]
+    reply = lc.chat(vlm, msgs, chat_template="chatml", max_tokens=4, **GREEDY)
+    assert len(reply.tokens) == 4 and reply.prompt_tokens > 16
+    # the public marker typed by a user is only text in chat: no media is expected for it
+    text_only = lc.chat(vlm, [{"role": "user", "content": "say " + lc.MEDIA_MARKER}], chat_template="chatml",
+                        max_tokens=2, **GREEDY)
+    assert len(text_only.tokens) == 2
+
+
+def test_against_llama_mtmd_cli(vlm, alm, gemma3ish, files, tmp_path):
+    exe = find_tool("llama-mtmd-cli")
+    if exe is None:
+        pytest.fail("llama-mtmd-cli is not built; build the tools: "
+                    "LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py")
+    cases = [(vlm, files["vision"], "--image", files["a.png"], IMG_A),
+             (gemma3ish, files["gemma3"], "--image", files["b.png"], IMG_B),
+             (alm, files["audio"], "--audio", files["tone.wav"], files["tone.wav"])]
+    for model, mmproj, flag, path, media in cases:
+        cmd = [str(exe), "-m", str(files["model"]), "--mmproj", str(mmproj), flag, str(path), "-p", "What is this?",
+               "-n", "10", "--temp", "0", "--chat-template", "chatml", "-c", "512", "-t", "2"]
+        run = subprocess.run(cmd, capture_output=True, timeout=120)
+        assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
+        theirs = run.stdout.decode("utf-8", errors="replace").strip("\n")
+        kind = "image" if flag == "--image" else "audio"
+        ours = lc.chat(model, [{"role": "user", "content": [{"type": kind, kind: media},
+                                                            {"type": "text", "text": "What is this?"}]}],
+                       chat_template="chatml", max_tokens=10, logprobs=2, **GREEDY)
+        pieces = [e.text for e in ours.logprobs]
+        n, text = 0, ""
+        while n < len(pieces) and theirs.startswith(text + pieces[n]):
+            text += pieces[n]
+            n += 1
+        if n < len(pieces):  # a divergence is allowed only where our top two were nearly tied
+            top = ours.logprobs[n].top
+            assert len(top) >= 2 and top[0].logprob - top[1].logprob < NEAR_TIE, (mmproj.name, theirs, str(ours))
+        assert n == len(pieces) or n > 0, (mmproj.name, theirs, str(ours))
+
+
+def test_bad_media(vlm, alm, tiny_model, files, tmp_path):
+    good = png(IMG_A)
+    text_file = tmp_path / "notes.png"
+    text_file.write_text("not a picture at all\n" * 20)
+    cases = [
+        (good[: len(good) // 2], MediaError, "decoded"),  # truncated: the header is fine, the pixels are not
+        (good[:33] + b"\x00" * 200, MediaError, "decoded"),  # corrupt
+        (text_file, MediaError, "not an image"),
+        ("data:image/png;base64,!!!", MediaError, "base64"),
+        (np.zeros((2, 2), np.uint8), MediaError, "neither"),
+        (b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk", MediaError, "takes no audio"),  # audio for a vision projector
+        (42, ArgumentTypeError, "media must be"),
+    ]
+    for item, error, match in cases:
+        with pytest.raises(error, match=match):
+            lc.generate(vlm, PROMPT, media=[item], max_tokens=2, **GREEDY)
+    with pytest.raises(MediaError, match="takes no audio"):
+        lc.generate(vlm, PROMPT, media=[TONE], max_tokens=2, **GREEDY)
+    with pytest.raises(MediaError, match="decoded"):  # a WAV header with nothing decodable after it
+        lc.generate(alm, PROMPT, media=[b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk"], max_tokens=2, **GREEDY)
+    with pytest.raises(MediaError, match="takes no images or audio"):
+        lc.generate(tiny_model, PROMPT, media=[IMG_A], max_tokens=2, **GREEDY)
+    with pytest.raises(MediaError, match="1 media marker"):
+        lc.generate(vlm, PROMPT, media=[IMG_A, IMG_B], max_tokens=2, **GREEDY)
+    with pytest.raises(MediaTooLargeError, match="3 media"):
+        vlm.projector.tokenize(vlm.projector.marker * 3 + " x", [vlm.projector.read(IMG_A)] * 3,
+                               limits=lc.MediaLimits(max_items=2))
+    with pytest.raises(InvalidArgumentError, match="end with text"):
+        lc.generate(vlm, "x " + lc.MEDIA_MARKER, media=[IMG_A], max_tokens=2, **GREEDY)
+    with pytest.raises(ArgumentTypeError, match="must be text"):
+        lc.generate(vlm, [1, 2, 3], media=[IMG_A], max_tokens=2, **GREEDY)
+    # the model is still fine after all of that
+    assert len(lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=3, **GREEDY).tokens) == 3
+
+
+def test_lifetimes(files):
+    model = lc.load_model(files["model"], mmproj=files["vision"])
+    projector = model.projector
+    prompt = projector.tokenize("a " + projector.marker + " b", [projector.read(IMG_A)])
+    stream = lc.stream(model, prompt, max_tokens=4, **GREEDY)
+    model.close()  # the prompt's chunks and the open stream keep what they need alive
+    assert not projector.freed and len(list(stream)) >= 0
+    stream.close()
+    with pytest.raises(ClosedError):
+        lc.generate(model, PROMPT, media=[IMG_A], max_tokens=2, **GREEDY)
+    with pytest.raises(ClosedError):
+        projector.tokenize(projector.marker + " x", [projector.read(IMG_A)])
+    del prompt, stream
+    assert projector.freed
+
+
+def test_threads_share_one_projector(vlm):
+    solo = {i: lc.generate(vlm, PROMPT, media=[img], max_tokens=6, **GREEDY).tokens
+            for i, img in enumerate((IMG_A, IMG_B))}
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, img: np.ndarray) -> None:
+        try:
+            for _ in range(3):
+                results[i] = lc.generate(vlm, PROMPT, media=[img], max_tokens=6, **GREEDY).tokens
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, img)) for i, img in enumerate((IMG_A, IMG_B))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == solo  # each its own pooled context: the same computation as alone
+
+
+def test_server_refuses_media_clearly(vlm):
+    prompt = vlm.projector.tokenize("a " + vlm.projector.marker + " b", [vlm.projector.read(IMG_A)])
+    with lc.Server(model=vlm, n_parallel=1, n_ctx=256) as server:
+        with pytest.raises(MediaError, match="Server"):
+            server.generate(prompt, max_tokens=2)
