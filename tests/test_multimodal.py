@@ -294,8 +294,54 @@ def test_threads_share_one_projector(vlm):
     assert not errors and results == solo  # each its own pooled context: the same computation as alone
 
 
-def test_server_refuses_media_clearly(vlm):
+def test_server_batched_equals_solo(vlm, gemma3ish):
+    """4 slots: image requests (two projectors' kinds) and a text request at once, each as it is alone."""
+    for model in (vlm, gemma3ish):
+        pj = model.projector
+        prompt = PROMPT.replace(lc.MEDIA_MARKER, pj.marker)
+        images = [IMG_A, IMG_B, IMG_A[::-1].copy()]
+        solo = [lc.generate(model, PROMPT, media=[im], max_tokens=10, logprobs=2, **GREEDY) for im in images]
+        text_solo = lc.generate(model, "Hello there, how are", max_tokens=10, logprobs=2, **GREEDY)
+        with lc.Server(model=model, n_parallel=4, n_ctx=512) as server:
+            streams = [server.stream_tokens(pj.tokenize(prompt, [pj.read(im)]), max_tokens=10, temp=0.0)
+                       for im in images]
+            streams.append(server.stream("Hello there, how are", max_tokens=10, temp=0.0))
+            outs = [s.completion() for s in streams]
+            for out, ref in zip(outs, solo + [text_solo]):
+                assert_greedy_equivalent(out, ref, what=f"{pj.path.name}: batched vs solo")
+            assert outs[0].prompt_tokens == solo[0].prompt_tokens
+            # the same image again: its KV comes from the slot's cache (the prompt decode skips it)
+            again = server.generate_tokens(pj.tokenize(prompt, [pj.read(IMG_A)]), max_tokens=10, temp=0.0,
+                                           cache_prompt=True)
+            assert again.timings.cached_tokens == again.prompt_tokens - 1
+            assert_greedy_equivalent(again, solo[0], what="cached image in a slot")
+
+
+def test_server_chat_with_images(vlm):
+    with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as server:
+        msgs = [{"role": "user", "content": [{"type": "image", "image": IMG_A},
+                                             {"type": "text", "text": "What is this?"}]}]
+        reply = lc.chat(server, msgs, chat_template="chatml", max_tokens=6, temp=0.0)
+        solo = lc.chat(vlm, msgs, chat_template="chatml", max_tokens=6, logprobs=2, **GREEDY)
+        assert reply.prompt_tokens == solo.prompt_tokens and len(reply.tokens) == 6
+        # a cancelled request waiting for its image frees its slot
+        stream = server.stream_tokens(vlm.projector.tokenize(vlm.projector.marker + " x", [vlm.projector.read(IMG_B)]),
+                                      max_tokens=50, temp=0.0)
+        stream.cancel()
+        with pytest.raises(lc.CancelledError):
+            stream.completion()
+        assert len(server.generate("Hi", max_tokens=3, temp=0.0).tokens) == 3
+
+
+def test_server_refusals(vlm, files, tmp_path):
     prompt = vlm.projector.tokenize("a " + vlm.projector.marker + " b", [vlm.projector.read(IMG_A)])
-    with lc.Server(model=vlm, n_parallel=1, n_ctx=256) as server:
-        with pytest.raises(MediaError, match="Server"):
-            server.generate(prompt, max_tokens=2)
+    with lc.Server(model=vlm, n_parallel=1, n_ctx=256, speculative="ngram") as server:
+        with pytest.raises(MediaError, match="speculative"):
+            server.generate_tokens(prompt, max_tokens=2)
+    with lc.load_model(files["model"], mmproj=files["vision"]) as other:
+        with lc.Server(model=other, n_parallel=1, n_ctx=256) as server:
+            with pytest.raises(InvalidArgumentError, match="another model"):
+                server.generate_tokens(prompt, max_tokens=2)
+            ends_with_media = other.projector.tokenize("a " + other.projector.marker, [other.projector.read(IMG_A)])
+            with pytest.raises(InvalidArgumentError, match="end with text"):
+                server.generate_tokens(ends_with_media, max_tokens=2)

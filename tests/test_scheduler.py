@@ -520,3 +520,119 @@ def test_a_prefix_is_reused_only_where_the_adapters_agree():
     sched.submit(plain)
     plan(sched)
     assert plain.cached_tokens == 4  # (the part read without the adapter)
+
+
+# ---- images and audio (a MediaPrompt: placeholder entries decoded from embeddings) ------------------
+def media_req(prefix, n_media, suffix, *, media_id="img", cache=False, max_tokens=4):
+    """A request whose prompt is ``prefix`` + one media span of ``n_media`` placeholders + ``suffix``."""
+    import numpy as np
+
+    from llama_ctypes.core.projector import MediaPrompt, MediaSpan, placeholder_id
+
+    prompt = MediaPrompt([*prefix, *[placeholder_id(media_id)] * n_media, *suffix])
+    prompt.spans = (MediaSpan(len(prefix), n_media, n_media, "image", media_id, 1),)
+    prompt.encoded, prompt.encoding, prompt.chunks = {}, set(), None
+    r = req([], max_tokens=max_tokens, cache=cache)
+    r.prompt, r.has_media = prompt, True
+    return r, prompt, np.zeros((n_media, 4), np.float32)
+
+
+def test_media_span_waits_for_its_encode_and_goes_alone():
+    sched = make(n_parallel=2, budget=64)
+    r, prompt, embd = media_req([1, 2, 3], 5, [4, 5])
+    text = req([7, 8, 9])
+    sched.submit(r)
+    sched.submit(text)
+    p = plan(sched)
+    # the text before the image is read; the other request goes on as usual
+    assert [s.tokens for s in p.steps if s.request is r] == [[1, 2, 3]] and not p.media and not p.encode
+    sched.update_from_output(p, [1])
+    p = plan(sched)  # at the image: its encode is asked for, nothing of it is decoded yet
+    assert [(req_, span.start) for req_, span in p.encode] == [(r, 3)] and p.blocked == 1 and not p.media
+    assert all(s.request is not r for s in p.steps)
+    prompt.encoding.add(3)  # (the engine started it)
+    sched.update_from_output(p, [1] * p.n_outputs)
+    p = plan(sched)
+    assert not p.encode and p.blocked == 1  # asked once only
+    sched.update_from_output(p, [1] * p.n_outputs)
+    prompt.encoding.discard(3)
+    prompt.encoded[3] = embd
+    p = plan(sched)  # encoded: the span is one media step, outside the batch
+    (step,) = p.media
+    assert step.request is r and step.tokens == prompt[3:8] and step.sample == ()
+    assert all(s.request is not r for s in p.steps)
+    sched.update_from_output(p, [1] * p.n_outputs)
+    assert r.n_prefilled == 8 and sched.pool.slots[r.seq_id].tokens == list(prompt[:8])
+    p = plan(sched)  # the text after it, sampled at its end
+    (step,) = [s for s in p.steps if s.request is r]
+    assert step.tokens == [4, 5] and step.sample == (1,)
+
+
+def test_one_media_step_per_tick_oldest_first():
+    sched = make(n_parallel=3, budget=64)
+    reqs = [media_req([], 4, [9], media_id=f"m{i}") for i in range(2)]
+    for r, prompt, embd in reqs:
+        prompt.encoded[0] = embd
+        sched.submit(r)
+    p = plan(sched)
+    assert [s.request for s in p.media] == [reqs[0][0]]
+    sched.update_from_output(p, [])
+    p = plan(sched)
+    assert [s.request for s in p.media] == [reqs[1][0]]
+    assert [s.tokens for s in p.steps] == [[9]]
+
+
+def test_failed_encode_fails_only_its_request():
+    sched = make(n_parallel=2, budget=64)
+    r, prompt, _ = media_req([1], 3, [2])
+    other = req([5, 6])
+    sched.submit(r)
+    sched.submit(other)
+    tick(sched, 1)  # r reads [1]; other reads its prompt and samples
+    from llama_ctypes.errors import MediaError
+
+    prompt.encoded[1] = MediaError("the image could not be encoded")
+    p = plan(sched)
+    error = items(r)[-1]
+    assert r.status is Status.FAILED and isinstance(error, MediaError) and error is not prompt.encoded[1]
+    assert other.status is Status.RUNNING and [s.request for s in p.steps] == [other]
+
+
+def test_cached_prefix_never_splits_a_media_span():
+    sched = make(n_parallel=1, budget=64)
+    first, prompt, embd = media_req([1, 2], 4, [3], cache=True, max_tokens=1)
+    prompt.encoded[2] = embd
+    sched.submit(first)
+    tick(sched)  # [1, 2]
+    p = plan(sched)
+    sched.update_from_output(p, [])  # the image
+    tick(sched, 7)  # [3] -> 7, max_tokens 1: done, the slot keeps its tokens
+    slot = sched.pool.slots[0]
+    assert first.status is Status.FINISHED and len(slot.tokens) == 7
+    # a slot cut inside the image (its tail dropped) gives back the text before it, never part of it
+    sched.pool.kv.truncate(0, 4)
+    del slot.tokens[4:]
+    cut, _, _ = media_req([1, 2], 4, [8], cache=True)
+    sched.submit(cut)
+    p = plan(sched)
+    assert cut.cached_tokens == 2 and p.encode and not p.media
+    sched.cancel(cut)
+    sched.update_from_output(plan(sched), [])
+
+
+def test_cached_media_prefix_reused_whole():
+    sched = make(n_parallel=1, budget=64)
+    first, prompt, embd = media_req([1, 2], 4, [3], cache=True, max_tokens=1)
+    prompt.encoded[2] = embd
+    sched.submit(first)
+    tick(sched)
+    sched.update_from_output(plan(sched), [])
+    tick(sched, 7)
+    # the same image, then other text: the whole image is reused, nothing to encode
+    again, _, _ = media_req([1, 2], 4, [8], cache=True)
+    sched.submit(again)
+    p = plan(sched)
+    assert again.cached_tokens == 6 and [s.tokens for s in p.steps] == [[8]] and not p.encode
+    sched.update_from_output(p, [1])
+    sched.cancel(again)
+    tick(sched)

@@ -457,7 +457,9 @@ def _add_vit_layers(writer: gguf.GGUFWriter, w, prefix: str, *, n_layer: int, n_
                     k_bias: bool = True) -> None:
     """Pre-norm ViT / whisper encoder blocks (clip.cpp's names): LayerNorm (ones, zeros) before the
     attention and the FFN; q/k/v/out and up/down with biases (``k_bias=False``: none on attn_k, as whisper)."""
-    zeros = lambda n: np.zeros(n, dtype=np.float32)  # noqa: E731
+    def zeros(n: int) -> np.ndarray:
+        return np.zeros(n, dtype=np.float32)
+
     for i in range(n_layer):
         blk = f"{prefix}.blk.{i}"
         writer.add_tensor(f"{blk}.ln1.weight", _ones(n_embd))

@@ -19,9 +19,27 @@ from ..errors import InvalidArgumentError, MediaError
 from .decode_status import check_decode
 
 if TYPE_CHECKING:
+    from .context import Context
     from .projector import MediaPrompt, MediaSpan
 
-__all__ = ["MediaOps"]
+__all__ = ["MediaOps", "check_media_prompt"]
+
+
+def check_media_prompt(ctx: "Context", prompt: "MediaPrompt") -> None:
+    """Raise unless ``ctx`` can decode ``prompt``'s media (checked before anything is decoded)."""
+    projector = prompt.chunks.projector
+    if projector.model is not ctx.model:
+        raise InvalidArgumentError("this prompt's media were prepared by another model's projector")
+    if projector.uses_mrope:
+        raise MediaError(f"{projector.path.name} places media with M-RoPE (the Qwen-VL family), which "
+                         "llama_ctypes does not support yet")
+    if prompt.spans and prompt.spans[-1].end >= len(prompt):
+        raise InvalidArgumentError("a prompt must end with text after its last image or audio clip")
+    for span in prompt.spans:
+        if span.n_tokens > ctx.n_ubatch and projector.uses_non_causal(prompt.chunks, span.index):
+            raise InvalidArgumentError(
+                f"an {span.kind} of {span.n_tokens} tokens is decoded with non-causal attention, in one "
+                f"micro-batch: n_ubatch={ctx.n_ubatch} is too small (use n_ubatch >= {span.n_tokens})")
 
 
 class MediaOps:
@@ -29,43 +47,37 @@ class MediaOps:
     ``_check``, ``decode``, ``guarded``, ``_check_workers`` and ``clear``."""
 
     def check_media_prompt(self, prompt: "MediaPrompt") -> None:
-        """Raise unless this context can decode ``prompt``'s media (before anything is decoded)."""
-        ctx = self.ctx
-        projector = prompt.chunks.projector
-        if projector.model is not ctx.model:
-            raise InvalidArgumentError("this prompt's media were prepared by another model's projector")
-        if projector.uses_mrope:
-            raise MediaError(f"{projector.path.name} places media with M-RoPE (the Qwen-VL family), which "
-                             "llama_ctypes does not support yet")
-        if prompt.spans and prompt.spans[-1].end >= len(prompt):
-            raise InvalidArgumentError("a prompt must end with text after its last image or audio clip")
-        for span in prompt.spans:
-            if span.n_tokens > ctx.n_ubatch and projector.uses_non_causal(prompt.chunks, span.index):
-                raise InvalidArgumentError(
-                    f"an {span.kind} of {span.n_tokens} tokens is decoded with non-causal attention, in one "
-                    f"micro-batch: n_ubatch={ctx.n_ubatch} is too small (use n_ubatch >= {span.n_tokens})")
+        """:func:`check_media_prompt` for this lease's context."""
+        check_media_prompt(self.ctx, prompt)
 
-    def decode_media(self, prompt: "MediaPrompt", span: "MediaSpan", embd: np.ndarray | None = None) -> None:
-        """Decode media ``span`` of ``prompt`` at the end of sequence 0 (which must hold exactly the prompt's
-        entries before it). ``embd``: its embeddings when encoded already (else encoded now). DecodeError
-        on failure (the caller clears the sequence)."""
+    def decode_media_rc(self, prompt: "MediaPrompt", span: "MediaSpan", embd: np.ndarray, pos: int,
+                        seq: int) -> int:
+        """Decode the embeddings of media ``span`` at positions ``pos..`` of sequence ``seq`` (in
+        ``n_batch`` chunks); llama.cpp's return code. No bookkeeping: a Server's slots keep their own.
+        On failure some chunks may be in the sequence: the caller removes its cells from ``pos``."""
         self._check()
         ctx = self.ctx
-        record = ctx._record
-        if len(record.tokens) != span.start:
-            raise InvalidArgumentError(f"media at entry {span.start}, but the sequence holds {len(record.tokens)}")
-        chunks = prompt.chunks
-        projector = chunks.projector
-        if embd is None:
-            embd = projector.encode(chunks, span.index)
+        projector = prompt.chunks.projector
         if embd.shape != (span.n_tokens, projector.n_embd):
             raise InvalidArgumentError(f"embeddings of shape {embd.shape} for a chunk of "
                                        f"{span.n_tokens}×{projector.n_embd}")
-        record.forget_snapshots()
         ctx._last_decoded = span.n_tokens
         rc = self.guarded(lambda: projector.decode_chunk_rc(
-            chunks, span.index, embd, self._ptr, span.start, 0, ctx.n_batch))
+            prompt.chunks, span.index, embd, self._ptr, pos, seq, ctx.n_batch))
         self._check_workers()
+        return rc
+
+    def decode_media(self, prompt: "MediaPrompt", span: "MediaSpan") -> None:
+        """Decode media ``span`` of ``prompt`` at the end of sequence 0 (which must hold exactly the prompt's
+        entries before it), encoding it first unless it was. DecodeError on failure (the caller clears
+        the sequence)."""
+        self._check()
+        record = self.ctx._record
+        if len(record.tokens) != span.start:
+            raise InvalidArgumentError(f"media at entry {span.start}, but the sequence holds {len(record.tokens)}")
+        embd = prompt.embeddings(span)
+        record.forget_snapshots()
+        rc = self.decode_media_rc(prompt, span, embd, span.start, 0)
         check_decode(rc, f"llama_decode ({span.kind})", span.n_tokens)
         record.decoded(prompt[span.start:span.end])
 

@@ -93,6 +93,31 @@ class MediaPrompt(list):
 
     spans: tuple[MediaSpan, ...]
     chunks: "MediaChunks"
+    encoded: dict[int, np.ndarray | BaseException]
+    """Embeddings of the spans encoded so far, by span start (or the error encoding gave): kept with the
+    prompt, so the choices of one request and a prompt used twice encode each image once."""
+    encoding: set[int]
+    """Span starts whose encode is running (a Server encodes off its scheduler thread)."""
+
+    def embeddings(self, span: MediaSpan) -> np.ndarray:
+        """The span's embeddings, encoded now (in this thread) unless they were already."""
+        got = self.encoded.get(span.start)
+        if got is None:
+            try:
+                got = self.chunks.projector.encode(self.chunks, span.index)
+            except Exception as exc:
+                got = exc
+            self.encoded[span.start] = got
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def next_span(self, n: int) -> MediaSpan | None:
+        """The first span not wholly within the first ``n`` entries."""
+        for span in self.spans:
+            if span.end > n:
+                return span
+        return None
 
     def span_at(self, i: int) -> MediaSpan | None:
         """The span holding entry ``i``, if any."""
@@ -361,6 +386,8 @@ class MediaChunks(NativeHandle):
             prompt.extend([placeholder_id(f"{chunk_id}/{n_tokens}")] * n_tokens)
         prompt.spans = tuple(spans)
         prompt.chunks = self
+        prompt.encoded = {}
+        prompt.encoding = set()
         return prompt
 
 

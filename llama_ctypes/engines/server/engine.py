@@ -17,6 +17,7 @@ Clients (submit, cancel, the asyncio loop) therefore never wait for KV copies or
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -34,8 +35,8 @@ from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionErr
 from .prompt_cache import PromptCache
 from .request import Request
 from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
-from .speculation import SlotDrafter
 from .slots import SlotPool
+from .speculation import SlotDrafter
 from .strategies import BatchStrategy
 
 __all__ = ["Engine", "ContextKV", "QueueFullError", "ServerClosedError"]
@@ -153,6 +154,9 @@ class Engine:
         self._calls: collections.deque[_Call] = collections.deque()
         self._on_exit: Callable[[], None] | None = None
         self._exited = False
+        # Images and audio are encoded on a thread of their own, so the ticks go on meanwhile.
+        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
+        self._encoded = 0  # encodes finished so far (guarded by the scheduler's cond)
         # counters, read by stats()
         self.ticks = 0
         self.batch_tokens = 0
@@ -245,13 +249,16 @@ class Engine:
                 if self.drafter is not None:
                     self._draft()
                 t2 = clock()
+                encoded = self._encoded
                 plan = scheduler.schedule()
+                if plan.encode:
+                    self._start_encodes(plan.encode)
                 t3 = clock()
                 split = self.split
                 split.admit += t1 - t0
                 split.draft += t2 - t1
                 split.schedule += t3 - t2
-                if plan.steps:
+                if plan.steps or plan.media:
                     outputs, logprobs, failure, row_errors = self.execute(plan)
                     if isinstance(failure, KVPoolFullError):
                         victim = scheduler.kv_full(plan, self.ctx.n_ctx)
@@ -265,6 +272,10 @@ class Engine:
                         split.update += clock() - t4
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
+                elif plan.blocked:  # nothing to decode until an image or clip is encoded
+                    with cond:
+                        if self._encoded == encoded and not scheduler.closing and not self._calls:
+                            cond.wait(1.0)
         except RPCConnectionError as exc:  # an RPC worker of the model was lost: the context is unusable
             logger.error("server stopped: %s", exc)
             scheduler.failure = exc
@@ -277,7 +288,55 @@ class Engine:
         finally:
             self._exit(error)
 
+    def _start_encodes(self, spans: list) -> None:
+        """Encode these media spans (``(request, span)``) on the encoder thread; each result (or error)
+        goes to the request's prompt (``MediaPrompt.encoded``) and wakes the scheduler."""
+        if self._encoder is None:
+            self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama_ctypes-encode")
+        cond = self.scheduler.cond
+        for request, span in spans:
+            prompt = request.prompt
+            prompt.encoding.add(span.start)
+
+            def encode(prompt=prompt, span=span) -> None:
+                try:
+                    prompt.embeddings(span)  # (keeps the result, or the error, with the prompt)
+                finally:
+                    prompt.encoding.discard(span.start)
+                    with cond:
+                        self._encoded += 1
+                        cond.notify_all()
+
+            self._encoder.submit(encode)
+
+    def _decode_media(self, step) -> BaseException | None:
+        """Decode a media step's embeddings into its slot's sequence; the error, if it failed (KVPoolFullError
+        when the KV memory is full even with the idle slots' caches dropped). A failure leaves none of it."""
+        slot, request = step.slot, step.request
+        prompt = request.prompt
+        span = prompt.next_span(request.n_prefilled)
+        embd = prompt.encoded[span.start]
+        pos, seq = slot.n_past, slot.seq_id
+        lease = self.lease
+        rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
+        if rc == 1:
+            lease.seq_rm(seq, pos, -1)
+            if self.pool.evict_idle():
+                rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
+        if rc != 0:
+            lease.seq_rm(seq, pos, -1)  # (chunks decoded before the failure must not linger)
+        if rc == 1:
+            return KVPoolFullError("the media do not fit in the KV memory", code=1)
+        try:
+            check_decode(rc, f"llama_decode ({span.kind})", span.n_tokens)
+        except DecodeError as error:
+            return error
+        self.batch_tokens += span.n_tokens
+        return None
+
     def _exit(self, error: BaseException) -> None:
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
         scheduler = self.scheduler
         try:
             scheduler.fail_all(error)  # also refuses new requests and calls from now on
@@ -344,6 +403,14 @@ class Engine:
         except LlamaError as error:
             return None, None, error, None
         t_fill = time.perf_counter()
+        for step in plan.media:  # before the batch, on their own (embeddings, not tokens)
+            failure = self._decode_media(step)
+            if failure is not None:
+                return None, None, failure, None
+        if not plan.steps:
+            self.split.decode += time.perf_counter() - t_fill
+            self.ticks += 1
+            return [], None, None, None
         batch = self.batch
         batch.clear()
         for step in plan.steps:
@@ -364,6 +431,8 @@ class Engine:
         decode_ms = (t_decoded - t0) * 1e3
         self.split.decode += t_decoded - t_fill
         if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in; not counted)
+            for step in plan.media:  # (nor of this tick's media: the slots' bookkeeping does not have it)
+                self.lease.seq_rm(step.slot.seq_id, step.slot.n_past, -1)
             return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         self.ticks += 1
         self.batch_tokens += batch.n_tokens

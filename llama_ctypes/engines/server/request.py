@@ -126,6 +126,7 @@ class Request:
     loras: Any = ()  # the LoRA set it runs under (core/lora.py LoraSet); a tick decodes one set
     alora_start: int | None = None  # an activated LoRA's start: the prompt before it is read without adapters
     speculative: bool = True  # draft for it when the server speculates
+    has_media: bool = False  # its prompt is a MediaPrompt: images or audio decoded from embeddings
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
     drafted: int = 0  # draft tokens verified so far
     accepted: int = 0  # of those, tokens kept

@@ -92,15 +92,25 @@ class Step:
 
 class TickPlan:
     """A tick: the steps to decode (decoding slots first), slots whose requests were cancelled, and the
-    LoRA set the decode runs under (every step's request asked for it)."""
+    LoRA set the decode runs under (every step's request asked for it).
 
-    __slots__ = ("steps", "cancelled", "n_decode", "loras")
+    Images and audio (a request whose prompt is a MediaPrompt): ``media`` holds at most one step whose
+    ``tokens`` are a media span's placeholders, decoded from its embeddings before the batch, on its
+    own; ``encode`` lists the spans whose embeddings the engine should start encoding (off the
+    scheduler thread); ``blocked`` counts requests waiting for an encode in flight."""
 
-    def __init__(self, steps: list[Step], cancelled: list[Slot], n_decode: int, loras: Any = ()):
+    __slots__ = ("steps", "cancelled", "n_decode", "loras", "media", "encode", "blocked")
+
+    def __init__(self, steps: list[Step], cancelled: list[Slot], n_decode: int, loras: Any = (),
+                 media: list[Step] | None = None, encode: list[tuple[Request, Any]] | None = None,
+                 blocked: int = 0):
         self.steps = steps
         self.cancelled = cancelled
         self.n_decode = n_decode
         self.loras = loras
+        self.media = media or []
+        self.encode = encode or []
+        self.blocked = blocked
 
     @property
     def n_tokens(self) -> int:
@@ -345,6 +355,10 @@ class Scheduler:
         cancelled: list[Slot] = []
         decoding: list[Slot] = []
         prefilling: list[tuple[Slot, int]] = []
+        at_media: list[tuple[Slot, Any]] = []  # (slot, span): the request's next entries are a media span
+        encode: list[tuple[Request, Any]] = []
+        failed: list[tuple[Slot, BaseException]] = []
+        blocked = 0
         for slot in self.pool.slots:
             request = slot.request
             if request is None:
@@ -357,13 +371,35 @@ class Scheduler:
                 end = len(request.prompt)
                 if request.alora_start is not None and request.n_prefilled < request.alora_start:
                     end = request.alora_start  # (a chunk never spans the activated LoRA's start)
+                span = request.prompt.next_span(request.n_prefilled) if request.has_media else None
+                if span is not None and span.start == request.n_prefilled:
+                    done = request.prompt.encoded.get(span.start)
+                    if isinstance(done, BaseException):
+                        failed.append((slot, done))
+                    elif done is not None:
+                        at_media.append((slot, span))
+                    elif span.start in request.prompt.encoding:
+                        blocked += 1
+                    else:
+                        encode.append((request, span))
+                        blocked += 1
+                    continue
+                if span is not None:
+                    end = min(end, span.start)  # (a text chunk stops where a media span starts)
                 prefilling.append((slot, end - request.n_prefilled))
-        loras = self._lora_turn(decoding, prefilling)
+        for slot, error in failed:
+            self.finish(slot, slot.request, Status.FAILED, error=_own_copy(error))
+        loras = self._lora_turn(decoding, prefilling + [(slot, span.n_tokens) for slot, span in at_media])
         if loras is not None:
             decoding = [s for s in decoding if s.request.tick_loras == loras]
             prefilling = [sr for sr in prefilling if sr[0].request.tick_loras == loras]
+            at_media = [sm for sm in at_media if sm[0].request.tick_loras == loras]
         else:
             loras = self._lora_set
+        media = []
+        if at_media:  # one media span per tick: its decode adds to one tick only
+            slot, span = min(at_media, key=lambda sm: sm[0].request.arrived)
+            media.append(Step(slot, slot.request.prompt[span.start:span.end], _NONE))
         if len(prefilling) > 1:
             prefilling.sort(key=lambda sr: sr[0].request.arrived)
         budget = self.budget
@@ -392,7 +428,7 @@ class Scheduler:
             request = slot.request
             start, end = request.n_prefilled, request.n_prefilled + n
             steps.append(Step(slot, request.prompt[start:end], (n - 1,) if end == len(request.prompt) else _NONE))
-        return TickPlan(steps, cancelled, n_decode, loras)
+        return TickPlan(steps, cancelled, n_decode, loras, media, encode, blocked)
 
     def _lora_turn(self, decoding: list[Slot], prefilling: list[tuple[Slot, int]]) -> Any:
         """The LoRA set this tick decodes (None: every running request shares the set of the last tick,
@@ -446,11 +482,19 @@ class Scheduler:
         for slot in plan.cancelled:
             self.finish(slot, slot.request, Status.CANCELLED)
         if error is not None:
-            for step in plan.steps:
-                self.finish(step.slot, step.request, Status.FAILED, error=_own_copy(error))
+            for step in (*plan.media, *plan.steps):
+                if step.request.ended is None:
+                    self.finish(step.slot, step.request, Status.FAILED, error=_own_copy(error))
             return
         if now is None:
             now = time.perf_counter()
+        for step in plan.media:  # (its embeddings were decoded before the batch)
+            slot, request = step.slot, step.request
+            slot.tokens += step.tokens
+            request.n_prefilled += len(step.tokens)
+            self.prompt_tokens_evaluated += len(step.tokens)
+            if request.progress:
+                _progress(request, now)
         k = 0
         for step in plan.steps:
             if step.n_draft:
@@ -497,7 +541,7 @@ class Scheduler:
             return None
         if not was_held and any(step.n_draft for step in plan.steps):
             return None
-        planned = {id(step.request) for step in plan.steps}
+        planned = {id(step.request) for step in (*plan.steps, *plan.media)}
         running = [slot for slot in self.pool.slots if slot.request is not None]
         fresh = [slot for slot in running if not slot.request.generated
                  and (slot.tokens or id(slot.request) in planned)]

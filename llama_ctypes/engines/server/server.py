@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 from ...core.context import Context
 from ...core.control_vector import load_control_vector
 from ...core.generation import Completion, GenerationParams
+from ...core.lease_media import check_media_prompt
 from ...core.lora import LoraAdapter, activation_start
 from ...core.model import Model, load_model
 from ...core.params import ContextParams, ModelParams, split_options
@@ -367,11 +368,18 @@ class Server:
         if params.control_vector is not None:
             raise InvalidArgumentError("a Server applies one control vector to every request: "
                                        "Server(control_vector=...), not per request")
-        if getattr(prompt, "spans", None) is not None:
-            raise MediaError("a Server does not take images or audio yet: use lc.chat/lc.generate on the Model")
-        # (a text too long for a slot is refused before it is tokenized)
         vocab = self._ctx.vocab  # the context's: it keeps working after the shared Model is closed
-        tokens = prompt_tokens(vocab, prompt, params, self.n_ctx)
+        media = getattr(prompt, "spans", None) is not None  # a MediaPrompt (Projector.tokenize): images, audio
+        if media:
+            if self._drafter is not None:
+                raise MediaError("a speculative Server does not take images or audio (its drafter follows "
+                                 "token ids); serve the model without speculative=")
+            check_media_prompt(self._ctx, prompt)
+            speculative = False
+            tokens = prompt
+        else:
+            # (a text too long for a slot is refused before it is tokenized)
+            tokens = prompt_tokens(vocab, prompt, params, self.n_ctx)
         check_prompt(self._ctx, tokens, self.n_ctx)
         sampler = Sampler(self.model, SamplingParams(**sampling_opts), n_ctx=self.n_ctx, holder=self._ctx)
         loras: Any = ()
@@ -383,7 +391,7 @@ class Server:
                 self._served.unresolve([loras])
                 loras, start = (), None  # (no invocation in the prompt: the activated LoRA stays off)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
-                              speculative=speculative, pin=pin, progress=progress,
+                              speculative=speculative, pin=pin, progress=progress, has_media=media,
                               loras=loras, alora_start=start or None)
         except BaseException:
             self._served.unresolve([loras])
@@ -400,7 +408,7 @@ class Server:
 
     def stream_tokens(self, tokens: Sequence[int], **opts: Any) -> ServerStream:
         """Like :meth:`stream`, for a pre-tokenized prompt (tokenize outside, with ``server.model``)."""
-        return ServerStream(self, self._request(list(tokens), opts, None))
+        return ServerStream(self, self._request(_token_list(tokens), opts, None))
 
     def generate(self, prompt: str, **opts: Any) -> Completion:
         """Generate to completion; returns a :class:`Completion` (a ``str``)."""
@@ -732,3 +740,8 @@ class Server:
 
     def __repr__(self) -> str:
         return f"<Server {self.model.path.name!r} n_parallel={self.n_parallel} {self.batch_strategy!r}>"
+
+
+def _token_list(tokens: Sequence[int]) -> list[int]:
+    """A prompt's token ids as a list; a MediaPrompt (a list already) stays itself, with its media."""
+    return tokens if getattr(tokens, "spans", None) is not None else list(tokens)

@@ -39,6 +39,13 @@ MIN_SAVED_TOKENS = 16
 _BASE: tuple = ((0, ()),)
 
 
+def _whole_media(prompt: list[int], n: int) -> int:
+    """``n`` reusable entries of ``prompt``, moved back to the start of a media span they would split (a
+    MediaPrompt's image or clip is decoded whole)."""
+    cut = getattr(prompt, "cut_point", None)
+    return cut(n) if cut is not None else n
+
+
 def agreement(a: Any, b: Any) -> int:
     """How many leading positions two KV tags (``((start, LoraSet), ...)``) compute under the same
     adapters: a prefix held under ``a`` serves a request tagged ``b`` up to there."""
@@ -172,7 +179,7 @@ class SlotPool:
         """Prompt tokens ``slot``'s sequence can serve to a request whose tokens are computed as ``tag``
         says (at least one prompt token stays to decode)."""
         tokens = slot.tokens
-        c = min(common_prefix(tokens, prompt), len(prompt) - 1, agreement(slot.kv_tag, tag))
+        c = _whole_media(prompt, min(common_prefix(tokens, prompt), len(prompt) - 1, agreement(slot.kv_tag, tag)))
         if not self.partial_reuse and c < len(tokens):
             return 0  # a recurrent state cannot be cut back
         if c > 0 and not self.kv.complete(slot.seq_id, c):
@@ -234,7 +241,8 @@ class SlotPool:
             donor, n = None, reused
             for other in self.slots:
                 if other is not slot:
-                    c = min(common_prefix(other.tokens, prompt), len(prompt) - 1, agreement(other.kv_tag, tag))
+                    c = _whole_media(prompt, min(common_prefix(other.tokens, prompt), len(prompt) - 1,
+                                                 agreement(other.kv_tag, tag)))
                     if c > n and self.kv.complete(other.seq_id, c):
                         donor, n = other, c
             if donor is not None:
@@ -245,7 +253,7 @@ class SlotPool:
                 return n
         if self.ram is not None and len(self.ram):
             entry, n = self.ram.lookup(prompt, exact_only=not self.partial_reuse, tag=tag)
-            n = min(n, len(prompt) - 1)
+            n = _whole_media(prompt, min(n, len(prompt) - 1))
             if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
                 self._evict(slot)
                 if self.kv.restore(slot.seq_id, entry.state) and (
