@@ -247,7 +247,7 @@ def test_errors_in_openai_shape(tiny):
         _error(http.post("/v1/chat/completions", json={**chat, "messages": [{"role": "user"}]}), 400, "messages[0]")
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
         e = _error(http.post("/v1/chat/completions", json={**chat, "messages": image}), 400, "messages[0].content")
-        assert "not supported" in e["message"]
+        assert "not supported" in e["message"]  # (the tiny model has no projector)
         _error(http.post("/v1/chat/completions", json={**chat, "logit_bias": {"cat": 1}}), 400, "logit_bias")
         _error(http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400, "max_tokens")
         e = _error(http.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}), 404, "model")

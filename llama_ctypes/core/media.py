@@ -68,6 +68,7 @@ class MediaData:
     id: str
     width: int = 0  # an image's size (from the header for a file); 0 for audio
     height: int = 0
+    source: str = ""  # where a request had it (``messages[0].content[1]``), for error messages
 
     @property
     def nbytes(self) -> int:

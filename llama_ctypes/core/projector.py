@@ -253,7 +253,14 @@ class Projector(NativeHandle):
             self.check_kind(item.kind)
         lib = self._lib
         with self._shared():
-            bitmaps = [self._bitmap(item, limits) for item in media]
+            bitmaps: list[int] = []
+            try:
+                for item in media:
+                    bitmaps.append(self._named(item, lambda: self._bitmap(item, limits)))
+            except BaseException:
+                for bm in bitmaps:
+                    lib.mtmd_bitmap_free(bm)
+                raise
             try:
                 data = text.encode("utf-8")
                 inp = M.mtmd_input_text(data, len(data), add_special, parse_special)
@@ -271,6 +278,18 @@ class Projector(NativeHandle):
                 raise MediaError(f"the media could not be prepared ({native_error(f'mtmd_tokenize: {rc}')})")
             owner = MediaChunks(self, chunks)
         return owner.prompt()
+
+    @staticmethod
+    def _named(item: MediaData, make):
+        """``make()``, its MediaError naming where the request had ``item`` (``param``, as HTTP errors do)."""
+        try:
+            return make()
+        except MediaError as exc:
+            if not item.source:
+                raise
+            error = type(exc)(f"{item.source}: {exc}")
+            error.param = item.source  # type: ignore[attr-defined]
+            raise error from None
 
     def _bitmap(self, item: MediaData, limits: MediaLimits) -> int:
         """A new ``mtmd_bitmap *`` for ``item`` (the caller frees it), its id set to the content hash."""

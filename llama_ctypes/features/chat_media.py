@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, Mapping, Sequence
+import dataclasses
+import re
+from typing import Any, Callable, Mapping, Sequence
 
 from ..core.media import MediaData, MediaLimits
 from ..core.projector import Projector
-from ..errors import MediaError
+from ..errors import MediaError, MediaTooLargeError
 
 __all__ = ["has_media", "split_media", "MEDIA_PART_TYPES"]
 
@@ -39,10 +41,15 @@ def has_media(messages: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | None, limits: MediaLimits | None = None,
-                *, allow_paths: bool = True) -> tuple[list[Mapping[str, Any]], list[MediaData]]:
+                *, allow_paths: bool = True, fetch: Callable[[str], bytes] | None = None,
+                ) -> tuple[list[Mapping[str, Any]], list[MediaData]]:
     """The messages with each media part replaced by ``projector.marker`` (content joined into text),
     and the media read, in order. MediaError (naming the message and part) for media the model cannot
-    take or that cannot be read."""
+    take or that cannot be read.
+
+    ``allow_paths=False`` (an HTTP request): a URL is a ``data:`` URL or plain base64 (as llama-server
+    takes), never a file of this machine. ``fetch``: reads an http(s) URL (None: such URLs are refused).
+    """
     limits = limits or MediaLimits()
     out: list[Mapping[str, Any]] = []
     media: list[MediaData] = []
@@ -53,8 +60,8 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
             out.append(message)
             continue
         if projector is None or projector.closed:
-            raise MediaError(f"messages[{i}] holds an image or audio part, and this model takes text only "
-                             "(it has no multimodal projector: load one with mmproj=)")
+            raise _at(MediaError(f"messages[{i}]: image and audio input is not supported by this model (it has no "
+                                 "multimodal projector: load one with mmproj=)"), f"messages[{i}].content")
         pieces: list[tuple[str, str]] = []  # (type, text): "text" or "marker"
         for j, part in enumerate(content):
             where = f"messages[{i}].content[{j}]"
@@ -63,13 +70,21 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
                 pieces.append(("text", str(part.get("text", ""))))
                 continue
             if kind not in MEDIA_PART_TYPES:
-                raise MediaError(f"{where}: unsupported content part type {kind!r}")
+                raise _at(MediaError(f"{where}: unsupported content part type {kind!r}"), where)
             try:
-                item = projector.read(_part_source(part, kind), limits, allow_paths=allow_paths)
+                source = _part_source(part, kind)
+                if isinstance(source, str) and re.match(r"(?i)https?://", source):
+                    if fetch is None:
+                        raise MediaError("http(s) media URLs are not fetched by this server: send the media "
+                                         "as a data: URL (or start it with --media-urls)")
+                    source = fetch(source)
+                elif isinstance(source, str) and not allow_paths and source[:5].lower() != "data:":
+                    source = _plain_base64(source)
+                item = dataclasses.replace(projector.read(source, limits, allow_paths=allow_paths), source=where)
             except MediaError as exc:
-                raise type(exc)(f"{where}: {exc}") from None
+                raise _at(type(exc)(f"{where}: {exc}"), where) from None
             if len(media) >= limits.max_items:
-                raise MediaError(f"{where}: more than {limits.max_items} media in one request")
+                raise _at(MediaTooLargeError(f"{where}: more than {limits.max_items} media in one request"), where)
             media.append(item)
             pieces.append(("marker", projector.marker))
         out.append({**message, "content": _joined(pieces)})
@@ -103,6 +118,19 @@ def _part_source(part: Mapping[str, Any], kind: str) -> Any:
     if value is None:
         raise MediaError(f"an {kind} part needs its {kind!r} field")
     return value
+
+
+def _at(error: MediaError, param: str) -> MediaError:
+    """``error`` naming the request field it is about (the HTTP error's ``param``)."""
+    error.param = param  # type: ignore[attr-defined]
+    return error
+
+
+def _plain_base64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("a media URL must be a data: URL or base64 of the file") from None
 
 
 def _joined(pieces: list[tuple[str, str]]) -> str:

@@ -230,6 +230,42 @@ def list_gguf_files(repo: str, *, revision: str = "main", token: str | None = No
     return sorted(singles, key=lambda g: g.name)
 
 
+def _quant_bits(path: str) -> int:
+    """The bits of a GGUF file name's quantization tag (``Q4_K_M`` → 4, ``F16`` → 16; 0 when none)."""
+    stem = path[:-5] if path.endswith(".gguf") else path
+    m = _SPLIT.match(path)
+    if m:
+        stem = m["prefix"]
+    tag = re.search(r"[-.]([A-Za-z0-9_]+)$", stem)
+    digits = re.search(r"\d+", tag.group(1)) if tag else None
+    return int(digits.group(0)) if digits else 0
+
+
+def find_mmproj(repo: str, model: str | None = None, *, revision: str = "main", token: str | None = None,
+                required: bool = True) -> str | None:
+    """The repository's multimodal projector for ``model`` (a GGUF of the repository), chosen as
+    llama-server's ``-hf`` chooses: a ``.gguf`` whose name holds ``mmproj``, in the model's folder or
+    above it (the deepest first), then the closest quantization to the model's. None when there is
+    none, or HubNotFoundError when ``required``."""
+    model_dir = model.split("/")[:-1] if model else []
+    best: tuple[int, int] | None = None
+    chosen = None
+    bits = _quant_bits(model) if model else 0
+    for f in list_files(repo, revision=revision, token=token):
+        path = f["path"]
+        if not path.endswith(".gguf") or "mmproj" not in path:
+            continue
+        folder = path.split("/")[:-1]
+        if folder != model_dir[:len(folder)]:
+            continue  # (a sibling folder's projector belongs to another model)
+        key = (-len(folder), abs(_quant_bits(path) - bits))
+        if best is None or key < best:
+            best, chosen = key, path
+    if chosen is None and required:
+        raise HubNotFoundError(f"{repo} has no multimodal projector (no .gguf file named *mmproj*)")
+    return chosen
+
+
 # ---- download ---------------------------------------------------------------------------------------------
 
 ProgressCallback = Callable[[int, int], Any]  # (bytes done, total bytes or 0 when unknown)
@@ -387,9 +423,18 @@ def _progress_bar(name: str, total: int | None):
 
 def load_model_from_hub(repo: str, filename: str, *, revision: str = "main", token: str | None = None,
                         cache_dir: str | os.PathLike | None = None, progress: ProgressCallback | None = None,
-                        **model_opts: Any):
-    """Download (or find in the cache) and load a GGUF model; options as :func:`load_model`."""
+                        mmproj: str | None = None, **model_opts: Any):
+    """Download (or find in the cache) and load a GGUF model; options as :func:`load_model`.
+
+    ``mmproj``: a multimodal projector of the same repository to attach: a file name, or ``"auto"`` for
+    the one llama-server's ``-hf`` would pick (:func:`find_mmproj`), when the repository has one.
+    """
     from ..core.model import load_model
 
+    projector = None
+    name = find_mmproj(repo, filename, revision=revision, token=token, required=False) if mmproj == "auto" \
+        else mmproj
+    if name is not None:
+        projector = download(repo, name, revision=revision, token=token, cache_dir=cache_dir, progress=progress)
     path = download(repo, filename, revision=revision, token=token, cache_dir=cache_dir, progress=progress)
-    return load_model(path, **model_opts)
+    return load_model(path, mmproj=projector, **model_opts)

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ..core.json_schema.limits import SchemaLimits, check_schema_size
+from ..core.media import MediaLimits
 from ..core.model import Model
 from ..core.target import GenerationTarget, as_target
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
-from .chat import ChatParams, content_text, prompt_tokens, render_prompt
+from .chat import ChatParams, content_text, media_prompt_tokens, prompt_tokens, render_prompt
+from .chat_media import has_media, split_media
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
 from .chat_template import check_template_kwargs
 from .openai.shapes import new_call_id
@@ -278,7 +280,8 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
               enable_thinking: bool | None = None, template_kwargs: Mapping[str, Any] | None = None,
               json_schema: Mapping[str, Any] | None = None, schema_limits: SchemaLimits | None = None,
               add_generation_prompt: bool = True, continue_final_message: bool = False,
-              parse_reasoning: bool = True) -> ChatPlan:
+              parse_reasoning: bool = True, media_limits: MediaLimits | None = None,
+              allow_media_paths: bool = True, fetch_media: Callable[[str], bytes] | None = None) -> ChatPlan:
     """Prepare a chat request (OpenAI fields) for generation on ``model``.
 
     With tools (and ``tool_choice`` other than ``"none"``), llama.cpp's chat code renders
@@ -291,8 +294,18 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     (a continued message cannot be combined with tools: their formats start a new turn).
     ``parse_reasoning=False``: a thinking model's reasoning stays in the content, markers included
     (llama-server's ``reasoning_format: none``).
+    Images and audio in the messages' content parts (features/chat_media.py) need a model with a
+    projector; ``media_limits``, ``allow_media_paths`` and ``fetch_media`` as :func:`split_media` takes them.
     """
     tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
+    media: list = []
+    if has_media(messages):
+        messages, media = split_media(messages, model.projector, media_limits, allow_paths=allow_media_paths,
+                                      fetch=fetch_media)
+
+    def tokens(text: str) -> list[int]:
+        return media_prompt_tokens(model, text, media, media_limits) if media else prompt_tokens(model, text)
+
     kwargs = check_template_kwargs(template_kwargs or {})
     if enable_thinking is None and isinstance(kwargs.get("enable_thinking"), bool):
         enable_thinking = kwargs["enable_thinking"]
@@ -313,7 +326,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
                 return _SplitterOutput(None)
             return _SplitterOutput(ReasoningSplitter(formats, opens_inside_reasoning(text, formats)))
 
-        return ChatPlan(prompt_tokens(model, text), options, output, None, text)
+        return ChatPlan(tokens(text), options, output, None, text)
 
     if json_schema is not None:
         raise InvalidArgumentError("response_format with a JSON schema cannot be combined with tools")
@@ -323,7 +336,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     if chat_template is not None and "{" not in chat_template:
         # A llama.cpp built-in format name: no Jinja for llama.cpp's chat code to analyse.
         return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
-                             enable_thinking, kwargs, add_generation_prompt)
+                             enable_thinking, kwargs, add_generation_prompt, tokens)
     formatter = formatter_for(model, chat_template)
     fmt = formatter.apply(messages, tools=tools, tool_choice=mode, parallel_tool_calls=bool(parallel_tool_calls),
                           enable_thinking=True if enable_thinking is None else enable_thinking,
@@ -331,7 +344,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
                           reasoning_format="deepseek" if parse_reasoning else "none")
     if not fmt.caps.get("supports_tool_calls", False):
         return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
-                             enable_thinking, kwargs, add_generation_prompt)
+                             enable_thinking, kwargs, add_generation_prompt, tokens)
     options = {}
     if fmt.grammar:
         if not fmt.grammar_lazy:
@@ -351,7 +364,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
         parser = OutputParser(fmt)
         return ChatOutput(parser.parse, parser, parser.aparse)
 
-    return ChatPlan(prompt_tokens(model, fmt.prompt), options, output, fmt, fmt.prompt)
+    return ChatPlan(tokens(fmt.prompt), options, output, fmt, fmt.prompt)
 
 
 class _SplitterOutput(ChatOutput):
@@ -501,12 +514,13 @@ class _GenericOutput(ChatOutput):
 
 def _generic_plan(model: Model, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]], mode: str,
                   parallel: bool, chat_template: str | None, enable_thinking: bool | None,
-                  kwargs: dict[str, Any], add_generation_prompt: bool = True) -> ChatPlan:
+                  kwargs: dict[str, Any], add_generation_prompt: bool = True,
+                  tokens: Callable[[str], list[int]] | None = None) -> ChatPlan:
     params = ChatParams(chat_template=chat_template, enable_thinking=enable_thinking, template_kwargs=kwargs,
                         add_generation_prompt=add_generation_prompt)
     text, _ = render_prompt(model, _generic_messages(messages, tools, mode, parallel), params)
     options = {"json_schema": _generic_schema(tools, mode, parallel)}
-    return ChatPlan(prompt_tokens(model, text), options, _GenericOutput, None, text)
+    return ChatPlan((tokens or (lambda t: prompt_tokens(model, t)))(text), options, _GenericOutput, None, text)
 
 
 # ---- running a plan (the OpenAI dicts are built in .openai.chat) -----------------------------------

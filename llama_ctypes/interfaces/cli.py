@@ -163,6 +163,22 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--alias", "-a", help="the model's name in requests, or several comma-separated (as llama-server: "
                                          "the id is the first in sorted order); default: the file name without .gguf")
     p.add_argument("--tags", help="comma-separated tags listed with the model in /v1/models")
+    media = p.add_argument_group("images and audio (docs/multimodal.md)")
+    media.add_argument("--mmproj", "-mm", metavar="FILE",
+                       help="a multimodal projector for the model (images, audio), as llama-server's --mmproj")
+    media.add_argument("--no-mmproj", action="store_true",
+                       help="with --hub: do not look for the repository's projector (found and loaded by default)")
+    media.add_argument("--no-mmproj-offload", action="store_true", help="encode images and audio on the CPU")
+    media.add_argument("--image-min-tokens", type=int, metavar="N",
+                       help="fewest tokens per image, for projectors with dynamic resolution")
+    media.add_argument("--image-max-tokens", type=int, metavar="N",
+                       help="most tokens per image, for projectors with dynamic resolution")
+    media.add_argument("--media-urls", action="store_true",
+                       help="fetch http(s) image and audio URLs of requests (off: data: URLs and base64 only)")
+    media.add_argument("--media-max-mb", type=float, default=20.0,
+                       help="largest image or audio file of a request, in MiB (default 20)")
+    media.add_argument("--media-max-items", type=int, default=16,
+                       help="most images and audio clips in one request (default 16)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on, or several comma-separated (e.g. 127.0.0.1,::1), as llama-server")
     p.add_argument("--port", type=int, default=8080)

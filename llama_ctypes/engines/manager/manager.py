@@ -165,13 +165,18 @@ class ModelManager(Closeable):
 
     # ---- loading -------------------------------------------------------------------------------
     def load(self, id: str, source: Any, *, mode: Mode | None = None, default: bool = False,
-             wait: bool = True, **opts: Any) -> ModelInfo | Future:
+             wait: bool = True, mmproj: str | os.PathLike | None = None, mmproj_params: Any = None,
+             **opts: Any) -> ModelInfo | Future:
         """Load ``source`` as ``id``; returns its :class:`ModelInfo` (or, with ``wait=False``, a Future of it).
 
         source: a GGUF path, ``("hub", repo, file)``, or a loaded :class:`Model` (the
         manager then uses it but does not close it). Options: model options
         (``n_gpu_layers``, ``tensor_split``, ...), context options (``type_k``, ...), and
         in server mode the :class:`Server` settings (``n_parallel``, ``n_ctx``, ...).
+        ``mmproj``: a multimodal projector to attach (images, audio; ``"auto"`` for a Hub source: the
+        repository's ``mmproj-*.gguf`` when it has one), with ``mmproj_params`` (a ProjectorParams or its
+        fields as a dict); the model's capabilities then include ``"multimodal"``. Its memory is not counted
+        in the budget.
         Raises AlreadyLoadedError for an id in use, InsufficientMemoryError over budget.
         """
         if not isinstance(id, str) or not id or id == "default":
@@ -184,6 +189,12 @@ class ModelManager(Closeable):
             raise ArgumentTypeError(f"model options {sorted(model_opts)} need a path (the model is already loaded)")
         if model_opts.get("vocab_only") or (isinstance(source, Model) and source.params.vocab_only):
             raise InvalidArgumentError("vocab_only models have no weights to run; load them with lc.load_model")
+        if mmproj is not None and isinstance(source, Model):
+            raise ArgumentTypeError("mmproj= needs a path or Hub source (attach it to your Model yourself: "
+                                    "model.attach_projector)")
+        if mmproj == "auto" and not isinstance(source, tuple):
+            raise InvalidArgumentError('mmproj="auto" finds the projector of a Hub source; give a path')
+        projector = (mmproj, _projector_params(mmproj_params)) if mmproj is not None else None
         entry = _Entry(id=id, source=described, owns_model=not isinstance(source, Model))
         with self._lock:
             self._check_open()
@@ -202,7 +213,7 @@ class ModelManager(Closeable):
             self._free_released(stale)
         try:
             future = self._executor.submit(self._load, entry, source, mode, server_opts, model_opts, ctx_opts,
-                                           defaults)
+                                           defaults, projector)
         except RuntimeError:  # the manager closed in between
             self._abandon(entry)
             raise ClosedError("the ModelManager is closed") from None
@@ -243,7 +254,7 @@ class ModelManager(Closeable):
         raise ArgumentTypeError(f"source={source!r}: expected a path, ('hub', repo, file) or a Model")
 
     def _load(self, entry: _Entry, source: Any, mode: Mode | None, server_opts: dict, model_opts: dict,
-              ctx_opts: dict, defaults: dict) -> ModelInfo:
+              ctx_opts: dict, defaults: dict, projector: tuple[Any, Any] | None = None) -> ModelInfo:
         model = None
         try:
             self._check_live(entry)
@@ -276,6 +287,14 @@ class ModelManager(Closeable):
             if model is None:
                 model = load_model(path, **model_opts)
             entry.model = model
+            if projector is not None:
+                mmproj, params = projector
+                if mmproj == "auto":
+                    name = hub.find_mmproj(source[1], source[2], required=False)
+                    mmproj = hub.download(source[1], name) if name is not None else None
+                if mmproj is not None:
+                    model.attach_projector(mmproj, params)
+                    entry.capabilities = (*entry.capabilities, "multimodal")
             if plan.mode == "server":
                 entry.server = Server(model=model, **plan.server_opts, **plan.ctx_opts, **plan.defaults)
                 entry.actual = entry.server.memory
@@ -632,3 +651,14 @@ def _model_options(params: ModelParams) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(params)} - {"progress_callback"}
     defaults = ModelParams()
     return {k: getattr(params, k) for k in fields if getattr(params, k) != getattr(defaults, k)}
+
+
+def _projector_params(params: Any) -> Any:
+    """``mmproj_params`` as a ProjectorParams (validated at the call, not in the load's worker)."""
+    from ...core.projector import ProjectorParams
+
+    if params is None or isinstance(params, ProjectorParams):
+        return params
+    if isinstance(params, Mapping):
+        return ProjectorParams(**params)
+    raise ArgumentTypeError(f"mmproj_params={params!r}: expected a ProjectorParams or a dict of its fields")

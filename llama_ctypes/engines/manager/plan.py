@@ -24,7 +24,7 @@ from .budget import Footprint
 __all__ = ["Mode", "Capability", "LoadPlan", "charge"]
 
 Mode = Literal["server", "direct"]
-Capability = Literal["generate", "chat", "embed", "rerank"]
+Capability = Literal["generate", "chat", "embed", "rerank", "multimodal"]
 
 # Server settings that size a direct-mode generation context too.
 _DIRECT_SIZING = ("n_ctx", "n_batch", "kv_unified")

@@ -30,6 +30,7 @@ from .common import MAX_BODY_BYTES, AppContext
 from .cors import CorsPolicy
 from .errors import APIError
 from .limits import RequestLimits
+from .media_urls import url_fetcher
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
 from .routes.chat import apply_template, chat_completions, input_tokens
@@ -140,7 +141,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
                slot_save_path: str | os.PathLike | None = None,
-               webui: bool | str | os.PathLike = True) -> Starlette:
+               webui: bool | str | os.PathLike = True, media_urls: bool = False) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -173,6 +174,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         webui: the chat page at ``/`` (True: the one in the package, ``docs/webui.md``; a folder: its
             ``index.html`` and the files beside it, as llama-server's ``--path``; False: none, as
             ``--no-webui``). Its files need no API key; the page asks for one.
+        media_urls: fetch http(s) image and audio URLs of chat requests (off: only ``data:`` URLs and
+            base64 are taken; a server that fetches what clients name can reach hosts they cannot).
     """
     save_path = None
     if slot_save_path is not None:
@@ -201,7 +204,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
                          spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
-                         webui=page)
+                         webui=page, fetch_media=url_fetcher(limits.media) if media_urls else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

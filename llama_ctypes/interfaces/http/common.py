@@ -52,6 +52,7 @@ class AppContext:
     router_mode: bool = False  # several models (or none) rather than one: /props describes the router
     slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)
     webui: WebUI | None = None  # the page at / (None: --no-webui)
+    fetch_media: Callable[[str], bytes] | None = None  # http(s) media URLs (None: refused; --media-urls)
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

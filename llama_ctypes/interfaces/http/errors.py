@@ -22,6 +22,7 @@ from ...errors import (
     InvalidArgumentError,
     KVPoolFullError,
     LlamaError,
+    MediaTooLargeError,
     RPCConnectionError,
     SchemaError,
 )
@@ -142,6 +143,8 @@ def from_exception(exc: BaseException, *, param: str | None = None) -> APIError:
         return ContextExceeded(str(exc), n_prompt_tokens=exc.n_tokens, n_ctx=exc.n_ctx, param=param)
     if isinstance(exc, KVPoolFullError):  # (500 with its message, as llama-server's "Context size has been exceeded.")
         return InternalError(str(exc))
+    if isinstance(exc, MediaTooLargeError):
+        return BodyTooLarge(str(exc), param=param)
     if isinstance(exc, SchemaError):
         return BadRequest(str(exc), param=param or "response_format", code="invalid_schema")
     if isinstance(exc, InsufficientMemoryError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ...core.json_schema.limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits
+from ...core.media import MediaLimits
 from ...core.params import check_positive
 from ...errors import InvalidArgumentError
 from .errors import BadRequest
@@ -36,11 +37,16 @@ class RequestLimits:
     25 µs per special token in the text: 256 KiB of them costs at most ~0.4 s."""
     schema: SchemaLimits = DEFAULT_SCHEMA_LIMITS
     """Bounds of a ``response_format`` schema and of a request's tool schemas together."""
+    media: MediaLimits = MediaLimits()
+    """Bounds of a request's images and audio: bytes and pixels of each, how many (``--media-max-mb``,
+    ``--media-max-items``); over them a 413 (a 400 for the count)."""
 
     def __post_init__(self) -> None:
-        check_positive(self, *(f.name for f in fields(self) if f.name != "schema"))
+        check_positive(self, *(f.name for f in fields(self) if f.name not in ("schema", "media")))
         if not isinstance(self.schema, SchemaLimits):
             raise InvalidArgumentError(f"RequestLimits.schema={self.schema!r}: expected a SchemaLimits")
+        if not isinstance(self.media, MediaLimits):
+            raise InvalidArgumentError(f"RequestLimits.media={self.media!r}: expected a MediaLimits")
 
 
 def over_limit(what: str, count: int, limit: int, option: str, param: str | None = None) -> BadRequest:

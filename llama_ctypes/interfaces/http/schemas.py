@@ -27,7 +27,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
 _INT32_MAX = 2**31 - 1
 
-_UNSUPPORTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file", "input_image": "image"}
+_UNSUPPORTED_PARTS = {"file": "file", "input_image": "image"}
 
 
 class _Body(BaseModel):
@@ -106,9 +106,21 @@ class Message(BaseModel):
             kind = part.get("type")
             if kind in _UNSUPPORTED_PARTS:
                 raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported by this "
-                                 f"server ({kind!r}; text only)")
+                                 f"server ({kind!r}; text, image_url and input_audio are)")
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str) or not url:
+                    raise ValueError(f"content part {i}: 'image_url.url' must be a non-empty string")
+                continue
+            if kind == "input_audio":
+                audio = part.get("input_audio")
+                if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+                    raise ValueError(f"content part {i}: 'input_audio.data' must be a base64 string")
+                continue
             if kind != "text":
-                raise ValueError(f"content part {i}: unknown type {kind!r} (expected 'text')")
+                raise ValueError(f"content part {i}: unknown type {kind!r} (expected 'text', 'image_url' or "
+                                 "'input_audio')")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {i}: 'text' must be a string")
         return content

@@ -109,6 +109,13 @@ def models_from_config(path: Path) -> tuple[Any, list[dict[str, Any]]]:
             raise InvalidArgumentError(f"{path}: model {entry['id']!r}: load must be true or false")
         if "loras" in entry:
             entry["loras"] = _config_loras(path, entry["id"], entry["loras"], base)
+        if "mmproj" in entry:
+            mmproj = entry["mmproj"]
+            if not isinstance(mmproj, str) or not mmproj:
+                raise InvalidArgumentError(f"{path}: model {entry['id']!r}: mmproj must be a file (or \"auto\")")
+            if mmproj != "auto":
+                file = Path(mmproj).expanduser()
+                entry["mmproj"] = str(file if file.is_absolute() else base / file)
         aliases = entry.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise InvalidArgumentError(f"{path}: model {entry['id']!r}: aliases must be a list of strings")
@@ -249,6 +256,12 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
                                       "layer_range": tuple(layer_range) if layer_range else None}
     elif layer_range:
         raise ArgumentTypeError("--control-vector-layer-range needs --control-vector")
+    projector = {name: getattr(args, name) for name in ("image_min_tokens", "image_max_tokens")
+                 if getattr(args, name, None) is not None}
+    if getattr(args, "no_mmproj_offload", False):
+        projector["use_gpu"] = False
+    if projector:
+        cli_opts["mmproj_params"] = projector
     if getattr(args, "rpc", None):
         cli_opts["rpc_servers"] = [e.strip() for e in args.rpc.split(",") if e.strip()]
     if getattr(args, "tensor_split", None):
@@ -311,6 +324,17 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         spec["pooling"] = pooling
     if args.chat_template:
         spec["chat_template"] = template_source(args.chat_template)
+    mmproj = getattr(args, "mmproj", None)
+    if mmproj:
+        if getattr(args, "no_mmproj", False):
+            raise ArgumentTypeError("pass either --mmproj or --no-mmproj")
+        if not Path(mmproj).expanduser().is_file():
+            raise ArgumentTypeError(f"--mmproj {mmproj}: no such file")
+        spec["mmproj"] = str(Path(mmproj).expanduser())
+    elif args.hub and not getattr(args, "no_mmproj", False):
+        spec["mmproj"] = "auto"  # (the repository's projector when it has one, as llama-server's -hf)
+    if "mmproj" not in spec and "mmproj_params" in cli_opts:
+        raise ArgumentTypeError("--no-mmproj-offload and --image-*-tokens need a projector (--mmproj)")
     return None, [_with_cli_options(spec, cli_opts)]
 
 
@@ -369,6 +393,22 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     requests = build(RequestLimits, {"max_choices": "max_choices", "max_inputs": "max_inputs",
                                      "max_input_tokens": "max_input_tokens",
                                      "max_tokenize_bytes": "max_tokenize_bytes"})
+    if getattr(args, "media_max_mb", None) is not None or getattr(args, "media_max_items", None) is not None:
+        import dataclasses
+
+        from ...core.media import MediaLimits
+
+        media = {}
+        if getattr(args, "media_max_mb", None) is not None:
+            if not args.media_max_mb > 0:
+                raise InvalidArgumentError(f"--media-max-mb: expected a positive size, got {args.media_max_mb}")
+            media["max_bytes"] = int(args.media_max_mb * 2**20)
+        if getattr(args, "media_max_items", None) is not None:
+            media["max_items"] = args.media_max_items
+        try:
+            requests = dataclasses.replace(requests, media=MediaLimits(**media))
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"--media-max-items: {str(exc).split(': ', 1)[-1]}") from None
     connections = build(ConnectionLimits, {"header_timeout": "header_timeout", "body_timeout": "body_timeout",
                                            "write_timeout": "timeout", "keep_alive_timeout": "keep_alive_timeout",
                                            "max_connections": "max_connections"})
@@ -487,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
                          catalog=catalog, router_mode=router_mode,
                          slot_save_path=slot_folder(getattr(args, "slot_save_path", None)),
-                         webui=webui_option(args))
+                         webui=webui_option(args), media_urls=getattr(args, "media_urls", False))
     except BaseException:
         manager.close()
         raise

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.json_schema.limits import SchemaLimits, check_schema_size
+from ....core.media import MediaLimits
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
 from ....features.openai.shapes import Envelope, finish_reason, role_delta, timings, usage
@@ -60,7 +61,8 @@ def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[st
 
 
 def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, limits: SchemaLimits,
-          reasoning_format: str = "auto") -> tuple[Any, dict[str, Any]]:
+          reasoning_format: str = "auto", media_limits: MediaLimits | None = None,
+          fetch_media: Any = None) -> tuple[Any, dict[str, Any]]:
     """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
     converts the JSON schema to a grammar)."""
     thinking, kwargs = _template_options(body)
@@ -73,7 +75,8 @@ def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, li
                      parallel_tool_calls=body.parallel_tool_calls, chat_template=chat_template,
                      enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema, schema_limits=limits,
                      add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
-                     parse_reasoning=(body.reasoning_format or reasoning_format) != "none")
+                     parse_reasoning=(body.reasoning_format or reasoning_format) != "none",
+                     media_limits=media_limits, allow_media_paths=False, fetch_media=fetch_media)
     options = dict(plan.options)
     if options.get("json_schema") is not None:
         # converted here, off the event loop (the server's sampler would do it on submission)
@@ -103,7 +106,8 @@ async def plan_request(app: AppContext, body: ChatCompletionRequest) -> tuple[st
     template = app.router.chat_template_of(model_id, server.model)
     try:
         plan, required = await anyio.to_thread.run_sync(
-            functools.partial(_plan, server.model, body, template, app.limits.schema, app.reasoning_format))
+            functools.partial(_plan, server.model, body, template, app.limits.schema, app.reasoning_format,
+                              app.limits.media, app.fetch_media))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
         param = "json_schema" if body.json_schema is not None else \
             "response_format" if body.response_format is not None else "tools"

@@ -1,0 +1,160 @@
+"""Images and audio over HTTP: ``llama-ctypes serve --mmproj`` with the official ``openai`` client, its
+limits and errors, and llama-server with the same files as the reference."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import httpx
+import numpy as np
+import pytest
+from http_helpers import ServeProcess, api_error
+from llama_server import NOT_BUILT, LlamaServer, find_llama_server
+from margins import NEAR_TIE
+from tiny_models import write_tiny_audio_mmproj, write_tiny_mmproj
+
+openai = pytest.importorskip("openai")
+PIL = pytest.importorskip("PIL.Image")
+
+RNG = np.random.default_rng(11)
+IMG_A = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+IMG_B = RNG.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+
+
+def png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    PIL.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def wav_b64(seconds: float = 1.0) -> str:
+    samples = (0.4 * np.sin(2 * np.pi * 330 * np.arange(int(16000 * seconds)) / 16000) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(samples.tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(url: str, text: str = "What is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def mm_files(tmp_path_factory, tiny_model_path):
+    d = tmp_path_factory.mktemp("mmhttp")
+    return {"model": tiny_model_path, "vision": write_tiny_mmproj(d / "mmproj-v.gguf"),
+            "audio": write_tiny_audio_mmproj(d / "mmproj-a.gguf"), "dir": d}
+
+
+@pytest.fixture(scope="module")
+def served(mm_files):
+    server = ServeProcess([str(mm_files["model"]), "--mmproj", str(mm_files["vision"]), "--chat-template", "chatml",
+                           "-np", "2", "-c", "1024", "--media-max-items", "3", "--media-max-mb", "1"],
+                          mm_files["dir"] / "serve.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_openai_client_with_an_image(served):
+    client = openai.OpenAI(base_url=served.base_url + "/v1", api_key="none")
+    url = data_url(png(IMG_A))
+    reply = client.chat.completions.create(model="tiny-llama", messages=image_message(url), max_tokens=8,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens > 16
+    # streamed equals non-streamed (same server, same slot layout: the same computation)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny-llama", messages=image_message(url), max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == reply.choices[0].message.content
+    # plain base64 (no data: prefix) is taken too, as llama-server takes it
+    raw = client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
+                                         messages=image_message(base64.b64encode(png(IMG_A)).decode()))
+    assert raw.usage.prompt_tokens == reply.usage.prompt_tokens
+    # the second turn reuses the image from the slot's cache
+    turn2 = image_message(url) + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                  {"role": "user", "content": "And?"}]
+    again = client.chat.completions.create(model="tiny-llama", messages=turn2, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16 + 3
+
+
+def test_props_and_models_report_modalities(served):
+    props = httpx.get(served.base_url + "/props").json()
+    assert props["modalities"] == {"vision": True, "video": False, "audio": False}
+    (model,) = httpx.get(served.base_url + "/v1/models").json()["data"]
+    assert "multimodal" in model["capabilities"]
+
+
+def test_media_errors_over_http(served):
+    post = lambda messages: httpx.post(served.base_url + "/v1/chat/completions",  # noqa: E731
+                                       json={"messages": messages, "max_tokens": 2}, timeout=60)
+    truncated = png(IMG_A)[:60]
+    api_error(post(image_message(data_url(truncated))), 400, "messages[0].content[1]")
+    api_error(post(image_message("data:image/png;base64,!!notbase64")), 400, "messages[0].content[1]")
+    api_error(post(image_message("data:text/html;base64,aGVsbG8=")), 400)
+    api_error(post(image_message("https://127.0.0.1:1/cat.png")), 400)  # not fetched without --media-urls
+    api_error(post(image_message("/etc/passwd")), 400)  # never a file of the server
+    bomb = bytearray(png(IMG_A))
+    bomb[16:24] = (20000).to_bytes(4, "big") * 2  # the header claims 20000×20000
+    api_error(post(image_message(data_url(bytes(bomb)))), 413)
+    api_error(post(image_message(data_url(b"\x89PNG\r\n\x1a\n" + b"\x00" * (1 << 20)))), 413)  # --media-max-mb 1
+    four = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(IMG_B))}}] * 4
+             + [{"type": "text", "text": "x"}]}]
+    api_error(post(four), 413)  # --media-max-items 3
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "wav"}},
+                                          {"type": "text", "text": "x"}]}]
+    e = api_error(post(audio), 400)
+    assert "audio" in e["message"]
+    api_error(post([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 5}}]}]), 400)
+    # still serving
+    ok = post(image_message(data_url(png(IMG_B))))
+    assert ok.status_code == 200, ok.text
+
+
+def test_audio_over_http(mm_files):
+    server = ServeProcess([str(mm_files["model"]), "--mmproj", str(mm_files["audio"]), "--chat-template", "chatml",
+                           "-c", "1024"], mm_files["dir"] / "serve-audio.log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny-llama", max_tokens=5, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "wav"}},
+                                         {"type": "text", "text": "What is this sound?"}]}])
+        assert reply.usage.prompt_tokens > 50 and reply.usage.completion_tokens == 5
+        assert httpx.get(server.base_url + "/props").json()["modalities"]["audio"] is True
+    finally:
+        server.stop()
+
+
+def test_same_tokens_as_llama_server(served, mm_files):
+    exe = find_llama_server()
+    if exe is None:
+        pytest.fail(NOT_BUILT)
+    messages = image_message(data_url(png(IMG_B)), "Describe:")
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    ours = httpx.post(served.base_url + "/v1/chat/completions", json=body, timeout=120).json()
+    with LlamaServer(exe, mm_files["model"], ["--mmproj", str(mm_files["vision"]), "--chat-template", "chatml",
+                                               "-c", "1024", "-np", "1", "--no-mmproj-offload"]) as ref:
+        r = ref.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        theirs = r.json()
+    assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
+    ours_lp = ours["choices"][0]["logprobs"]["content"]
+    their_tokens = [t["token"] for t in theirs["choices"][0]["logprobs"]["content"]]
+    n = 0
+    while n < min(len(ours_lp), len(their_tokens)) and ours_lp[n]["token"] == their_tokens[n]:
+        n += 1
+    if n < min(len(ours_lp), len(their_tokens)):  # a divergence only where our top two nearly tie
+        top = ours_lp[n]["top_logprobs"]
+        assert top[0]["logprob"] - top[1]["logprob"] < NEAR_TIE, (ours, theirs)
