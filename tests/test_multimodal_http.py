@@ -89,6 +89,25 @@ def test_openai_client_with_an_image(served):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16 + 3
 
 
+def test_native_completion_with_multimodal_data(served):
+    b64 = base64.b64encode(png(IMG_A)).decode()
+    post = lambda prompt: httpx.post(served.base_url + "/completion", json={  # noqa: E731
+        "prompt": prompt, "n_predict": 4, "temperature": 0}, timeout=60)
+    marker = httpx.get(served.base_url + "/props").json()["media_marker"]
+    r = post({"prompt_string": f"What is this: {marker}\n", "multimodal_data": [b64]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens_evaluated"] > 16 and body["tokens_predicted"] == 4 and marker in body["prompt"]
+    # several prompts, one with media and one without
+    r = post([{"prompt_string": f"A {marker} B", "multimodal_data": [b64]}, {"prompt_string": "A B"}])
+    assert r.status_code == 200 and len(r.json()) == 2
+    api_error(post({"prompt_string": f"What is this: {marker}\n", "multimodal_data": ["malformed"]}), 400,
+              "prompt.multimodal_data[0]")
+    api_error(post({"prompt_string": "What is this:\n", "multimodal_data": [""]}), 400)
+    api_error(post({"prompt_string": "No marker here", "multimodal_data": [b64]}), 400)
+    api_error(post({"prompt_string": f"{marker} x", "multimodal_data": "nope"}), 400, "prompt.multimodal_data")
+
+
 def test_props_and_models_report_modalities(served):
     props = httpx.get(served.base_url + "/props").json()
     assert props["modalities"] == {"vision": True, "video": False, "audio": False}

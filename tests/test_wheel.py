@@ -226,6 +226,7 @@ def test_wheel_is_manylinux_and_self_contained(wheels):
     assert "llama_ctypes/lib/LICENSE.llama.cpp.txt" in names
     assert not any("ggml-rpc" in n for n in names)  # RPC ships in its plugin
     assert "llama_ctypes/lib/build_info.json" in names
+    assert "llama_ctypes/lib/libmtmd.so" in names or platform.system() != "Linux"  # images and audio
     page = {n.rsplit("/", 1)[1] for n in names if n.startswith("llama_ctypes/interfaces/http/webui/")}
     assert {"index.html", "app.js", "api.js", "markdown.js", "highlight.js", "store.js", "style.css"} <= page
     proc = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(base)], capture_output=True, text=True)
@@ -262,6 +263,30 @@ def test_install_without_compiler_generates_offline_from_read_only_folder(venv, 
     rpc = [b for b in res["backends"] if b["name"] == "RPC"]
     assert rpc and rpc[0]["origin"].startswith("plugin llama-ctypes-rpc ")
     assert rpc[0]["path"].startswith(str(venv["site"] / "llama_ctypes_rpc"))
+
+
+def test_wheel_reads_images(venv, tiny_model_path, tmp_path):
+    """libmtmd ships in the wheel and decodes an image file, with nothing but the wheel installed."""
+    from tiny_models import write_tiny_mmproj
+
+    mmproj = write_tiny_mmproj(tmp_path / "mmproj.gguf")
+    image = tmp_path / "image.bmp"  # (BMP: written here without an imaging library)
+    width, height = 6, 4
+    row = bytes(range(width * 3)) + b"\0" * (-width * 3 % 4)
+    header = (b"BM" + (54 + len(row) * height).to_bytes(4, "little") + b"\0\0\0\0" + (54).to_bytes(4, "little")
+              + (40).to_bytes(4, "little") + width.to_bytes(4, "little") + height.to_bytes(4, "little")
+              + (1).to_bytes(2, "little") + (24).to_bytes(2, "little") + b"\0" * 24)
+    image.write_bytes(header + row * height)
+    script = f"""
+        import json
+        import llama_ctypes as lc
+        with lc.load_model({str(tiny_model_path)!r}, mmproj={str(mmproj)!r}) as model:
+            out = lc.generate(model, "See " + lc.MEDIA_MARKER + " now", media=[{str(image)!r}], max_tokens=3, temp=0.0)
+            print(json.dumps({{"modalities": sorted(model.modalities), "prompt": out.prompt_tokens,
+                               "tokens": list(out.tokens)}}))
+    """
+    res = run_in_venv(venv, script)
+    assert res["modalities"] == ["vision"] and res["prompt"] > 16 and len(res["tokens"]) == 3
 
 
 def _variant_of(res: dict) -> str:

@@ -10,6 +10,9 @@ vocabulary's FIM tokens (:mod:`llama_ctypes.features.infill`) and answers in the
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import math
 import random
 from typing import Any, AsyncIterator, Sequence
@@ -20,8 +23,10 @@ from starlette.responses import Response
 
 from ....core.generation import GenerationParams
 from ....core.json_schema.convert import json_schema_to_gbnf
+from ....core.media import MediaLimits, decode_data_url
+from ....core.projector import MEDIA_MARKER
 from ....core.prompt import prompt_tokens
-from ....errors import InvalidArgumentError, SchemaError
+from ....errors import InvalidArgumentError, MediaError, SchemaError
 from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
@@ -44,17 +49,18 @@ def _is_mixed(prompt: list) -> bool:
         isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in prompt)
 
 
-def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str) -> list[int]:
+def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str, model: Any = None,
+                media_limits: MediaLimits | None = None) -> list[int]:
     params = GenerationParams()
     if isinstance(prompt, str):
         return prompt_tokens(vocab, prompt, params, n_ctx)
     if isinstance(prompt, dict):
-        if prompt.get("multimodal_data"):
-            raise BadRequest("multimodal prompts are not supported by this model (no projector is loaded)",
-                             param=f"{where}.multimodal_data")
         text = prompt.get("prompt_string")
         if not isinstance(text, str):
             raise BadRequest("a prompt object needs 'prompt_string' (a string)", param=f"{where}.prompt_string")
+        if prompt.get("multimodal_data") is not None:
+            return _media_prompt(model, text, prompt["multimodal_data"], params, f"{where}.multimodal_data",
+                                 media_limits)
         return prompt_tokens(vocab, text, params, n_ctx)
     if isinstance(prompt, list) and _is_mixed(prompt):
         tokens: list[int] = []
@@ -68,14 +74,55 @@ def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str) -> list[int]:
                      param=where)
 
 
-def native_prompts(vocab: Any, prompt: Any, n_ctx: int, limit: int | None = None) -> list[list[int]]:
+def _media_prompt(model: Any, text: str, data: Any, params: GenerationParams, where: str,
+                  limits: MediaLimits | None) -> list[int]:
+    """llama-server's ``{"prompt_string": "... <__media__> ...", "multimodal_data": [base64, ...]}``: one
+    image or clip per marker (:data:`~llama_ctypes.MEDIA_MARKER`, /props' ``media_marker``)."""
+    projector = getattr(model, "projector", None)
+    if projector is None:
+        raise BadRequest("multimodal prompts are not supported by this model (no projector is loaded)", param=where)
+    if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
+        raise BadRequest("multimodal_data must be a list of base64 strings", param=where)
+    limits = limits or MediaLimits()
+    items = []
+    for j, item in enumerate(data):
+        at = f"{where}[{j}]"
+        try:
+            raw = decode_data_url(item, limits) if item[:5].lower() == "data:" else \
+                base64.b64decode(item, validate=True)
+            items.append(dataclasses.replace(projector.read(raw, limits, allow_paths=False), source=at))
+        except MediaError as exc:
+            error = type(exc)(f"{at}: {exc}")
+            error.param = at  # type: ignore[attr-defined]
+            raise error from None
+        except (binascii.Error, ValueError) as exc:
+            raise BadRequest(f"{at}: not base64 ({exc})", param=at) from None
+    return projector.tokenize(text.replace(MEDIA_MARKER, projector.marker), items, add_special=params.add_special,
+                              parse_special=params.parse_special, limits=limits)
+
+
+def prompt_text(vocab: Any, prompt: list[int]) -> str:
+    """A prompt's text as /completion's ``prompt`` field shows it: media as :data:`MEDIA_MARKER`."""
+    spans = getattr(prompt, "spans", None)
+    if not spans:
+        return vocab.detokenize(prompt, unparse_special=True)
+    out, at = [], 0
+    for span in spans:
+        out += [vocab.detokenize(prompt[at:span.start], unparse_special=True), MEDIA_MARKER]
+        at = span.end
+    return "".join(out) + vocab.detokenize(prompt[at:], unparse_special=True)
+
+
+def native_prompts(vocab: Any, prompt: Any, n_ctx: int, limit: int | None = None, model: Any = None,
+                   media_limits: MediaLimits | None = None) -> list[list[int]]:
     """The token ids of each prompt of a /completion request (a worker thread); more than ``limit``
-    prompts are refused before any is tokenized."""
+    prompts are refused before any is tokenized. ``model``: the model whose projector takes a prompt's
+    ``multimodal_data``."""
     if isinstance(prompt, list) and prompt and not _is_mixed(prompt):
         if limit is not None and len(prompt) > limit:
             raise over_limit(f"{len(prompt)} prompts", len(prompt), limit, "--max-choices", param="prompt")
-        return [_one_prompt(vocab, p, n_ctx, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    return [_one_prompt(vocab, prompt, n_ctx, "prompt")]
+        return [_one_prompt(vocab, p, n_ctx, f"prompt[{i}]", model, media_limits) for i, p in enumerate(prompt)]
+    return [_one_prompt(vocab, prompt, n_ctx, "prompt", model, media_limits)]
 
 
 def _logit_bias(vocab: Any, bias: Any) -> dict[int, float]:
@@ -189,7 +236,7 @@ class _Reply:
             "id_slot": s.request.seq_id if s.request.seq_id is not None else -1, "stop": True,
             "model": self.model_id, "tokens_predicted": len(s.tokens), "tokens_evaluated": s.prompt_tokens,
             "generation_settings": self.settings,
-            "prompt": vocab.detokenize(self.prompts[index], unparse_special=True),
+            "prompt": prompt_text(vocab, self.prompts[index]),
             "has_new_line": "\n" in content, "truncated": False,
             "stop_type": _STOP_TYPES.get(s.finish_reason or "", "none"), "stopping_word": s.stop_word or "",
             "tokens_cached": s.timings.cached_tokens, "timings": timings(s.timings)}
@@ -254,7 +301,8 @@ async def completion(request: Request, app: AppContext) -> Response:
     vocab = server.model.vocab
 
     def prepare() -> tuple[list[list[int]], dict[str, Any]]:
-        return (native_prompts(vocab, body.prompt, server.n_ctx, app.limits.max_choices),
+        return (native_prompts(vocab, body.prompt, server.n_ctx, app.limits.max_choices, server.model,
+                               app.limits.media),
                 _options(body, vocab, app.limits.schema))
 
     prompts, opts = await anyio.to_thread.run_sync(prepare)

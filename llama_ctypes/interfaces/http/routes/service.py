@@ -172,6 +172,7 @@ def _generation_settings(server: Any) -> dict[str, Any]:
 
 def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str, Any]:
     from ....core.backend import version_info
+    from ....core.projector import MEDIA_MARKER
 
     template = app.router.chat_template_of(model_id, model)
     vocab = model.vocab
@@ -182,6 +183,7 @@ def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str,
         "model_alias": model_id,
         "model_path": str(model.path),
         "modalities": {"vision": "vision" in model.modalities, "video": False, "audio": "audio" in model.modalities},
+        "media_marker": MEDIA_MARKER,
         "endpoint_slots": app.slots_endpoint, "endpoint_props": False, "endpoint_metrics": True,
         "ui": False,
         "chat_template": template or model.chat_template or "",
