@@ -260,8 +260,12 @@ target_include_directories(llama PUBLIC include)
 target_link_libraries(llama PUBLIC ggml)
 add_library(llama-common common.c)
 target_link_libraries(llama-common PUBLIC llama)
+if (LLAMA_BUILD_MTMD OR LLAMA_BUILD_TOOLS)
+    add_library(mtmd mtmd.c)
+    target_link_libraries(mtmd PUBLIC llama)
+endif()
 if (LLAMA_BUILD_TOOLS)
-    foreach(tool llama-bench llama-server)
+    foreach(tool llama-bench llama-server llama-mtmd-cli)
         add_executable(${tool} tool.c)
         target_link_libraries(${tool} PRIVATE llama)
     endforeach()
@@ -285,6 +289,7 @@ def fake_tree(tmp_path):
     (tree / "ggml.c").write_text("int fake_ggml(void) { return 1; }\n")
     (tree / "llama.c").write_text("int fake_ggml(void);\nint fake_llama(void) { return fake_ggml(); }\n")
     (tree / "common.c").write_text("int fake_common(void) { return 2; }\n")
+    (tree / "mtmd.c").write_text("int fake_mtmd(void) { return 3; }\n")
     (tree / "tool.c").write_text('#include "llama.h"\nint main(void) { return fake_llama() - 1; }\n')
     (tree / "CMakeLists.txt").write_text(_FAKE_CMAKE)
     return tree
@@ -322,8 +327,9 @@ def _built_ok(proc: subprocess.CompletedProcess, tools: bool) -> Path:
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = Path(proc.stdout.strip().splitlines()[-1])
     assert any((out / "lib").glob("*llama_ctypes_adapter*"))
+    assert any((out / "lib").glob("*mtmd*"))  # images and audio ship with every build
     if tools:
-        assert any((out / "bin").glob("llama-bench*"))
+        assert any((out / "bin").glob("llama-bench*")) and any((out / "bin").glob("llama-mtmd-cli*"))
     return out
 
 

@@ -72,3 +72,33 @@ def test_serve_kv_flags_mean_what_llama_servers_mean(tiny_model_path, flags, exp
     args = build_parser().parse_args(["serve", str(tiny_model_path), *flags])
     _, (spec,) = model_specs(args)
     assert {k: spec[k] for k in ("kv_unified", "share_kv") if k in spec} == expect
+
+
+def test_serve_media_flags(tiny_model_path, tmp_path):
+    from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError
+    from llama_ctypes.interfaces.cli import build_parser
+    from llama_ctypes.interfaces.http.serve import limits_from_args, model_specs, models_from_config
+
+    parse = build_parser().parse_args
+    mmproj = tmp_path / "mmproj.gguf"
+    mmproj.write_bytes(b"GGUF")
+    _, (spec,) = model_specs(parse(["serve", str(tiny_model_path), "--mmproj", str(mmproj), "--no-mmproj-offload",
+                                    "--image-max-tokens", "256"]))
+    assert spec["mmproj"] == str(mmproj) and spec["mmproj_params"] == {"use_gpu": False, "image_max_tokens": 256}
+    _, (spec,) = model_specs(parse(["serve", "--hub", "acme/vlm-GGUF", "vlm.gguf"]))
+    assert spec["mmproj"] == "auto"  # (as llama-server's -hf: the repository's projector when it has one)
+    _, (spec,) = model_specs(parse(["serve", "--hub", "acme/vlm-GGUF", "vlm.gguf", "--no-mmproj"]))
+    assert "mmproj" not in spec
+    for bad in (["--mmproj", str(tmp_path / "missing.gguf")], ["--image-min-tokens", "4"],
+                ["--mmproj", str(mmproj), "--no-mmproj"]):
+        with pytest.raises(ArgumentTypeError):
+            model_specs(parse(["serve", str(tiny_model_path), *bad]))
+    requests, _ = limits_from_args(parse(["serve", str(tiny_model_path), "--media-max-mb", "2",
+                                          "--media-max-items", "3"]))
+    assert requests.media.max_bytes == 2 * 2**20 and requests.media.max_items == 3
+    with pytest.raises(InvalidArgumentError, match="--media-max-items"):
+        limits_from_args(parse(["serve", str(tiny_model_path), "--media-max-items", "0"]))
+    config = tmp_path / "models.toml"
+    config.write_text(f'[[models]]\nid = "v"\npath = "{tiny_model_path}"\nmmproj = "mmproj.gguf"\n')
+    _, (entry,) = models_from_config(config)
+    assert entry["mmproj"] == str(tmp_path / "mmproj.gguf")

@@ -191,3 +191,25 @@ def test_cli_hub_commands(hub):
     assert out.returncode == 0, out.stderr
     missing = run("hub", "download", "acme/tiny-GGUF", "missing.gguf")
     assert missing.returncode == 1 and "not found" in missing.stderr
+
+
+def test_the_repository_projector_is_found_as_llama_server_finds_it(hub, tmp_path):
+    from tiny_models import write_tiny_mmproj
+
+    mmproj = write_tiny_mmproj(tmp_path / "p.gguf").read_bytes()
+    hub.state.repos["acme/vlm-GGUF"] = Repo(files={
+        "vlm-Q4_K_M.gguf": hub.model_bytes, "mmproj-vlm-f16.gguf": mmproj, "mmproj-vlm-Q8_0.gguf": mmproj,
+        "other/mmproj-x-Q4_0.gguf": b"not for this model"})
+    # the closest quantization to the model's, from its own folder (not a sibling folder's)
+    assert lc.hub.find_mmproj("acme/vlm-GGUF", "vlm-Q4_K_M.gguf") == "mmproj-vlm-Q8_0.gguf"
+    assert lc.hub.find_mmproj("acme/tiny-GGUF", "tiny-Q8_0.gguf", required=False) is None
+    with pytest.raises(lc.HubNotFoundError):
+        lc.hub.find_mmproj("acme/tiny-GGUF", "tiny-Q8_0.gguf")
+    with lc.load_model_from_hub("acme/vlm-GGUF", "vlm-Q4_K_M.gguf", mmproj="auto") as model:
+        assert model.modalities == {"vision"}
+        assert model.projector.path.name == "mmproj-vlm-Q8_0.gguf"
+    with lc.load_model_from_hub("acme/tiny-GGUF", "tiny-Q8_0.gguf", mmproj="auto") as model:
+        assert model.modalities == frozenset()  # (none in the repository: text only)
+    with lc.ModelManager() as manager:
+        info = manager.load("vlm", ("hub", "acme/vlm-GGUF", "vlm-Q4_K_M.gguf"), mmproj="auto", n_ctx=256)
+        assert "multimodal" in info.capabilities

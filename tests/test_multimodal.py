@@ -317,6 +317,19 @@ def test_server_batched_equals_solo(vlm, gemma3ish):
             assert_greedy_equivalent(again, solo[0], what="cached image in a slot")
 
 
+def test_server_takes_media_option(vlm):
+    with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as server:
+        solo = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=6, logprobs=2, **GREEDY)
+        out = server.generate(PROMPT, media=[IMG_A], max_tokens=6, temp=0.0)
+        assert_greedy_equivalent(out, solo, what="Server.generate(media=)")
+        outs = server.generate_many([PROMPT], n=2, media=[IMG_A], max_tokens=6, temp=0.0)
+        for o in outs:
+            assert_greedy_equivalent(o, solo, what="two choices, one encode")
+        assert lc.generate(server, PROMPT, media=[IMG_B], max_tokens=2, temp=0.0).prompt_tokens == solo.prompt_tokens
+        with pytest.raises(MediaError, match="1 media marker"):
+            server.generate(PROMPT, media=[IMG_A, IMG_B], max_tokens=2)
+
+
 def test_server_chat_with_images(vlm):
     with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as server:
         msgs = [{"role": "user", "content": [{"type": "image", "image": IMG_A},

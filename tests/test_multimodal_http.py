@@ -136,6 +136,8 @@ def test_media_errors_over_http(served):
     e = api_error(post(audio), 400)
     assert "audio" in e["message"]
     api_error(post([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 5}}]}]), 400)
+    ogg = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "ogg"}}]}]
+    assert "not supported" in api_error(post(ogg), 400, "messages[0].content[0]")["message"]
     # still serving
     ok = post(image_message(data_url(png(IMG_B))))
     assert ok.status_code == 200, ok.text
@@ -177,3 +179,25 @@ def test_same_tokens_as_llama_server(served, mm_files):
     if n < min(len(ours_lp), len(their_tokens)):  # a divergence only where our top two nearly tie
         top = ours_lp[n]["top_logprobs"]
         assert top[0]["logprob"] - top[1]["logprob"] < NEAR_TIE, (ours, theirs)
+
+
+def test_anthropic_and_responses_apis_take_images(served):
+    anthropic = pytest.importorskip("anthropic")
+    b64 = base64.b64encode(png(IMG_A)).decode()
+    chat = httpx.post(served.base_url + "/v1/chat/completions/input_tokens",
+                      json={"messages": image_message(data_url(png(IMG_A)), "What?")}).json()["input_tokens"]
+    assert chat > 16
+    client = anthropic.Anthropic(base_url=served.base_url, api_key="none")
+    reply = client.messages.create(model="tiny-llama", max_tokens=3, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}}]}])
+    usage = reply.usage  # (Anthropic's input_tokens leave out what the cache served)
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == chat and usage.output_tokens == 3
+    oai = openai.OpenAI(base_url=served.base_url + "/v1", api_key="none")
+    response = oai.responses.create(model="tiny-llama", max_output_tokens=3, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "What?"}, {"type": "input_image", "image_url": data_url(png(IMG_A))}]}])
+    assert response.usage.input_tokens == chat
+    # /apply-template shows where the image goes with the public marker, as /props names it
+    shown = httpx.post(served.base_url + "/apply-template",
+                       json={"messages": image_message(data_url(png(IMG_A)), "What?")}).json()["prompt"]
+    assert shown.count("<__media__>") == 1

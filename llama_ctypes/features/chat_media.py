@@ -60,7 +60,9 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
             out.append(message)
             continue
         if projector is None or projector.closed:
-            raise _at(MediaError(f"messages[{i}]: image and audio input is not supported by this model (it has no "
+            kind = next(p.get("type") for p in content if isinstance(p, Mapping) and p.get("type") in MEDIA_PART_TYPES)
+            what = "audio" if kind in ("input_audio", "audio") else "image"
+            raise _at(MediaError(f"messages[{i}]: {what} input is not supported by this model (it has no "
                                  "multimodal projector: load one with mmproj=)"), f"messages[{i}].content")
         pieces: list[tuple[str, str]] = []  # (type, text): "text" or "marker"
         for j, part in enumerate(content):

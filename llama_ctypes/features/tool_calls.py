@@ -23,6 +23,7 @@ Thread safety: a plan and the formatter cached on a model may be shared; a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from ..core.json_schema.limits import SchemaLimits, check_schema_size
 from ..core.media import MediaLimits
 from ..core.model import Model
+from ..core.projector import MEDIA_MARKER
 from ..core.target import GenerationTarget, as_target
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from .chat import ChatParams, content_text, media_prompt_tokens, prompt_tokens, render_prompt
@@ -306,6 +308,9 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     def tokens(text: str) -> list[int]:
         return media_prompt_tokens(model, text, media, media_limits) if media else prompt_tokens(model, text)
 
+    def shown(text: str) -> str:  # (the prompt as /apply-template shows it: media as the public marker)
+        return text.replace(model.projector.marker, MEDIA_MARKER) if media else text
+
     kwargs = check_template_kwargs(template_kwargs or {})
     if enable_thinking is None and isinstance(kwargs.get("enable_thinking"), bool):
         enable_thinking = kwargs["enable_thinking"]
@@ -326,7 +331,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
                 return _SplitterOutput(None)
             return _SplitterOutput(ReasoningSplitter(formats, opens_inside_reasoning(text, formats)))
 
-        return ChatPlan(tokens(text), options, output, None, text)
+        return ChatPlan(tokens(text), options, output, None, shown(text))
 
     if json_schema is not None:
         raise InvalidArgumentError("response_format with a JSON schema cannot be combined with tools")
@@ -335,16 +340,18 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
                                    "(a tool-call format starts a new turn)")
     if chat_template is not None and "{" not in chat_template:
         # A llama.cpp built-in format name: no Jinja for llama.cpp's chat code to analyse.
-        return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
+        plan = _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
                              enable_thinking, kwargs, add_generation_prompt, tokens)
+        return dataclasses.replace(plan, prompt_text=shown(plan.prompt_text))
     formatter = formatter_for(model, chat_template)
     fmt = formatter.apply(messages, tools=tools, tool_choice=mode, parallel_tool_calls=bool(parallel_tool_calls),
                           enable_thinking=True if enable_thinking is None else enable_thinking,
                           template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
                           reasoning_format="deepseek" if parse_reasoning else "none")
     if not fmt.caps.get("supports_tool_calls", False):
-        return _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
+        plan = _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
                              enable_thinking, kwargs, add_generation_prompt, tokens)
+        return dataclasses.replace(plan, prompt_text=shown(plan.prompt_text))
     options = {}
     if fmt.grammar:
         if not fmt.grammar_lazy:
@@ -364,7 +371,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
         parser = OutputParser(fmt)
         return ChatOutput(parser.parse, parser, parser.aparse)
 
-    return ChatPlan(tokens(fmt.prompt), options, output, fmt, fmt.prompt)
+    return ChatPlan(tokens(fmt.prompt), options, output, fmt, shown(fmt.prompt))
 
 
 class _SplitterOutput(ChatOutput):

@@ -33,6 +33,7 @@ from ...core.generation import Completion, GenerationParams
 from ...core.lease_media import check_media_prompt
 from ...core.lora import LoraAdapter, activation_start
 from ...core.model import Model, load_model
+from ...core.one_call import media_prompt
 from ...core.params import ContextParams, ModelParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplingParams
@@ -284,8 +285,21 @@ class Server:
         return min(n_draft, ctx.n_rs_seq)
 
     # ---- submission ------------------------------------------------------------------------
+    def _with_media(self, prompt: Any, opts: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
+        """``media=`` (images, audio for a model with a projector) and a text prompt with its markers, as one
+        MediaPrompt (read and prepared once, whatever the number of choices)."""
+        if "media" not in opts:
+            return prompt, opts
+        opts = dict(opts)
+        media = opts.pop("media")
+        if media is None:
+            return prompt, opts
+        gen_opts = {k: v for k, v in {**self._defaults, **opts}.items() if k in ("add_special", "parse_special")}
+        return media_prompt(self.model, prompt, media, GenerationParams(**gen_opts)), opts
+
     def _request(self, prompt: str | Sequence[int], opts: Mapping[str, Any],
                  loop: asyncio.AbstractEventLoop | None) -> Request:
+        prompt, opts = self._with_media(prompt, opts)
         request = self._build_request(prompt, opts, loop)
         try:
             self._engine.submit(request)  # closes the sampler when it refuses the request
@@ -311,6 +325,10 @@ class Server:
         room = scheduler.room()
         if room is not None and total > room:  # before building anything (samplers, grammars)
             raise QueueFullError(scheduler.queue_full_message(total, self._engine.queue_length()))
+        if "media" in opts:
+            media_opts = opts
+            prompts = [self._with_media(prompt, media_opts)[0] for prompt in prompts]
+            opts = {k: v for k, v in opts.items() if k != "media"}
         seed = opts.get("seed")
         built: list[Request] = []
         try:
@@ -403,7 +421,9 @@ class Server:
         """Stream text pieces for ``prompt``. Per-request options: sampling (temp, seed, grammar,
         json_schema, ...) and generation (max_tokens, stop, logprobs, ...); ``session`` is accepted
         for affinity; ``id_slot=N`` runs it in slot N (waiting for that slot; -1: any); ``progress=True``
-        reports the prompt's reading (``AsyncServerStream.events()``). Raises QueueFullError at once when the queue is full."""
+        reports the prompt's reading (``AsyncServerStream.events()``); ``media=[...]``: images and audio, one
+        per ``lc.MEDIA_MARKER`` in the text (a model with a projector). Raises QueueFullError at once when the
+        queue is full."""
         return ServerStream(self, self._request(prompt, opts, None))
 
     def stream_tokens(self, tokens: Sequence[int], **opts: Any) -> ServerStream:
