@@ -11,7 +11,8 @@ import zlib
 import numpy as np
 import pytest
 
-from llama_ctypes.core.media import MediaLimits, image_size, read_media
+from llama_ctypes.core.media import MediaLimits, read_media
+from llama_ctypes.core.media_probe import image_size
 from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
 
 PIL = pytest.importorskip("PIL.Image")
@@ -153,3 +154,91 @@ def test_urls_paths_and_types(tmp_path):
         read_media(np.zeros((4, 4), np.uint8))
     with pytest.raises(MediaError, match="neither an image"):
         read_media(np.zeros((4, 4, 3), np.float32))
+
+
+# ---- what a small file could make the decoders do (checked before any native call) ------------------
+def wav_header_rate(n_bytes: int, rate: int, width: int = 1) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(b"\x80" * n_bytes)
+    return buf.getvalue()
+
+
+def test_audio_length_is_read_before_decoding():
+    from llama_ctypes.core.media_probe import audio_seconds
+
+    # 4000 bytes at 1 Hz is 4000 s of audio: 64 M samples once resampled to 16 kHz
+    with pytest.raises(MediaTooLargeError, match="4000.0 s"):
+        read_media(wav_header_rate(4000, 1))
+    assert audio_seconds(wav_header_rate(16000, 16000)) == 1.0
+    truncated = bytearray(wav_header_rate(1000, 16000))
+    truncated[40:44] = (10**9).to_bytes(4, "little")  # the data chunk claims a gigabyte
+    with pytest.raises(MediaError, match="truncated WAV"):
+        read_media(bytes(truncated))
+    # FLAC: the STREAMINFO sample count is what the decoder allocates
+    info = (16000 << 44) | (1 << 41) | (15 << 36) | (16000 * 3600 * 10)  # 10 hours
+    flac = b"fLaC" + bytes([0x80, 0, 0, 34]) + b"\x10\x00\x10\x00" + b"\0" * 6 + info.to_bytes(8, "big") + b"\0" * 16
+    with pytest.raises(MediaTooLargeError, match="36000.0 s"):
+        read_media(flac)
+    # MP3: frames counted (MPEG-1 layer III, 128 kbit/s, 44.1 kHz: 417 bytes and 1152 samples each)
+    frame = bytes([0xFF, 0xFB, 0x90, 0x00]) + b"\0" * 413
+    assert abs(audio_seconds(frame * 100) - 100 * 1152 / 44100) < 1e-9
+    with pytest.raises(MediaTooLargeError):
+        read_media(frame * 100, MediaLimits(max_audio_seconds=1.0))
+    with pytest.raises(MediaError, match="free-format"):
+        read_media(bytes([0xFF, 0xFB, 0x00, 0x00]) + b"\0" * 100)
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_png_whose_data_inflates_beyond_its_size_is_refused():
+    raw = zlib.compress(b"\x00" * (8 << 20), 9)  # 8 MiB of zeros: about 8 KB compressed
+    bomb = (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+            + png_chunk(b"IDAT", raw) + png_chunk(b"IEND", b""))
+    assert len(bomb) < 20_000
+    with pytest.raises(MediaError, match="inflates beyond"):
+        read_media(bomb)
+    # real files pass, interlaced ones included
+    for interlace in (False, True):
+        buf = io.BytesIO()
+        PIL.fromarray(IMG).save(buf, format="PNG", interlace=interlace)
+        assert read_media(buf.getvalue()).width == 40
+    buf = io.BytesIO()
+    PIL.fromarray(IMG[:, :, 0]).convert("1").save(buf, format="PNG")  # 1 bit per pixel
+    assert read_media(buf.getvalue()).height == 30
+
+
+def test_jpeg_with_thousands_of_scans_is_refused():
+    buf = io.BytesIO()
+    PIL.fromarray(IMG).save(buf, format="JPEG", progressive=True)
+    data = buf.getvalue()
+    assert read_media(data).width == 40  # (a real progressive JPEG: about 10 scans)
+    sos = data.index(b"\xff\xda")
+    scan = data[sos:data.index(b"\xff\xda", sos + 2)]  # the first scan (and the tables after it), copied
+    with pytest.raises(MediaError, match="scans"):
+        read_media(data[:sos] + scan * 500 + data[sos:])
+
+
+def test_truncated_uncompressed_bmp_is_refused():
+    header = (b"BM" + (54).to_bytes(4, "little") + b"\0\0\0\0" + (54).to_bytes(4, "little") + (40).to_bytes(4, "little")
+              + (5000).to_bytes(4, "little") + (5000).to_bytes(4, "little") + (1).to_bytes(2, "little")
+              + (24).to_bytes(2, "little") + b"\0" * 24)
+    with pytest.raises(MediaError, match="truncated BMP"):
+        read_media(header + b"\0" * 80)
+
+
+def test_media_data_is_checked_again_and_special_files_are_refused(tmp_path):
+    from llama_ctypes.core.media import MediaData
+
+    lying = MediaData("image", np.zeros((2, 2, 3), np.uint8), True, "x", 4000, 4000)
+    again = read_media(lying)
+    assert (again.width, again.height) == (2, 2)
+    with pytest.raises(MediaTooLargeError):
+        read_media(MediaData("image", png_header_only(20000, 20000), False, "x", 1, 1))
+    with pytest.raises(MediaError, match="regular file"):
+        read_media("/dev/zero")

@@ -8,7 +8,9 @@ the tests assert invariants and agreement with llama.cpp's own ``llama-mtmd-cli`
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
+import struct
 import subprocess
 import threading
 import wave
@@ -232,7 +234,8 @@ def test_bad_media(vlm, alm, tiny_model, files, tmp_path):
         (text_file, MediaError, "not an image"),
         ("data:image/png;base64,!!!", MediaError, "base64"),
         (np.zeros((2, 2), np.uint8), MediaError, "neither"),
-        (b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk", MediaError, "takes no audio"),  # audio for a vision projector
+        (b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk", MediaError, "corrupt WAV"),
+        (wav(TONE), MediaError, "takes no audio"),  # audio for a vision projector
         (42, ArgumentTypeError, "media must be"),
     ]
     for item, error, match in cases:
@@ -240,7 +243,7 @@ def test_bad_media(vlm, alm, tiny_model, files, tmp_path):
             lc.generate(vlm, PROMPT, media=[item], max_tokens=2, **GREEDY)
     with pytest.raises(MediaError, match="takes no audio"):
         lc.generate(vlm, PROMPT, media=[TONE], max_tokens=2, **GREEDY)
-    with pytest.raises(MediaError, match="decoded"):  # a WAV header with nothing decodable after it
+    with pytest.raises(MediaError, match="corrupt WAV"):  # a WAV header with nothing after it
         lc.generate(alm, PROMPT, media=[b"RIFF\x10\x00\x00\x00WAVEjunkjunkjunk"], max_tokens=2, **GREEDY)
     with pytest.raises(MediaError, match="takes no images or audio"):
         lc.generate(tiny_model, PROMPT, media=[IMG_A], max_tokens=2, **GREEDY)
@@ -358,3 +361,71 @@ def test_server_refusals(vlm, files, tmp_path):
             ends_with_media = other.projector.tokenize("a " + other.projector.marker, [other.projector.read(IMG_A)])
             with pytest.raises(InvalidArgumentError, match="end with text"):
                 server.generate_tokens(ends_with_media, max_tokens=2)
+
+
+def float_wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """A WAV of IEEE float samples (format 3), which Python's wave module does not write."""
+    data = samples.astype("<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_non_finite_media_never_reach_the_kv_cache(alm):
+    """A float WAV of NaN decodes to NaN samples, and would spoil every batch-mate's attention (flash
+    attention off): the encode refuses it, and the Server's other requests keep their output."""
+    nan_clip = float_wav(np.full(16000, np.nan, np.float32))
+    with pytest.raises(MediaError, match="non-finite"):
+        lc.generate(alm, "Hear " + lc.MEDIA_MARKER + " ok", media=[nan_clip], max_tokens=2, **GREEDY)
+    ref = lc.generate(alm, "Hello there, how are", max_tokens=8, logprobs=2, **GREEDY)
+    with lc.Server(model=alm, n_parallel=2, n_ctx=512, flash_attn="disabled") as server:
+        bad = server.stream("Hear " + lc.MEDIA_MARKER + " ok", media=[nan_clip], max_tokens=4, temp=0.0)
+        text = server.stream("Hello there, how are", max_tokens=8, temp=0.0)
+        with pytest.raises(MediaError, match="non-finite"):
+            bad.completion()
+        assert_greedy_equivalent(text.completion(), ref, what="a batch-mate of a NaN clip")
+        after = server.generate("Hello there, how are", max_tokens=8, temp=0.0)
+        assert_greedy_equivalent(after, ref, what="after a NaN clip")
+
+
+def test_a_changed_or_closed_media_prompt_fails_alone(vlm, tmp_path):
+    pj = vlm.projector
+    ref = lc.generate(vlm, "Hello there, how are", max_tokens=6, logprobs=2, **GREEDY)
+
+    def fresh():
+        return pj.tokenize("a " + pj.marker + " b", [pj.read(IMG_A)])
+
+    changed = fresh()
+    changed.insert(0, changed[0])  # (a list: it can be changed, and its spans no longer fit)
+    shifted = fresh()
+    shifted.spans = (dataclasses.replace(shifted.spans[0], index=0),)  # a text chunk named as media
+    closed = fresh()
+    closed.chunks.close()
+    with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as server:
+        text = server.stream("Hello there, how are", max_tokens=6, temp=0.0)
+        for prompt, error in ((changed, InvalidArgumentError), (shifted, InvalidArgumentError),
+                              (closed, ClosedError)):
+            with pytest.raises(error):
+                server.generate_tokens(prompt, max_tokens=2)
+            with pytest.raises(error):
+                lc.generate(vlm, prompt, max_tokens=2, **GREEDY)
+        assert_greedy_equivalent(text.completion(), ref, what="the Server goes on")
+        # a slot that holds an image cannot be saved to a file (token ids only), and nothing is written
+        server.generate_tokens(fresh(), max_tokens=2, temp=0.0, id_slot=1, cache_prompt=True)
+        with pytest.raises(InvalidArgumentError, match="images or audio"):
+            server.save_slot(1, tmp_path / "slot.bin")
+        assert not (tmp_path / "slot.bin").exists()
+
+
+def test_closing_a_server_while_encoding_leaves_prompts_usable(vlm):
+    pj = vlm.projector
+    prompts = [pj.tokenize("x " + pj.marker + " y", [pj.read(np.full((30, 40, 3), i, np.uint8))]) for i in range(6)]
+    server = lc.Server(model=vlm, n_parallel=4, n_ctx=512)
+    streams = [server.stream_tokens(p, max_tokens=2, temp=0.0) for p in prompts]
+    server.close()
+    for s in streams:
+        with pytest.raises((lc.CancelledError, lc.ClosedError)):
+            s.completion()
+    assert all(not p.encoding for p in prompts)
+    with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as again:  # each can still be served elsewhere
+        assert all(len(again.generate_tokens(p, max_tokens=2, temp=0.0).tokens) == 2 for p in prompts)

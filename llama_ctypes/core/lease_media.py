@@ -27,6 +27,7 @@ __all__ = ["MediaOps", "check_media_prompt"]
 
 def check_media_prompt(ctx: "Context", prompt: "MediaPrompt") -> None:
     """Raise unless ``ctx`` can decode ``prompt``'s media (checked before anything is decoded)."""
+    prompt.check()
     projector = prompt.chunks.projector
     if projector.model is not ctx.model:
         raise InvalidArgumentError("this prompt's media were prepared by another model's projector")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import os
 import re
-import struct
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -23,8 +24,9 @@ from typing import Any, Literal, Union
 import numpy as np
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
+from .media_probe import audio_seconds, check_image_data, image_size, media_kind_of_bytes
 
-__all__ = ["MediaLimits", "MediaData", "MediaInput", "read_media", "image_size", "media_kind_of_bytes"]
+__all__ = ["MediaLimits", "MediaData", "MediaInput", "read_media"]
 
 MediaInput = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Any]
 """What ``media=`` and content parts accept (``Any``: a PIL image)."""
@@ -87,8 +89,9 @@ def read_media(item: MediaInput, limits: MediaLimits | None = None, *, allow_pat
     ``allow_paths=False`` refuses file paths (an HTTP server never reads its own files for a client).
     """
     limits = limits or MediaLimits()
-    if isinstance(item, MediaData):
-        return item
+    if isinstance(item, MediaData):  # (checked again: its fields could say anything)
+        again = _from_array(np.asarray(item.data), limits) if item.raw else _from_bytes(bytes(item.data), limits)
+        return dataclasses.replace(again, source=item.source)
     if isinstance(item, np.ndarray):
         return _from_array(item, limits)
     if _is_pil_image(item):
@@ -125,17 +128,22 @@ def decode_data_url(url: str, limits: MediaLimits) -> bytes:
 
 def _read_file(path: Path, limits: MediaLimits) -> bytes:
     try:
-        size = path.stat().st_size
-        if size > limits.max_bytes:
-            raise MediaTooLargeError(f"{path} is {size} bytes, over the limit of {limits.max_bytes} per media")
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise MediaError(f"{path} is not a regular file")
+            if info.st_size > limits.max_bytes:
+                raise MediaTooLargeError(f"{path} is {info.st_size} bytes, over the limit of {limits.max_bytes} "
+                                         "per media")
+            data = f.read(limits.max_bytes + 1)  # (a file may be longer than stat says: /proc)
+        if len(data) > limits.max_bytes:
+            raise MediaTooLargeError(f"{path} is over the limit of {limits.max_bytes} bytes per media")
+        return data
     except FileNotFoundError:
         raise FileNotFoundError(f"media file not found: {path}") from None
     except IsADirectoryError:
         raise MediaError(f"{path} is a directory, not a media file") from None
     except OSError as exc:
-        if isinstance(exc, MediaTooLargeError):
-            raise
         raise MediaError(f"cannot read {path}: {exc}") from None
 
 
@@ -146,9 +154,14 @@ def _from_bytes(data: bytes, limits: MediaLimits) -> MediaData:
         raise MediaError("the media is empty (0 bytes)")
     digest = hashlib.sha256(data).hexdigest()
     if media_kind_of_bytes(data) == "audio":
+        seconds = audio_seconds(data)  # (what the decoder will allocate, resampled: read before it runs)
+        if seconds > limits.max_audio_seconds:
+            raise MediaTooLargeError(f"an audio clip of {seconds:.1f} s is over the limit of "
+                                     f"{limits.max_audio_seconds:g} s")
         return MediaData("audio", data, False, digest)
     width, height = image_size(data)
     _check_image_size(width, height, limits)
+    check_image_data(data, width, height)
     return MediaData("image", data, False, digest, width, height)
 
 
@@ -186,73 +199,3 @@ def _check_image_size(width: int, height: int, limits: MediaLimits) -> None:
 def _is_pil_image(item: Any) -> bool:
     cls = type(item)
     return any(c.__module__.startswith("PIL.") and c.__name__ == "Image" for c in cls.__mro__)
-
-
-def media_kind_of_bytes(data: bytes) -> MediaKind:
-    """"audio" for the files llama.cpp's helper decodes as audio (WAV, MP3, FLAC, by magic bytes, as
-    the helper tells them), else "image"."""
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WAVE":
-        return "audio"
-    if data[:3] == b"ID3" or (len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
-        return "audio"
-    if data[:4] == b"fLaC":
-        return "audio"
-    return "image"
-
-
-def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from an image file's header: PNG, JPEG, GIF or BMP. MediaError otherwise.
-
-    Only these formats: their decoder (stb_image) allocates what the header says, so the size must be
-    known before decoding; WebP would need ffmpeg, which llama.cpp runs only in builds with video.
-    """
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        if len(data) < 24 or data[12:16] != b"IHDR":
-            raise MediaError("a corrupt PNG file (no IHDR header)")
-        return struct.unpack(">II", data[16:24])
-    if data[:2] == b"\xff\xd8":
-        return _jpeg_size(data)
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        if len(data) < 10:
-            raise MediaError("a corrupt GIF file (truncated header)")
-        return struct.unpack("<HH", data[6:10])
-    if data[:2] == b"BM":
-        if len(data) < 26:
-            raise MediaError("a corrupt BMP file (truncated header)")
-        header = struct.unpack("<I", data[14:18])[0]
-        if header == 12:
-            return struct.unpack("<HH", data[18:22])
-        width, height = struct.unpack("<ii", data[18:26])
-        return abs(width), abs(height)
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        raise MediaError("WebP images are not supported (PNG, JPEG, GIF and BMP are)")
-    raise MediaError("not an image or audio file llama.cpp can decode (images: PNG, JPEG, GIF, BMP; "
-                     "audio: WAV, MP3, FLAC)")
-
-
-# JPEG start-of-frame markers (baseline, progressive, lossless...): not DHT (C4), JPG (C8) or DAC (CC).
-_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-
-
-def _jpeg_size(data: bytes) -> tuple[int, int]:
-    i, n = 2, len(data)
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            raise MediaError("a corrupt JPEG file (bad marker)")
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
-            i += 2
-            continue
-        length = struct.unpack(">H", data[i + 2:i + 4])[0]
-        if marker in _SOF:
-            if i + 9 > n:
-                break
-            height, width = struct.unpack(">HH", data[i + 5:i + 9])
-            return width, height
-        if length < 2:
-            raise MediaError("a corrupt JPEG file (bad segment length)")
-        i += 2 + length
-    raise MediaError("a corrupt or truncated JPEG file (no frame header)")

@@ -11,6 +11,7 @@ content hash: the same image at the same place reuses its KV, another image neve
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -19,11 +20,11 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError, InvalidArgumentError, MediaError, MediaTooLargeError, ModelLoadError
+from ..errors import InvalidArgumentError, MediaError, MediaTooLargeError, ModelLoadError
 from ..native import mtmd_h as M
 from .backend import clear_native_error, init_mtmd, native_error
 from .gguf_file import check_gguf_file
@@ -130,6 +131,28 @@ class MediaPrompt(list):
         """``n`` moved back to the start of a span it would split (a media chunk is decoded whole)."""
         span = self.span_at(n)
         return span.start if span is not None and span.start < n else n
+
+    def check(self) -> None:
+        """Raise unless the list still matches its spans and chunks (it is a list: it can be changed).
+
+        Every span lies in the list, in order, holds its own placeholder and nothing else, and names a
+        media chunk of that many tokens; no other entry is negative; the chunks are still there
+        (ClosedError when they were closed)."""
+        at = 0
+        for span in self.spans:
+            if not at <= span.start < span.end <= len(self):
+                raise InvalidArgumentError("this MediaPrompt was changed: its media spans no longer fit it")
+            if any(t < 0 for t in self[at:span.start]):
+                raise InvalidArgumentError("this MediaPrompt was changed: a media placeholder outside its span")
+            placeholder = placeholder_id(f"{span.id}/{span.n_tokens}")
+            if any(t != placeholder for t in self[span.start:span.end]):
+                raise InvalidArgumentError("this MediaPrompt was changed: a media span holds other entries")
+            with self.chunks.using(span.index) as chunk:
+                if int(self.chunks._lib.mtmd_input_chunk_get_n_tokens(chunk)) != span.n_tokens:
+                    raise InvalidArgumentError("this MediaPrompt's spans do not match its media chunks")
+            at = span.end
+        if any(t < 0 for t in self[at:]):
+            raise InvalidArgumentError("this MediaPrompt was changed: a media placeholder outside its span")
 
     @property
     def text_tokens(self) -> list[int]:
@@ -329,10 +352,9 @@ class Projector(NativeHandle):
     def encode(self, chunks: "MediaChunks", index: int) -> np.ndarray:
         """Embeddings of media chunk ``index``: float32 ``[n_tokens, n_embd]`` (a copy; thread-safe)."""
         lib = self._lib
-        chunk = chunks.chunk(index)
-        n_tokens = int(lib.mtmd_input_chunk_get_n_tokens(chunk))
         # (held: the chunks hold the projector, so work on them goes on after a close() until they go)
-        with self._shared(held=True), self._encode_lock:
+        with chunks.using(index) as chunk, self._shared(held=True), self._encode_lock:
+            n_tokens = int(lib.mtmd_input_chunk_get_n_tokens(chunk))
             clear_native_error()
             rc = lib.mtmd_encode_chunk(self._ptr, chunk)
             if rc != 0:
@@ -340,12 +362,16 @@ class Projector(NativeHandle):
             out = lib.mtmd_get_output_embd(self._ptr)
             if not out:
                 raise MediaError("encoding the media gave no output")
-            return np.ctypeslib.as_array(out, shape=(n_tokens, self.n_embd)).copy()
+            embd = np.ctypeslib.as_array(out, shape=(n_tokens, self.n_embd)).copy()
+        if not np.isfinite(embd).all():
+            # (a clip of NaN samples, say: such cells would spoil the attention of a whole batch)
+            raise MediaError("the media encoded to non-finite values (NaN or infinity); refused")
+        return embd
 
     def uses_non_causal(self, chunks: "MediaChunks", index: int) -> bool:
         """Whether the chunk's embeddings are decoded with non-causal attention (one ubatch for all)."""
-        with self._shared(held=True):
-            return bool(self._lib.mtmd_decode_use_non_causal(self._ptr, chunks.chunk(index)))
+        with chunks.using(index) as chunk, self._shared(held=True):
+            return bool(self._lib.mtmd_decode_use_non_causal(self._ptr, chunk))
 
     def decode_chunk_rc(self, chunks: "MediaChunks", index: int, embd: np.ndarray, ctx_ptr, pos: int, seq: int,
                         n_batch: int) -> int:
@@ -353,10 +379,13 @@ class Projector(NativeHandle):
         (the caller holds the context's lease); llama.cpp's return code."""
         new_pos = M.llama_pos(0)
         embd = np.ascontiguousarray(embd, dtype=np.float32)
-        with self._shared(held=True):
+        with chunks.using(index) as chunk, self._shared(held=True):
+            n_tokens = int(self._lib.mtmd_input_chunk_get_n_tokens(chunk))
+            if embd.shape != (n_tokens, self.n_embd):  # (the helper reads n_tokens × n_embd floats)
+                raise InvalidArgumentError(f"embeddings of shape {embd.shape} for a chunk of "
+                                           f"{n_tokens}×{self.n_embd}")
             return int(self._lib.mtmd_helper_decode_image_chunk(
-                self._ptr, ctx_ptr, chunks.chunk(index), embd.ctypes.data, pos, seq, n_batch,
-                ctypes.byref(new_pos), None, None))
+                self._ptr, ctx_ptr, chunk, embd.ctypes.data, pos, seq, n_batch, ctypes.byref(new_pos), None, None))
 
 
 class MediaChunks(NativeHandle):
@@ -370,6 +399,7 @@ class MediaChunks(NativeHandle):
         self._ptr = ptr
         self._hold = projector.hold()
         self.projector = projector
+        self._count = int(self._lib.mtmd_input_chunks_size(ptr))
 
     def _free(self) -> None:
         if self._ptr:
@@ -377,10 +407,16 @@ class MediaChunks(NativeHandle):
             self._ptr = None
         self._hold.release()
 
-    def chunk(self, index: int):
-        if self._freed:
-            raise ClosedError("these media chunks were freed")
-        return self._lib.mtmd_input_chunks_get(self._ptr, index)
+    @contextlib.contextmanager
+    def using(self, index: int) -> Iterator[int]:
+        """The native pointer of media chunk ``index``, valid (the chunks kept alive) inside the ``with``."""
+        with self._shared(held=True):
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self._count:
+                raise InvalidArgumentError(f"no media chunk {index!r} in these {self._count} chunks")
+            chunk = self._lib.mtmd_input_chunks_get(self._ptr, index)
+            if self._lib.mtmd_input_chunk_get_type(chunk) == M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                raise InvalidArgumentError(f"chunk {index} is text, not media")
+            yield chunk
 
     def prompt(self) -> MediaPrompt:
         """The chunks as a :class:`MediaPrompt`."""

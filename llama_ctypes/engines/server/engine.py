@@ -157,6 +157,7 @@ class Engine:
         # Images and audio are encoded on a thread of their own, so the ticks go on meanwhile.
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
         self._encoded = 0  # encodes finished so far (guarded by the scheduler's cond)
+        self._encodes: dict[tuple[int, int], Any] = {}  # (id(prompt), span start) -> prompt, while queued or running
         # counters, read by stats()
         self.ticks = 0
         self.batch_tokens = 0
@@ -296,14 +297,20 @@ class Engine:
         cond = self.scheduler.cond
         for request, span in spans:
             prompt = request.prompt
+            if span.start in prompt.encoding:  # (the choices of one request share their prompt)
+                continue
             prompt.encoding.add(span.start)
+            key = (id(prompt), span.start)
+            with cond:
+                self._encodes[key] = prompt
 
-            def encode(prompt=prompt, span=span) -> None:
+            def encode(prompt=prompt, span=span, key=key) -> None:
                 try:
                     prompt.embeddings(span)  # (keeps the result, or the error, with the prompt)
                 finally:
                     prompt.encoding.discard(span.start)
                     with cond:
+                        self._encodes.pop(key, None)
                         self._encoded += 1
                         cond.notify_all()
 
@@ -318,11 +325,15 @@ class Engine:
         embd = prompt.encoded[span.start]
         pos, seq = slot.n_past, slot.seq_id
         lease = self.lease
-        rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
-        if rc == 1:
+        try:
+            rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
+            if rc == 1:
+                lease.seq_rm(seq, pos, -1)
+                if self.pool.evict_idle():
+                    rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
+        except BaseException:
             lease.seq_rm(seq, pos, -1)
-            if self.pool.evict_idle():
-                rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
+            raise
         if rc != 0:
             lease.seq_rm(seq, pos, -1)  # (chunks decoded before the failure must not linger)
         if rc == 1:
@@ -337,6 +348,10 @@ class Engine:
     def _exit(self, error: BaseException) -> None:
         if self._encoder is not None:
             self._encoder.shutdown(wait=False, cancel_futures=True)
+            with self.scheduler.cond:  # (a cancelled encode never runs: its prompt must not wait for it)
+                pending, self._encodes = self._encodes, {}
+            for (_, start), prompt in pending.items():
+                prompt.encoding.discard(start)
         scheduler = self.scheduler
         try:
             scheduler.fail_all(error)  # also refuses new requests and calls from now on
@@ -403,10 +418,19 @@ class Engine:
         except LlamaError as error:
             return None, None, error, None
         t_fill = time.perf_counter()
-        for step in plan.media:  # before the batch, on their own (embeddings, not tokens)
-            failure = self._decode_media(step)
-            if failure is not None:
+        for step in list(plan.media):  # before the batch, on their own (embeddings, not tokens)
+            try:
+                failure = self._decode_media(step)
+            except RPCConnectionError:
+                raise
+            except Exception as exc:  # (a closed prompt, say): this request fails, the others go on
+                failure = exc
+            if isinstance(failure, KVPoolFullError):
+                for done in plan.media[:plan.media.index(step)]:  # (the slots' bookkeeping has none of it)
+                    self.lease.seq_rm(done.slot.seq_id, done.slot.n_past, -1)
                 return None, None, failure, None
+            if failure is not None:
+                self.scheduler.media_failed(plan, step, failure)
         if not plan.steps:
             self.split.decode += time.perf_counter() - t_fill
             self.ticks += 1

@@ -518,6 +518,12 @@ class Scheduler:
                 if request.ended is None:  # not finished by an earlier token of this step
                     self._accept(slot, request, tok, now, entry)
 
+    def media_failed(self, plan: TickPlan, step: Step, error: BaseException) -> None:
+        """A media step of ``plan`` could not be decoded (nothing of it is in its sequence): its request
+        fails alone and leaves the plan; the rest of the tick goes on."""
+        plan.media.remove(step)
+        self.finish(step.slot, step.request, Status.FAILED, error=_own_copy(error))
+
     def kv_full(self, plan: TickPlan, capacity: int) -> Request | None:
         """The plan's batch did not fit in the KV memory (``capacity`` cells), idle slots' caches
         already dropped, and nothing of it was decoded: make room, the least costly way first, and

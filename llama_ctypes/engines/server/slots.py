@@ -299,6 +299,8 @@ class SlotPool:
         if slot.kv_tag != _BASE and slot.tokens:
             raise InvalidArgumentError(f"slot {slot.seq_id} holds a cache computed with LoRA adapters; slot files "
                                        "carry no adapter information")
+        if any(t < 0 for t in slot.tokens):
+            raise InvalidArgumentError(f"slot {slot.seq_id} holds images or audio; slot files carry token ids only")
         write_state_file(path, slot.tokens, self.kv.save(slot.seq_id))
         return len(slot.tokens)
 

@@ -8,6 +8,7 @@ Runs in the worker thread that plans the request, never on the event loop.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import requests
@@ -19,12 +20,16 @@ __all__ = ["url_fetcher"]
 
 #: Seconds to connect and between two reads of one media URL.
 FETCH_TIMEOUT = 10.0
+#: Seconds one media URL may take in all (a slow sender cannot hold a worker longer).
+FETCH_DEADLINE = 30.0
 
 
-def url_fetcher(limits: MediaLimits, timeout: float = FETCH_TIMEOUT) -> Callable[[str], bytes]:
-    """``fetch(url) -> bytes`` for http(s) URLs, within ``limits.max_bytes``."""
+def url_fetcher(limits: MediaLimits, timeout: float = FETCH_TIMEOUT,
+                deadline: float = FETCH_DEADLINE) -> Callable[[str], bytes]:
+    """``fetch(url) -> bytes`` for http(s) URLs, within ``limits.max_bytes`` and ``deadline`` seconds."""
 
     def fetch(url: str) -> bytes:
+        end = time.monotonic() + deadline
         try:
             with requests.get(url, stream=True, timeout=timeout, allow_redirects=True,
                               headers={"Accept": "image/*, audio/*"}) as response:
@@ -37,6 +42,8 @@ def url_fetcher(limits: MediaLimits, timeout: float = FETCH_TIMEOUT) -> Callable
                     raise MediaTooLargeError(f"{url}: {declared} bytes, over the limit of {limits.max_bytes}")
                 chunks, size = [], 0
                 for chunk in response.iter_content(64 << 10):
+                    if time.monotonic() > end:
+                        raise MediaError(f"{url}: not fetched within {deadline:g} s")
                     size += len(chunk)
                     if size > limits.max_bytes:
                         raise MediaTooLargeError(f"{url}: over the limit of {limits.max_bytes} bytes per media")

@@ -408,7 +408,8 @@ def limits_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         try:
             requests = dataclasses.replace(requests, media=MediaLimits(**media))
         except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"--media-max-items: {str(exc).split(': ', 1)[-1]}") from None
+            option = "--media-max-mb" if "max_bytes" in str(exc) else "--media-max-items"
+            raise InvalidArgumentError(f"{option}: {str(exc).split(': ', 1)[-1]}") from None
     connections = build(ConnectionLimits, {"header_timeout": "header_timeout", "body_timeout": "body_timeout",
                                            "write_timeout": "timeout", "keep_alive_timeout": "keep_alive_timeout",
                                            "max_connections": "max_connections"})
