@@ -429,3 +429,23 @@ def test_closing_a_server_while_encoding_leaves_prompts_usable(vlm):
     assert all(not p.encoding for p in prompts)
     with lc.Server(model=vlm, n_parallel=2, n_ctx=512) as again:  # each can still be served elsewhere
         assert all(len(again.generate_tokens(p, max_tokens=2, temp=0.0).tokens) == 2 for p in prompts)
+
+
+def test_mrope_projectors_are_refused_clearly(tmp_path, vocab_dir):
+    """Qwen2-VL-style models place an image at fewer positions than its tokens (M-RoPE): not supported
+    yet, and said so at the call (the projector loads and reports it)."""
+    from tiny_models import write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
+
+    text = write_tiny_qwen2vl(tmp_path / "qwen2vl.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
+    mmproj = write_tiny_qwen2vl_mmproj(tmp_path / "mmproj-qwen2vl.gguf")
+    with lc.load_model(text, mmproj=mmproj) as model:
+        pj = model.projector
+        assert pj.uses_mrope
+        (span,) = pj.tokenize("a " + pj.marker + " b", [pj.read(IMG_B)]).spans
+        assert span.n_pos < span.n_tokens
+        with pytest.raises(MediaError, match="M-RoPE"):
+            lc.generate(model, PROMPT, media=[IMG_A], max_tokens=2, **GREEDY)
+        with lc.Server(model=model, n_parallel=1, n_ctx=256) as server:
+            with pytest.raises(MediaError, match="M-RoPE"):
+                server.generate(PROMPT, media=[IMG_A], max_tokens=2)
+        assert len(lc.generate(model, "text still works", max_tokens=2, **GREEDY).tokens) == 2

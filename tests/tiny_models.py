@@ -617,3 +617,114 @@ def write_tiny_gemma3_mmproj(path: Path, *, n_embd_text: int = 64, image_size: i
     writer.add_tensor("mm.input_projection.weight", w(n_embd, n_embd_text))
     _finish(writer)
     return path
+
+
+def write_tiny_qwen2vl(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                       n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
+                       chat_template: str | None = None) -> Path:
+    """A 2-layer ``qwen2vl`` text model with random f32 weights: a Qwen2 decoder (q/k/v biases, SwiGLU)
+    whose RoPE is M-RoPE (llama_model_rope_type = LLAMA_ROPE_TYPE_MROPE), so each position is 4 numbers
+    (temporal, height, width, unused) and libmtmd places an image's embeddings on a 2-D grid: an image
+    chunk of nx x ny tokens advances the position by max(nx, ny) only (its n_pos, not its n_tokens).
+
+    ``qwen2vl.rope.dimension_sections`` is required (the load fails without it); the sections split the
+    head's head_dim / 2 rotary pairs among t/h/w as Qwen2-VL's [16, 24, 24, 0] does for head_dim 128.
+    The output head is tied to the token embedding (no ``output.weight``: the arch falls back to
+    ``token_embd``), which halves the file for a large vocabulary (qwen2's 151,936 tokens: ~39 MB).
+    """
+    head_dim = n_embd // n_head
+    if n_embd % n_head or head_dim % 2 or head_dim < 4:
+        raise ValueError(f"n_embd {n_embd} / n_head {n_head}: head_dim must be an even integer of at least 4")
+    rng = np.random.default_rng(seed)
+    arch = "qwen2vl"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-qwen2vl-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(n_ff)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(10000.0)
+    half = head_dim // 2  # rotary pairs: t gets a quarter of them, h and w share the rest
+    writer.add_array(f"{arch}.rope.dimension_sections", [half // 4, (half - half // 4) // 2,
+                                                         half - half // 4 - (half - half // 4) // 2, 0])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    w = _random(rng, 0.5)
+    n_embd_kv = n_head_kv * head_dim
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.bias", w(n_embd, scale=0.1))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", w(n_embd_kv, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.bias", w(n_embd_kv, scale=0.1))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", w(n_embd_kv, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.bias", w(n_embd_kv, scale=0.1))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", w(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", w(n_ff, n_embd))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", w(n_embd, n_ff))
+    _finish(writer)
+    return path
+
+
+def write_tiny_qwen2vl_mmproj(path: Path, *, n_embd_text: int = 64, image_size: int = 56, patch_size: int = 14,
+                              n_embd: int = 32, n_layer: int = 1, n_head: int = 2, n_ff: int = 64,
+                              seed: int = 0) -> Path:
+    """A Qwen2-VL-style vision projector (``clip.projector_type = qwen2vl_merger``) with random f32 weights,
+    for :func:`write_tiny_qwen2vl`'s model (``n_embd_text``: its n_embd); about 290 KB by default.
+
+    Dynamic resolution: preprocessing resizes an image (bicubic, aspect ratio kept, no padding) so each side
+    is a multiple of ``2 * patch_size`` (rounded), then scales it up to at least 8 and down to at most 4096
+    merged tokens (libmtmd's fixed Qwen2-VL bounds, in pixels ``n * (2 * patch_size) ** 2``; a context's
+    image_min/max_tokens override them); normalized with mean 0.5 / std 0.5. So with patch_size 14 a
+    64 x 48 image becomes 112 x 84 pixels, 8 x 6 patches, 4 x 3 = 12 embeddings, which the M-RoPE text
+    model places on a 4 x 3 grid: the chunk has n_tokens 12 and n_pos max(4, 3) = 4. ``image_size`` is
+    only metadata (required); at load, libmtmd sizes its compute buffer for a fixed 46 x 46-token image
+    (1288 x 1288 pixels: about 30 MiB on CPU with flash attention), without running it.
+
+    The encoder: two conv patch embeddings without bias (``v.patch_embd.weight`` and ``.weight.1``, the
+    temporal pair, summed for a still image), no learned positions (2-D M-RoPE in the ViT; head_dim
+    = n_embd / n_head must be a multiple of 4), ``n_layer`` pre-LayerNorm blocks, a post LayerNorm; then
+    the 2 x 2 patch merger: 4 x n_embd -> GELU MLP (``mm.0``, ``mm.2``) -> ``n_embd_text``. libmtmd wraps
+    the embeddings in the text ``<|vision_start|>`` ... ``<|vision_end|>``. (``n_ff == n_embd`` would make
+    libmtmd swap the blocks' ffn_up / ffn_down, as for legacy conversions: harmless here, both square.)
+    """
+    if n_embd % n_head or (n_embd // n_head) % 4:
+        # else the ViT's rope (head_dim / 2 dims) is odd: libmtmd aborts at the first encode, not at load
+        raise ValueError(f"n_embd {n_embd} / n_head {n_head}: head_dim must be an integer multiple of 4")
+    rng = np.random.default_rng(seed)
+    writer = _clip_header(path, "tiny-qwen2vl-mmproj-test", "vision", projector="qwen2vl_merger", n_embd=n_embd,
+                          n_ff=n_ff, n_layer=n_layer, n_head=n_head, projection_dim=n_embd_text)
+    writer.add_uint32("clip.vision.image_size", image_size)
+    writer.add_uint32("clip.vision.patch_size", patch_size)
+    writer.add_uint32("clip.vision.spatial_merge_size", 2)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_bool("clip.use_gelu", True)
+
+    w = _random(rng, 0.2)
+    # two conv2d kernels, numpy (n_embd, 3, kh, kw); qwen2vl asserts there is no patch bias
+    writer.add_tensor("v.patch_embd.weight", w(n_embd, 3, patch_size, patch_size, scale=0.05))
+    writer.add_tensor("v.patch_embd.weight.1", w(n_embd, 3, patch_size, patch_size, scale=0.05))
+    _add_vit_layers(writer, w, "v", n_layer=n_layer, n_embd=n_embd, n_ff=n_ff)
+    writer.add_tensor("v.post_ln.weight", _ones(n_embd))
+    writer.add_tensor("v.post_ln.bias", np.zeros(n_embd, dtype=np.float32))
+    # the merger: 2 x 2 neighbouring patches concatenated (4 * n_embd), numpy (out, in); libmtmd reads
+    # n_embd_text from mm.2.bias
+    n_merged = 4 * n_embd
+    writer.add_tensor("mm.0.weight", w(n_merged, n_merged, scale=0.1))
+    writer.add_tensor("mm.0.bias", w(n_merged, scale=0.02))
+    writer.add_tensor("mm.2.weight", w(n_embd_text, n_merged, scale=0.1))
+    writer.add_tensor("mm.2.bias", w(n_embd_text, scale=0.02))
+    _finish(writer)
+    return path
