@@ -15,7 +15,7 @@ Environment:
     LLAMA_CTYPES_PORTABLE 1 for a build that runs on any machine of the platform (wheels):
                          backends as loadable modules, one CPU library per instruction-set
                          level (x86-64 baseline up to AVX-512), the best picked at run time
-    LLAMA_CTYPES_TOOLS   1 to also build llama-bench and llama-server (benchmarks)
+    LLAMA_CTYPES_TOOLS   1 to also build llama-bench, llama-server and llama-mtmd-cli (benchmarks, references)
 
 The built libraries are cached under ``<cache>/native/<key>/lib`` where key
 hashes the llama.cpp source id, the backend, the CMake flags and the adapter
@@ -560,7 +560,9 @@ def build(
         if module:
             targets = [f"ggml-{module}"]
         else:
-            targets = ["llama_ctypes_adapter", "mtmd"] + (["llama-bench", "llama-server", "llama-mtmd-cli"] if tools else [])
+            targets = ["llama_ctypes_adapter", "mtmd"]
+            if tools:
+                targets += ["llama-bench", "llama-server", "llama-mtmd-cli"]
         jobs = str(os.cpu_count() or 2)
         _run([cmake, "--build", str(build_dir), "--config", "Release", "-j", jobs, "--target", *targets])
         elapsed = time.monotonic() - t0
@@ -662,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default=None, help="auto|cpu|cuda|metal|vulkan (default: $LLAMA_BACKEND or auto)")
     parser.add_argument("--llama-cpp-dir", default=None, help="use this llama.cpp tree instead of the pinned source")
-    parser.add_argument("--tools", action="store_true", default=None, help="also build llama-bench and llama-server")
+    parser.add_argument("--tools", action="store_true", default=None, help="also build llama-bench, llama-server and llama-mtmd-cli")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
     parser.add_argument("--no-install", action="store_true", help="do not copy the libraries into llama_ctypes/lib")
     parser.add_argument("--module", default=None, help="build only this backend module (e.g. cuda) for a plugin")
