@@ -664,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default=None, help="auto|cpu|cuda|metal|vulkan (default: $LLAMA_BACKEND or auto)")
     parser.add_argument("--llama-cpp-dir", default=None, help="use this llama.cpp tree instead of the pinned source")
-    parser.add_argument("--tools", action="store_true", default=None, help="also build llama-bench, llama-server and llama-mtmd-cli")
+    parser.add_argument("--tools", action="store_true", default=None,
+                        help="also build llama-bench, llama-server and llama-mtmd-cli")
     parser.add_argument("--force", action="store_true", help="rebuild even when the cache has this build")
     parser.add_argument("--no-install", action="store_true", help="do not copy the libraries into llama_ctypes/lib")
     parser.add_argument("--module", default=None, help="build only this backend module (e.g. cuda) for a plugin")
