@@ -10,17 +10,16 @@ import zlib
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from llama_ctypes.core.media import MediaLimits, read_media
 from llama_ctypes.core.media_probe import image_size
 from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
 
-PIL = pytest.importorskip("PIL.Image")
-
 
 def png_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    PIL.fromarray(arr).save(buf, format="PNG")
+    Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -51,13 +50,13 @@ IMG = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP"])
 def test_image_size_from_header(fmt):
     buf = io.BytesIO()
-    PIL.fromarray(IMG).save(buf, format=fmt)
+    Image.fromarray(IMG).save(buf, format=fmt)
     assert image_size(buf.getvalue()) == (40, 30)
 
 
 def test_progressive_jpeg_size():
     buf = io.BytesIO()
-    PIL.fromarray(IMG).save(buf, format="JPEG", progressive=True)
+    Image.fromarray(IMG).save(buf, format="JPEG", progressive=True)
     assert image_size(buf.getvalue()) == (40, 30)
 
 
@@ -71,7 +70,7 @@ def test_forms_of_one_image_share_an_id(tmp_path):
     got = read_media(data)
     assert (got.kind, got.raw, got.width, got.height) == ("image", False, 40, 30)
     # arrays and PIL images are raw RGB: one id for both, another than the file's (it is what gets decoded)
-    raw = {read_media(IMG).id, read_media(PIL.fromarray(IMG)).id,
+    raw = {read_media(IMG).id, read_media(Image.fromarray(IMG)).id,
            read_media(np.dstack([IMG, np.full((30, 40), 255, np.uint8)])).id}
     assert len(raw) == 1 and raw != ids
     assert read_media(IMG[:, :, ::-1].copy()).id not in raw
@@ -206,16 +205,16 @@ def test_png_whose_data_inflates_beyond_its_size_is_refused():
     # real files pass, interlaced ones included
     for interlace in (False, True):
         buf = io.BytesIO()
-        PIL.fromarray(IMG).save(buf, format="PNG", interlace=interlace)
+        Image.fromarray(IMG).save(buf, format="PNG", interlace=interlace)
         assert read_media(buf.getvalue()).width == 40
     buf = io.BytesIO()
-    PIL.fromarray(IMG[:, :, 0]).convert("1").save(buf, format="PNG")  # 1 bit per pixel
+    Image.fromarray(IMG[:, :, 0]).convert("1").save(buf, format="PNG")  # 1 bit per pixel
     assert read_media(buf.getvalue()).height == 30
 
 
 def test_jpeg_with_thousands_of_scans_is_refused():
     buf = io.BytesIO()
-    PIL.fromarray(IMG).save(buf, format="JPEG", progressive=True)
+    Image.fromarray(IMG).save(buf, format="JPEG", progressive=True)
     data = buf.getvalue()
     assert read_media(data).width == 40  # (a real progressive JPEG: about 10 scans)
     sos = data.index(b"\xff\xda")

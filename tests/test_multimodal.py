@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from llama_server import find_tool
 from margins import NEAR_TIE, assert_greedy_equivalent
+from PIL import Image
 from tiny_models import write_tiny_audio_mmproj, write_tiny_gemma3_mmproj, write_tiny_mmproj
 
 import llama_ctypes as lc
@@ -31,14 +32,12 @@ from llama_ctypes.errors import (
     ModelLoadError,
 )
 
-PIL = pytest.importorskip("PIL.Image")
-
 GREEDY = dict(temp=0.0, n_ctx=512)
 
 
 def png(arr: np.ndarray, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
-    PIL.fromarray(arr).save(buf, format=fmt)
+    Image.fromarray(arr).save(buf, format=fmt)
     return buf.getvalue()
 
 
@@ -138,7 +137,7 @@ def test_prompt_places_media(vlm):
 def test_same_image_in_every_form_gives_the_same_tokens(vlm, files):
     data = files["a.png"].read_bytes()
     forms = [str(files["a.png"]), files["a.png"], data, "data:image/png;base64," + base64.b64encode(data).decode(),
-             IMG_A, PIL.fromarray(IMG_A)]
+             IMG_A, Image.fromarray(IMG_A)]
     outs = [lc.generate(vlm, PROMPT, media=[m], max_tokens=8, **GREEDY).tokens for m in forms]
     assert all(o == outs[0] for o in outs), outs  # one decoded picture: the same computation each time
     other = lc.generate(vlm, PROMPT, media=[IMG_B], max_tokens=8, **GREEDY).tokens

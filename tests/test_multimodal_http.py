@@ -7,16 +7,16 @@ import base64
 import io
 import wave
 
+import anthropic
 import httpx
 import numpy as np
+import openai
 import pytest
 from http_helpers import ServeProcess, api_error
 from llama_server import NOT_BUILT, LlamaServer, find_llama_server
 from margins import NEAR_TIE
+from PIL import Image
 from tiny_models import write_tiny_audio_mmproj, write_tiny_mmproj
-
-openai = pytest.importorskip("openai")
-PIL = pytest.importorskip("PIL.Image")
 
 RNG = np.random.default_rng(11)
 IMG_A = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
@@ -25,7 +25,7 @@ IMG_B = RNG.integers(0, 256, (24, 24, 3), dtype=np.uint8)
 
 def png(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
-    PIL.fromarray(arr).save(buf, format="PNG")
+    Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
 
 
@@ -182,7 +182,6 @@ def test_same_tokens_as_llama_server(served, mm_files):
 
 
 def test_anthropic_and_responses_apis_take_images(served):
-    anthropic = pytest.importorskip("anthropic")
     b64 = base64.b64encode(png(IMG_A)).decode()
     chat = httpx.post(served.base_url + "/v1/chat/completions/input_tokens",
                       json={"messages": image_message(data_url(png(IMG_A)), "What?")}).json()["input_tokens"]
