@@ -10,17 +10,12 @@ import zlib
 
 import numpy as np
 import pytest
+from media_files import png, wav
 from PIL import Image
 
 from llama_ctypes.core.media import MediaLimits, read_media
 from llama_ctypes.core.media_probe import image_size
 from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError, MediaError, MediaTooLargeError
-
-
-def png_bytes(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def png_header_only(width: int, height: int) -> bytes:
@@ -31,16 +26,6 @@ def png_header_only(width: int, height: int) -> bytes:
     data = zlib.compress(b"\x00" * 64)
     idat = b"IDAT" + data
     return out + struct.pack(">I", len(data)) + idat + struct.pack(">I", zlib.crc32(idat))
-
-
-def wav_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 RNG = np.random.default_rng(0)
@@ -61,7 +46,7 @@ def test_progressive_jpeg_size():
 
 
 def test_forms_of_one_image_share_an_id(tmp_path):
-    data = png_bytes(IMG)
+    data = png(IMG)
     path = tmp_path / "a.png"
     path.write_bytes(data)
     url = "data:image/png;base64," + base64.b64encode(data).decode()
@@ -78,7 +63,7 @@ def test_forms_of_one_image_share_an_id(tmp_path):
 
 def test_audio_forms():
     pcm = np.sin(np.linspace(0, 100, 16000)).astype(np.float32)
-    got = read_media(wav_bytes(pcm))
+    got = read_media(wav(pcm))
     assert got.kind == "audio" and not got.raw
     arr = read_media(pcm)
     assert arr.kind == "audio" and arr.raw and arr.data.dtype == np.float32
@@ -114,7 +99,7 @@ def test_decompression_bomb_refused_before_decoding():
 
 
 def test_limits():
-    data = png_bytes(IMG)
+    data = png(IMG)
     with pytest.raises(MediaTooLargeError, match="bytes"):
         read_media(data, MediaLimits(max_bytes=len(data) - 1))
     with pytest.raises(MediaTooLargeError, match="data: URL"):
@@ -144,7 +129,7 @@ def test_urls_paths_and_types(tmp_path):
         read_media(str(tmp_path / "missing.png"))
     with pytest.raises(MediaError, match="directory"):
         read_media(tmp_path)
-    (tmp_path / "a.png").write_bytes(png_bytes(IMG))
+    (tmp_path / "a.png").write_bytes(png(IMG))
     with pytest.raises(MediaError, match="paths are not accepted"):
         read_media(str(tmp_path / "a.png"), allow_paths=False)
     with pytest.raises(ArgumentTypeError):

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import struct
 import subprocess
 import threading
-import wave
 
 import numpy as np
 import pytest
 from llama_server import find_tool
 from margins import NEAR_TIE, assert_greedy_equivalent
+from media_files import png, wav
 from PIL import Image
 from tiny_models import write_tiny_audio_mmproj, write_tiny_gemma3_mmproj, write_tiny_mmproj
 
@@ -33,22 +32,6 @@ from llama_ctypes.errors import (
 )
 
 GREEDY = dict(temp=0.0, n_ctx=512)
-
-
-def png(arr: np.ndarray, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
 
 
 RNG = np.random.default_rng(7)

@@ -4,8 +4,6 @@ limits and errors, and llama-server with the same files as the reference."""
 from __future__ import annotations
 
 import base64
-import io
-import wave
 
 import anthropic
 import httpx
@@ -15,7 +13,7 @@ import pytest
 from http_helpers import ServeProcess, api_error
 from llama_server import NOT_BUILT, LlamaServer, find_llama_server
 from margins import NEAR_TIE
-from PIL import Image
+from media_files import data_url, png, wav
 from tiny_models import write_tiny_audio_mmproj, write_tiny_mmproj
 
 RNG = np.random.default_rng(11)
@@ -23,25 +21,8 @@ IMG_A = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
 IMG_B = RNG.integers(0, 256, (24, 24, 3), dtype=np.uint8)
 
 
-def png(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
 def wav_b64(seconds: float = 1.0) -> str:
-    samples = (0.4 * np.sin(2 * np.pi * 330 * np.arange(int(16000 * seconds)) / 16000) * 32767).astype("<i2")
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(samples.tobytes())
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(wav(0.4 * np.sin(2 * np.pi * 330 * np.arange(int(16000 * seconds)) / 16000))).decode()
 
 
 def image_message(url: str, text: str = "What is this?") -> list[dict]:
@@ -74,9 +55,10 @@ def test_openai_client_with_an_image(served):
     reply = client.chat.completions.create(model="tiny-llama", messages=image_message(url), max_tokens=8,
                                            temperature=0, logprobs=True, top_logprobs=2)
     assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens > 16
-    # streamed equals non-streamed (same server, same slot layout: the same computation)
+    # streamed equals non-streamed: both cold (no cached prefix), per-slot KV: the same computation
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny-llama", messages=image_message(url), max_tokens=8, temperature=0, stream=True) if c.choices]
+        model="tiny-llama", messages=image_message(url), max_tokens=8, temperature=0, stream=True,
+        extra_body={"cache_prompt": False}) if c.choices]
     assert "".join(pieces) == reply.choices[0].message.content
     # plain base64 (no data: prefix) is taken too, as llama-server takes it
     raw = client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
@@ -106,6 +88,9 @@ def test_native_completion_with_multimodal_data(served):
     api_error(post({"prompt_string": "What is this:\n", "multimodal_data": [""]}), 400)
     api_error(post({"prompt_string": "No marker here", "multimodal_data": [b64]}), 400)
     api_error(post({"prompt_string": f"{marker} x", "multimodal_data": "nope"}), 400, "prompt.multimodal_data")
+    # the media of all a request's prompts count together (--media-max-items 3 here)
+    two = {"prompt_string": f"{marker}{marker} x", "multimodal_data": [b64, b64]}
+    api_error(post([two, two]), 413, "prompt[1].multimodal_data")
 
 
 def test_props_and_models_report_modalities(served):

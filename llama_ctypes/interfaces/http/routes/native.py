@@ -26,7 +26,7 @@ from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.media import MediaLimits, decode_data_url
 from ....core.projector import MEDIA_MARKER
 from ....core.prompt import prompt_tokens
-from ....errors import InvalidArgumentError, MediaError, SchemaError
+from ....errors import InvalidArgumentError, MediaError, MediaTooLargeError, SchemaError
 from ....features.infill import InfillError, infill_prompt
 from ....features.openai.shapes import timings
 from ..common import AppContext, endpoint, read_body
@@ -50,7 +50,7 @@ def _is_mixed(prompt: list) -> bool:
 
 
 def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str, model: Any = None,
-                media_limits: MediaLimits | None = None) -> list[int]:
+                media_limits: MediaLimits | None = None, media_seen: list[int] | None = None) -> list[int]:
     params = GenerationParams()
     if isinstance(prompt, str):
         return prompt_tokens(vocab, prompt, params, n_ctx)
@@ -60,7 +60,7 @@ def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str, model: Any = No
             raise BadRequest("a prompt object needs 'prompt_string' (a string)", param=f"{where}.prompt_string")
         if prompt.get("multimodal_data") is not None:
             return _media_prompt(model, text, prompt["multimodal_data"], params, f"{where}.multimodal_data",
-                                 media_limits)
+                                 media_limits, media_seen if media_seen is not None else [0])
         return prompt_tokens(vocab, text, params, n_ctx)
     if isinstance(prompt, list) and _is_mixed(prompt):
         tokens: list[int] = []
@@ -75,15 +75,22 @@ def _one_prompt(vocab: Any, prompt: Any, n_ctx: int, where: str, model: Any = No
 
 
 def _media_prompt(model: Any, text: str, data: Any, params: GenerationParams, where: str,
-                  limits: MediaLimits | None) -> list[int]:
+                  limits: MediaLimits | None, seen: list[int]) -> list[int]:
     """llama-server's ``{"prompt_string": "... <__media__> ...", "multimodal_data": [base64, ...]}``: one
-    image or clip per marker (:data:`~llama_ctypes.MEDIA_MARKER`, /props' ``media_marker``)."""
+    image or clip per marker (:data:`~llama_ctypes.MEDIA_MARKER`, /props' ``media_marker``). ``seen``: the
+    media of the request's earlier prompts (its total is bounded by ``limits.max_items``, whatever the
+    number of prompts)."""
     projector = getattr(model, "projector", None)
     if projector is None:
         raise BadRequest("multimodal prompts are not supported by this model (no projector is loaded)", param=where)
     if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
         raise BadRequest("multimodal_data must be a list of base64 strings", param=where)
     limits = limits or MediaLimits()
+    seen[0] += len(data)
+    if seen[0] > limits.max_items:
+        error = MediaTooLargeError(f"{where}: more than {limits.max_items} media in one request")
+        error.param = where  # type: ignore[attr-defined]
+        raise error
     items = []
     for j, item in enumerate(data):
         at = f"{where}[{j}]"
@@ -121,7 +128,8 @@ def native_prompts(vocab: Any, prompt: Any, n_ctx: int, limit: int | None = None
     if isinstance(prompt, list) and prompt and not _is_mixed(prompt):
         if limit is not None and len(prompt) > limit:
             raise over_limit(f"{len(prompt)} prompts", len(prompt), limit, "--max-choices", param="prompt")
-        return [_one_prompt(vocab, p, n_ctx, f"prompt[{i}]", model, media_limits) for i, p in enumerate(prompt)]
+        seen = [0]
+        return [_one_prompt(vocab, p, n_ctx, f"prompt[{i}]", model, media_limits, seen) for i, p in enumerate(prompt)]
     return [_one_prompt(vocab, prompt, n_ctx, "prompt", model, media_limits)]
 
 
