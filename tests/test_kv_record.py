@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llama_ctypes.core.kv_record import KVRecord
 
 
@@ -39,3 +41,47 @@ def test_the_list_is_the_same_object_for_its_whole_life():
     assert live is record.tokens and live == [5]
     record.cut(3)  # (cutting past the end changes nothing)
     assert live == [5]
+
+
+def test_media_chunks_that_take_fewer_positions():
+    """M-RoPE: a chunk of 6 entries on 2 positions puts every later entry 4 positions before its index."""
+    from llama_ctypes.core.positions import PositionMap
+    from llama_ctypes.errors import InvalidArgumentError
+
+    record = KVRecord()
+    record.decoded([1, 2])
+    record.decoded_media([-5] * 6, 2)
+    record.decoded([3, 4])
+    assert len(record) == 10 and record.next_pos == 6
+    assert [record.pos(n) for n in (0, 2, 8, 10)] == [0, 2, 4, 6]
+    with pytest.raises(InvalidArgumentError, match="inside a media chunk"):
+        record.pos(5)
+    with pytest.raises(InvalidArgumentError):
+        record.cut(4)
+    assert record.tokens == [1, 2, *[-5] * 6, 3, 4]  # a refused cut changes nothing
+    record.cut(8)
+    assert record.next_pos == 4
+    record.cut(2)
+    assert record.next_pos == 2 and not record.positions
+    record.decoded_media([-6] * 3, 3)  # (as many positions as entries: nothing to record)
+    assert not record.positions and record.next_pos == 5
+    record.decoded_media([-7] * 4, 1)
+    record.reset([1])
+    assert record.next_pos == 1 and not record.positions
+
+    class Span:
+        def __init__(self, start, n_tokens, n_pos):
+            self.start, self.n_tokens, self.n_pos, self.kind = start, n_tokens, n_pos, "image"
+            self.end = start + n_tokens
+
+    class Prompt(list):
+        spans = (Span(1, 4, 2), Span(6, 3, 1))
+
+    prompt = Prompt([0, -1, -1, -1, -1, 5, -2, -2, -2, 9])
+    assert PositionMap.of(prompt, 5).shift == -2 and PositionMap.of(prompt, 10).shift == -4
+    assert PositionMap.of(prompt, 10).pos(6) == 4 and PositionMap.of([1, 2, 3], 3).shift == 0
+    with pytest.raises(InvalidArgumentError):
+        PositionMap.of(prompt, 7)
+    copy = PositionMap.of(prompt, 10).copy()
+    copy.cut(5)
+    assert copy.shift == -2

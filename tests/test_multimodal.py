@@ -19,7 +19,13 @@ from llama_server import find_tool
 from margins import NEAR_TIE, assert_greedy_equivalent
 from media_files import png, wav
 from PIL import Image
-from tiny_models import write_tiny_audio_mmproj, write_tiny_gemma3_mmproj, write_tiny_mmproj
+from tiny_models import (
+    write_tiny_audio_mmproj,
+    write_tiny_gemma3_mmproj,
+    write_tiny_mmproj,
+    write_tiny_qwen2vl,
+    write_tiny_qwen2vl_mmproj,
+)
 
 import llama_ctypes as lc
 from llama_ctypes.errors import (
@@ -177,6 +183,19 @@ def test_chat_parts_and_literal_markers(vlm):
     assert len(text_only.tokens) == 2
 
 
+def assert_matches_text(ours, theirs: str, what: str = "") -> None:
+    """``ours`` (with logprobs) printed ``theirs`` (llama-mtmd-cli's output), up to a point where our top two
+    tokens nearly tied (another CPU's rounding may pick either there)."""
+    pieces = [e.text for e in ours.logprobs]
+    n, text = 0, ""
+    while n < len(pieces) and theirs.startswith(text + pieces[n]):
+        text += pieces[n]
+        n += 1
+    if n < len(pieces):
+        top = ours.logprobs[n].top
+        assert len(top) >= 2 and top[0].logprob - top[1].logprob < NEAR_TIE, (what, theirs, str(ours))
+
+
 def test_against_llama_mtmd_cli(vlm, alm, gemma3ish, files, tmp_path):
     exe = find_tool("llama-mtmd-cli")
     if exe is None:
@@ -195,15 +214,7 @@ def test_against_llama_mtmd_cli(vlm, alm, gemma3ish, files, tmp_path):
         ours = lc.chat(model, [{"role": "user", "content": [{"type": kind, kind: media},
                                                             {"type": "text", "text": "What is this?"}]}],
                        chat_template="chatml", max_tokens=10, logprobs=2, **GREEDY)
-        pieces = [e.text for e in ours.logprobs]
-        n, text = 0, ""
-        while n < len(pieces) and theirs.startswith(text + pieces[n]):
-            text += pieces[n]
-            n += 1
-        if n < len(pieces):  # a divergence is allowed only where our top two were nearly tied
-            top = ours.logprobs[n].top
-            assert len(top) >= 2 and top[0].logprob - top[1].logprob < NEAR_TIE, (mmproj.name, theirs, str(ours))
-        assert n == len(pieces) or n > 0, (mmproj.name, theirs, str(ours))
+        assert_matches_text(ours, theirs, what=mmproj.name)
 
 
 def test_bad_media(vlm, alm, tiny_model, files, tmp_path):
@@ -415,21 +426,92 @@ def test_closing_a_server_while_encoding_leaves_prompts_usable(vlm):
         assert all(len(again.generate_tokens(p, max_tokens=2, temp=0.0).tokens) == 2 for p in prompts)
 
 
-def test_mrope_projectors_are_refused_clearly(tmp_path, vocab_dir):
-    """Qwen2-VL-style models place an image at fewer positions than its tokens (M-RoPE): not supported
-    yet, and said so at the call (the projector loads and reports it)."""
-    from tiny_models import write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
+@pytest.fixture(scope="module")
+def qwen2vl(tmp_path_factory, vocab_dir):
+    """A tiny M-RoPE text model and its Qwen2-VL-style projector (tests/tiny_models.py)."""
+    d = tmp_path_factory.mktemp("qwen2vl")
+    text = write_tiny_qwen2vl(d / "qwen2vl.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
+    mmproj = write_tiny_qwen2vl_mmproj(d / "mmproj-qwen2vl.gguf")
+    (d / "grid.png").write_bytes(png(IMG_GRID))
+    model = lc.load_model(text, mmproj=mmproj)
+    yield model
+    model.close()
 
-    text = write_tiny_qwen2vl(tmp_path / "qwen2vl.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
-    mmproj = write_tiny_qwen2vl_mmproj(tmp_path / "mmproj-qwen2vl.gguf")
-    with lc.load_model(text, mmproj=mmproj) as model:
-        pj = model.projector
-        assert pj.uses_mrope
-        (span,) = pj.tokenize("a " + pj.marker + " b", [pj.read(IMG_B)]).spans
-        assert span.n_pos < span.n_tokens
-        with pytest.raises(MediaError, match="M-RoPE"):
-            lc.generate(model, PROMPT, media=[IMG_A], max_tokens=2, **GREEDY)
-        with lc.Server(model=model, n_parallel=1, n_ctx=256) as server:
-            with pytest.raises(MediaError, match="M-RoPE"):
-                server.generate(PROMPT, media=[IMG_A], max_tokens=2)
-        assert len(lc.generate(model, "text still works", max_tokens=2, **GREEDY).tokens) == 2
+
+IMG_GRID = np.random.default_rng(11).integers(0, 256, (48, 64, 3), dtype=np.uint8)  # 4 x 3 merged patches
+
+
+def test_mrope_image_takes_its_grid_positions(qwen2vl):
+    """M-RoPE (the Qwen2-VL family): an image of nx x ny embeddings advances the position by max(nx, ny)
+    only. The tokens after it sit there, as the KV cache llama.cpp keeps says, through cuts and reuse."""
+    pj = qwen2vl.projector
+    assert pj.uses_mrope and qwen2vl.rope_type == "mrope"
+    prompt = pj.tokenize("a " + pj.marker + " b c", [pj.read(IMG_GRID)])
+    (span,) = prompt.spans
+    assert (span.n_tokens, span.n_pos) == (12, 4)
+    shift = span.n_pos - span.n_tokens
+    with lc.Context.create(qwen2vl, n_ctx=256) as ctx, ctx.lease() as lease:
+        lease.prefill(prompt, reuse=False)
+        cold = lease.logits(-1).copy()
+        assert lease.seq_pos_max(0) == len(prompt) + shift - 1
+        lease.append_fn()(int(np.argmax(cold)))
+        assert lease.seq_pos_max(0) == len(prompt) + shift and len(ctx.tokens) == len(prompt) + 1
+        with pytest.raises(InvalidArgumentError, match="split an image"):
+            lease.truncate(span.start + 2)
+        assert len(ctx.tokens) == len(prompt) + 1  # nothing changed
+        assert lease.truncate(span.end) and lease.seq_pos_max(0) == span.start  # (the grid's cells: t = its start)
+        assert lease.prefill(prompt, reuse=True) == span.end  # the image came from the cache
+        assert lease.seq_pos_max(0) == len(prompt) + shift - 1
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)  # the same positions as cold
+        assert lease.truncate(span.start) and lease.seq_pos_max(0) == span.start - 1
+        assert lease.prefill(prompt, reuse=True) == span.start
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)
+
+
+def test_mrope_against_llama_mtmd_cli_and_cache(qwen2vl, tmp_path):
+    """lc.chat equals llama-mtmd-cli on an M-RoPE model (margin-checked), and a second turn that keeps the
+    image reuses it and equals a cold run."""
+    exe = find_tool("llama-mtmd-cli")
+    if exe is None:
+        pytest.fail("llama-mtmd-cli is not built; build the tools: "
+                    "LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py")
+    image = tmp_path / "grid.png"
+    image.write_bytes(png(IMG_GRID))
+    cmd = [str(exe), "-m", str(qwen2vl.path), "--mmproj", str(qwen2vl.projector.path), "--image", str(image),
+           "-p", "What is this?", "-n", "10", "--temp", "0", "--chat-template", "chatml", "-c", "512", "-t", "2"]
+    run = subprocess.run(cmd, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
+    theirs = run.stdout.decode("utf-8", errors="replace").strip("\n")
+    turn = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]}]
+    ours = lc.chat(qwen2vl, turn, chat_template="chatml", max_tokens=10, logprobs=2, **GREEDY)
+    assert_matches_text(ours, theirs)
+    turn2 = turn + [{"role": "assistant", "content": "A grid."}, {"role": "user", "content": "And then?"}]
+    cold = lc.chat(qwen2vl, turn2, chat_template="chatml", max_tokens=8, logprobs=2, **GREEDY)
+    lc.chat(qwen2vl, turn, chat_template="chatml", max_tokens=1, cache_prompt=True, **GREEDY)
+    warm = lc.chat(qwen2vl, turn2, chat_template="chatml", max_tokens=8, cache_prompt=True, **GREEDY)
+    assert warm.timings.cached_tokens > 12 + 5  # the opening and the 12 image embeddings
+    assert_greedy_equivalent(warm, cold, what="M-RoPE image from the cache")
+
+
+def test_mrope_server_batched_equals_solo(qwen2vl):
+    """4 slots of an M-RoPE model, images of other grids and text at once, each as it is alone; a slot's
+    cached image is reused at its positions."""
+    pj = qwen2vl.projector
+    images = [IMG_GRID, IMG_B, IMG_GRID[:, ::-1].copy()]
+    solo = [lc.generate(qwen2vl, PROMPT, media=[im], max_tokens=10, logprobs=2, **GREEDY) for im in images]
+    text_solo = lc.generate(qwen2vl, "Hello there, how are", max_tokens=10, logprobs=2, **GREEDY)
+    prompt = PROMPT.replace(lc.MEDIA_MARKER, pj.marker)
+    with lc.Server(model=qwen2vl, n_parallel=4, n_ctx=512) as server:
+        streams = [server.stream_tokens(pj.tokenize(prompt, [pj.read(im)]), max_tokens=10, temp=0.0) for im in images]
+        streams.append(server.stream("Hello there, how are", max_tokens=10, temp=0.0))
+        for out, ref in zip([s.completion() for s in streams], solo + [text_solo]):
+            assert_greedy_equivalent(out, ref, what="M-RoPE batched vs solo")
+        again = server.generate(PROMPT, media=[IMG_GRID], max_tokens=10, temp=0.0, cache_prompt=True)
+        assert again.timings.cached_tokens == again.prompt_tokens - 1
+        assert_greedy_equivalent(again, solo[0], what="M-RoPE image in a slot's cache")
+        # a longer prompt whose first part a slot holds: the cut lands at the positions after the image
+        longer = server.generate(PROMPT + " More words here", media=[IMG_GRID], max_tokens=6, temp=0.0,
+                                 cache_prompt=True)
+        ref = lc.generate(qwen2vl, PROMPT + " More words here", media=[IMG_GRID], max_tokens=6, logprobs=2, **GREEDY)
+        assert longer.timings.cached_tokens > 12
+        assert_greedy_equivalent(longer, ref, what="M-RoPE prefix reuse")

@@ -14,7 +14,7 @@ from http_helpers import ServeProcess, api_error
 from llama_server import NOT_BUILT, LlamaServer, find_llama_server
 from margins import NEAR_TIE
 from media_files import data_url, png, wav
-from tiny_models import write_tiny_audio_mmproj, write_tiny_mmproj
+from tiny_models import write_tiny_audio_mmproj, write_tiny_mmproj, write_tiny_qwen2vl, write_tiny_qwen2vl_mmproj
 
 RNG = np.random.default_rng(11)
 IMG_A = RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8)
@@ -155,6 +155,11 @@ def test_same_tokens_as_llama_server(served, mm_files):
         r = ref.post("/v1/chat/completions", body)
         assert r.status_code == 200, r.text
         theirs = r.json()
+    assert_same_greedy(ours, theirs)
+
+
+def assert_same_greedy(ours: dict, theirs: dict) -> None:
+    """The same prompt token count and the same tokens, up to a point where our top two nearly tie."""
     assert ours["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"]
     ours_lp = ours["choices"][0]["logprobs"]["content"]
     their_tokens = [t["token"] for t in theirs["choices"][0]["logprobs"]["content"]]
@@ -164,6 +169,32 @@ def test_same_tokens_as_llama_server(served, mm_files):
     if n < min(len(ours_lp), len(their_tokens)):  # a divergence only where our top two nearly tie
         top = ours_lp[n]["top_logprobs"]
         assert top[0]["logprob"] - top[1]["logprob"] < NEAR_TIE, (ours, theirs)
+
+
+def test_mrope_model_as_llama_server(tmp_path, vocab_dir):
+    """An M-RoPE (Qwen2-VL-style) model over HTTP: the same tokens as llama-server, for a first turn and
+    a second one that keeps the image (each server serves it from its slot's cache)."""
+    exe = find_llama_server()
+    if exe is None:
+        pytest.fail(NOT_BUILT)
+    model = write_tiny_qwen2vl(tmp_path / "qwen2vl.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
+    mmproj = write_tiny_qwen2vl_mmproj(tmp_path / "mmproj-qwen2vl.gguf")
+    image = np.random.default_rng(3).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    turn = image_message(data_url(png(image)), "Describe:")
+    turns = [turn, turn + [{"role": "assistant", "content": "A grid."}, {"role": "user", "content": "More?"}]]
+    bodies = [{"messages": m, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2} for m in turns]
+    args = ["--mmproj", str(mmproj), "--chat-template", "chatml", "-c", "1024", "-np", "1"]
+    server = ServeProcess([str(model), *args], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        ours = [httpx.post(server.base_url + "/v1/chat/completions", json=b, timeout=120).json() for b in bodies]
+    finally:
+        server.stop()
+    with LlamaServer(exe, model, [*args, "--no-mmproj-offload"]) as ref:
+        theirs = [ref.post("/v1/chat/completions", b).json() for b in bodies]
+    for o, t in zip(ours, theirs):
+        assert_same_greedy(o, t)
+    assert ours[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 12  # the image came from the cache
 
 
 def test_anthropic_and_responses_apis_take_images(served):

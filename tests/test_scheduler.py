@@ -523,14 +523,15 @@ def test_a_prefix_is_reused_only_where_the_adapters_agree():
 
 
 # ---- images and audio (a MediaPrompt: placeholder entries decoded from embeddings) ------------------
-def media_req(prefix, n_media, suffix, *, media_id="img", cache=False, max_tokens=4):
-    """A request whose prompt is ``prefix`` + one media span of ``n_media`` placeholders + ``suffix``."""
+def media_req(prefix, n_media, suffix, *, media_id="img", cache=False, max_tokens=4, n_pos=None):
+    """A request whose prompt is ``prefix`` + one media span of ``n_media`` placeholders + ``suffix``;
+    ``n_pos``: the positions the span takes (fewer than ``n_media`` on an M-RoPE model)."""
     import numpy as np
 
     from llama_ctypes.core.projector import MediaPrompt, MediaSpan, placeholder_id
 
     prompt = MediaPrompt([*prefix, *[placeholder_id(media_id)] * n_media, *suffix])
-    prompt.spans = (MediaSpan(len(prefix), n_media, n_media, "image", media_id, 1),)
+    prompt.spans = (MediaSpan(len(prefix), n_media, n_media if n_pos is None else n_pos, "image", media_id, 1),)
     prompt.encoded, prompt.encoding, prompt.chunks = {}, set(), None
     r = req([], max_tokens=max_tokens, cache=cache)
     r.prompt, r.has_media = prompt, True
@@ -544,16 +545,17 @@ def test_media_span_waits_for_its_encode_and_goes_alone():
     sched.submit(r)
     sched.submit(text)
     p = plan(sched)
-    # the text before the image is read; the other request goes on as usual
-    assert [s.tokens for s in p.steps if s.request is r] == [[1, 2, 3]] and not p.media and not p.encode
+    # the text before the image is read while the image's encode starts; the other request goes on as usual
+    assert [s.tokens for s in p.steps if s.request is r] == [[1, 2, 3]] and not p.media and not p.blocked
+    assert [(req_, span.start) for req_, span in p.encode] == [(r, 3)]
     sched.update_from_output(p, [1])
-    p = plan(sched)  # at the image: its encode is asked for, nothing of it is decoded yet
+    p = plan(sched)  # at the image, not encoded yet: the request waits, nothing of it is decoded
     assert [(req_, span.start) for req_, span in p.encode] == [(r, 3)] and p.blocked == 1 and not p.media
     assert all(s.request is not r for s in p.steps)
     prompt.encoding.add(3)  # (the engine started it)
     sched.update_from_output(p, [1] * p.n_outputs)
     p = plan(sched)
-    assert not p.encode and p.blocked == 1  # asked once only
+    assert not p.encode and p.blocked == 1  # asked again only while it was not started
     sched.update_from_output(p, [1] * p.n_outputs)
     prompt.encoding.discard(3)
     prompt.encoded[3] = embd
@@ -636,3 +638,39 @@ def test_cached_media_prefix_reused_whole():
     sched.update_from_output(p, [1])
     sched.cancel(again)
     tick(sched)
+
+
+def test_mrope_media_moves_a_slots_positions():
+    """An image of 6 embeddings on 2 positions (M-RoPE): the slot's next position is 4 behind its token
+    count after it, and cuts of its cache land at positions, not token counts."""
+    sched = make(n_parallel=2, budget=64)
+    first, prompt, embd = media_req([1, 2], 6, [3, 4], cache=True, max_tokens=2, n_pos=2)
+    prompt.encoded[2] = embd
+    sched.submit(first)
+    tick(sched)  # [1, 2]
+    slot = sched.pool.slots[first.seq_id]
+    assert slot.next_pos == 2
+    sched.update_from_output(plan(sched), [])  # the image
+    assert slot.n_past == 8 and slot.next_pos == 4
+    p = plan(sched)
+    (step,) = p.steps
+    assert step.tokens == [3, 4] and step.slot.next_pos == 4  # (the engine decodes them at 4, 5)
+    sched.update_from_output(p, [7])
+    tick(sched, 8)  # 7 -> 8: max_tokens 2, done; the slot keeps [1, 2, img x 6, 3, 4, 7]
+    assert first.status is Status.FINISHED and slot.n_past == 11 and slot.next_pos == 7
+    kv = sched.pool.kv
+    kv.calls.clear()
+    # the same image and other text: its cache is cut after the image, at position 4 (entry 8)
+    again, _, _ = media_req([1, 2], 6, [9], cache=True, n_pos=2, max_tokens=1)
+    sched.submit(again)
+    p = plan(sched)
+    assert again.cached_tokens == 8 and ("truncate", slot.seq_id, 4) in kv.calls
+    assert slot.next_pos == 4 and [s.tokens for s in p.steps] == [[9]]
+    sched.update_from_output(p, [5])
+    assert again.status is Status.FINISHED and slot.next_pos == 5
+    # another image at the same place: the cut lands before the image, at position 2
+    kv.calls.clear()
+    other, _, _ = media_req([1, 2], 6, [9], media_id="other", cache=True, n_pos=2)
+    sched.submit(other)
+    plan(sched)
+    assert other.cached_tokens == 2 and ("truncate", slot.seq_id, 2) in kv.calls and slot.next_pos == 2

@@ -452,11 +452,13 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
             common -= 1  # the last prompt token must be decoded again to get its logits
         if spans:
             common = prompt.cut_point(common)  # a media chunk is decoded whole or not at all
-        if common and not self.prefix_complete(0, common):
+        if record.positions.splits(common):
+            common = 0  # (the same placeholders, other chunks: never with one projector, but cheap to rule out)
+        if common and not self.prefix_complete(0, record.pos(common)):
             common = 0  # a sliding-window cache already dropped cells this prefix needs
         # Always cut from `common` on, even when `held` is shorter: cells a caller put there
         # behind the token list's back (seq_cp, a state restore) must not linger.
-        if not record.can_cut(common) or not lib.llama_memory_seq_rm(mem, 0, common, -1):
+        if not record.can_cut(common) or not lib.llama_memory_seq_rm(mem, 0, record.pos(common), -1):
             # Recurrent and hybrid memories cannot drop a tail (or not that much): start over.
             self.clear()
             common = 0
@@ -483,10 +485,11 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
             while pos < len(prompt):
                 chunk = prompt[pos:pos + ctx.n_batch]
                 batch.clear()
-                batch.add_sequence(chunk, pos, 0, output_last=pos + len(chunk) == len(prompt))
+                at = record.next_pos  # (the entry's index, unless an M-RoPE image before it took fewer positions)
+                batch.add_sequence(chunk, at, 0, output_last=pos + len(chunk) == len(prompt))
                 self.decode(batch)
                 if self.after_decode is not None:
-                    self.after_decode(self, chunk, pos)
+                    self.after_decode(self, chunk, at)
                 record.decoded(chunk)
                 pos += len(chunk)
         except BaseException:
@@ -495,7 +498,8 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
             raise
 
     def prefix_complete(self, seq_id: int, n: int) -> bool:
-        """Whether sequence ``seq_id`` still holds every cell the next token after its first ``n`` needs.
+        """Whether sequence ``seq_id`` still holds every cell a token at position ``n`` needs (after a prefix
+        of ``n`` tokens, unless media before took other positions: ``KVRecord.pos``).
 
         A sliding-window cache (``swa_full=False``) drops cells that fell out of the window
         while the sequence grew; keeping only a prefix of it is then valid only if the
@@ -518,14 +522,14 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
         batch = ctx._batch
         native_batch, tok_arr, pos_arr, out_arr = batch.native, batch.token, batch.pos, batch.logits
         decode, ptr, record = self._lib.llama_decode, self._ptr, ctx._record
-        held = record.tokens
+        held, positions = record.tokens, record.positions
         lost = self._lost
 
         def append(tok: int) -> None:
             if not self._held:
                 raise ClosedError("this ContextLease was released")
             tok_arr[0] = tok
-            pos_arr[0] = len(held)
+            pos_arr[0] = len(held) + positions.shift
             out_arr[0] = 1
             native_batch.n_tokens = 1
             batch.n_tokens = 1
@@ -566,12 +570,13 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
         batch = ctx._batch
         batch.clear()
-        batch.add_sequence(run, len(held), 0, output_last=False)
+        at = ctx._record.next_pos
+        batch.add_sequence(run, at, 0, output_last=False)
         batch.logits[:n] = 1
         try:
             self.decode(batch)
             if self.after_decode is not None:
-                self.after_decode(self, run, len(held))
+                self.after_decode(self, run, at)
         except BaseException:  # a failed or interrupted decode leaves the cache state uncertain
             self.clear()
             raise
@@ -591,7 +596,9 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
             raise InvalidArgumentError(f"truncate({n!r}): expected 0..{len(record)} (the tokens sequence 0 holds)")
         if n == len(record):
             return True
-        if not record.can_cut(n) or not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+        if record.positions.splits(n):
+            raise InvalidArgumentError(f"truncate({n}): that cut would split an image or audio chunk")
+        if not record.can_cut(n) or not self._lib.llama_memory_seq_rm(self._mem, 0, record.pos(n), -1):
             return False
         record.cut(n)
         return True

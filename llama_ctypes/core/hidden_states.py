@@ -80,7 +80,7 @@ class HiddenStates:
         if len(held) + n > ctx.n_ctx_seq:
             raise ContextOverflowError(f"a run of {n} tokens after {len(held)} does not fit the context window "
                                        f"of {ctx.n_ctx_seq} tokens", n_tokens=len(held) + n, n_ctx=ctx.n_ctx_seq)
-        base = len(held)
+        base = ctx._record.next_pos
         ctx._record.forget_snapshots()
         try:
             rc = self._process_states([0] * n, range(base, base + n), run, states, [n - 1] if output_last else [])

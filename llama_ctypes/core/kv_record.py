@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from .positions import PositionMap
+
 __all__ = ["KVRecord"]
 
 
@@ -23,13 +25,15 @@ class KVRecord:
     Not thread-safe by itself: the context's lease (one holder at a time) serialises its use.
     """
 
-    __slots__ = ("_exact_cut", "n_rs_seq", "tokens", "adapters", "_segments")
+    __slots__ = ("_exact_cut", "n_rs_seq", "tokens", "adapters", "_segments", "positions")
 
     def __init__(self, n_rs_seq: int = 0):
         self.tokens: list[int] = []
         """The live list (read it; change it only through these methods: its identity never changes)."""
         self._exact_cut = 0
         self.n_rs_seq = n_rs_seq
+        self.positions = PositionMap()
+        """Where media chunks put later tokens at other positions than their index (M-RoPE models)."""
         self.adapters: object = ()
         """The LoRA set (core/lora.py ``LoraSet``) the context applies now: later tokens are computed under it."""
         # (start position, adapter set) of each run of tokens computed under one set, in order
@@ -65,9 +69,19 @@ class KVRecord:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def next_pos(self) -> int:
+        """The position of the next token decoded at the end (its index, unless media took other positions)."""
+        return len(self.tokens) + self.positions.shift
+
+    def pos(self, n: int) -> int:
+        """The position where the first ``n`` tokens end (InvalidArgumentError inside a media chunk)."""
+        return self.positions.pos(n)
+
     def reset(self, tokens: Iterable[int] = ()) -> None:
         """Sequence 0 now holds ``tokens`` (nothing: cleared or overwritten; a restored state's tokens)."""
         self.tokens[:] = tokens
+        self.positions.clear()
         self._exact_cut = 0
         self._segments = [(0, self.adapters)]  # (a restored state: taken as computed under the set applied now)
 
@@ -81,6 +95,11 @@ class KVRecord:
         self.tokens.extend(run)
         self._exact_cut = min(len(run) - 1, self.n_rs_seq)
 
+    def decoded_media(self, run: Sequence[int], n_pos: int) -> None:
+        """A media chunk's placeholders ``run`` were decoded at the end, taking ``n_pos`` positions."""
+        self.positions.add(len(self.tokens), len(run), n_pos)
+        self.decoded(run)
+
     def appended(self, token: int) -> None:
         """One token was decoded at the end (a one-token decode leaves no snapshot to roll back to)."""
         self.tokens.append(token)
@@ -89,6 +108,7 @@ class KVRecord:
     def cut(self, n: int) -> None:
         """Sequence 0 was cut back to its first ``n`` tokens (a recurrent rollback is single-use)."""
         if n < len(self.tokens):
+            self.positions.cut(n)
             del self.tokens[n:]
             self._exact_cut = 0
             self._trim_segments(n)

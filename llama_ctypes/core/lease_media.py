@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import InvalidArgumentError, MediaError
+from ..errors import InvalidArgumentError
 from .decode_status import check_decode
 
 if TYPE_CHECKING:
@@ -31,9 +31,6 @@ def check_media_prompt(ctx: "Context", prompt: "MediaPrompt") -> None:
     projector = prompt.chunks.projector
     if projector.model is not ctx.model:
         raise InvalidArgumentError("this prompt's media were prepared by another model's projector")
-    if projector.uses_mrope:
-        raise MediaError(f"{projector.path.name} places media with M-RoPE (the Qwen-VL family), which "
-                         "llama_ctypes does not support yet")
     if prompt.spans and prompt.spans[-1].end >= len(prompt):
         raise InvalidArgumentError("a prompt must end with text after its last image or audio clip")
     for span in prompt.spans:
@@ -53,9 +50,9 @@ class MediaOps:
 
     def decode_media_rc(self, prompt: "MediaPrompt", span: "MediaSpan", embd: np.ndarray, pos: int,
                         seq: int) -> int:
-        """Decode the embeddings of media ``span`` at positions ``pos..`` of sequence ``seq`` (in
-        ``n_batch`` chunks); llama.cpp's return code. No bookkeeping: a Server's slots keep their own.
-        On failure some chunks may be in the sequence: the caller removes its cells from ``pos``."""
+        """Decode the embeddings of media ``span`` from position ``pos`` of sequence ``seq`` on (in
+        ``n_batch`` chunks; it takes ``span.n_pos`` positions); llama.cpp's return code. No bookkeeping:
+        a Server's slots keep their own. On failure some chunks may be in the sequence: the caller removes its cells from ``pos``."""
         self._check()
         ctx = self.ctx
         projector = prompt.chunks.projector
@@ -78,9 +75,9 @@ class MediaOps:
             raise InvalidArgumentError(f"media at entry {span.start}, but the sequence holds {len(record.tokens)}")
         embd = prompt.embeddings(span)
         record.forget_snapshots()
-        rc = self.decode_media_rc(prompt, span, embd, span.start, 0)
+        rc = self.decode_media_rc(prompt, span, embd, record.next_pos, 0)
         check_decode(rc, f"llama_decode ({span.kind})", span.n_tokens)
-        record.decoded(prompt[span.start:span.end])
+        record.decoded_media(prompt[span.start:span.end], span.n_pos)
 
     def _decode_media_prompt(self, prompt: "MediaPrompt", pos: int) -> None:
         """The prefill's loop for a prompt with media: text runs in ``n_batch`` chunks, media whole."""
@@ -99,10 +96,11 @@ class MediaOps:
                 end = min(following[0] if following else n, pos + ctx.n_batch)
                 chunk = prompt[pos:end]
                 batch.clear()
-                batch.add_sequence(chunk, pos, 0, output_last=end == n)
+                at = record.next_pos  # (fewer than pos after an M-RoPE image: its grid takes max(nx, ny))
+                batch.add_sequence(chunk, at, 0, output_last=end == n)
                 self.decode(batch)
                 if self.after_decode is not None:
-                    self.after_decode(self, chunk, pos)
+                    self.after_decode(self, chunk, at)
                 record.decoded(chunk)
                 pos = end
         except BaseException:

@@ -47,7 +47,8 @@ class ContextKV:
     """The slot pool's KV operations, over the server's leased context (scheduler thread only).
 
     ``mirror``: a drafter whose own sequences follow the slots' (an MTP head's cache), told of every
-    forget, cut, copy and restore."""
+    forget, cut, copy and restore. (The pool passes positions; a speculative server refuses media, so
+    for a mirror they are token counts.)"""
 
     def __init__(self, lease: ContextLease, mirror: Any = None):
         self._lease = lease
@@ -323,7 +324,7 @@ class Engine:
         prompt = request.prompt
         span = prompt.next_span(request.n_prefilled)
         embd = prompt.encoded[span.start]
-        pos, seq = slot.n_past, slot.seq_id
+        pos, seq = slot.next_pos, slot.seq_id
         lease = self.lease
         try:
             rc = lease.decode_media_rc(prompt, span, embd, pos, seq)
@@ -427,7 +428,7 @@ class Engine:
                 failure = exc
             if isinstance(failure, KVPoolFullError):
                 for done in plan.media[:plan.media.index(step)]:  # (the slots' bookkeeping has none of it)
-                    self.lease.seq_rm(done.slot.seq_id, done.slot.n_past, -1)
+                    self.lease.seq_rm(done.slot.seq_id, done.slot.next_pos, -1)
                 return None, None, failure, None
             if failure is not None:
                 self.scheduler.media_failed(plan, step, failure)
@@ -440,9 +441,9 @@ class Engine:
         for step in plan.steps:
             slot, tokens = step.slot, step.tokens
             if len(tokens) == 1:
-                step.row = batch.add(tokens[0], slot.n_past, slot.seq_id, bool(step.sample))
+                step.row = batch.add(tokens[0], slot.next_pos, slot.seq_id, bool(step.sample))
             else:
-                row = step.row = batch.add_sequence(tokens, slot.n_past, slot.seq_id, output_last=False) \
+                row = step.row = batch.add_sequence(tokens, slot.next_pos, slot.seq_id, output_last=False) \
                     - len(tokens) + 1
                 for i in step.sample:
                     batch.logits[row + i] = 1
@@ -456,7 +457,7 @@ class Engine:
         self.split.decode += t_decoded - t_fill
         if rc == 1:  # still full: the scheduler frees room (nothing of this batch went in; not counted)
             for step in plan.media:  # (nor of this tick's media: the slots' bookkeeping does not have it)
-                self.lease.seq_rm(step.slot.seq_id, step.slot.n_past, -1)
+                self.lease.seq_rm(step.slot.seq_id, step.slot.next_pos, -1)
             return None, None, KVPoolFullError("the batch does not fit in the KV memory", code=1), None
         self.ticks += 1
         self.batch_tokens += batch.n_tokens

@@ -97,7 +97,8 @@ class TickPlan:
     Images and audio (a request whose prompt is a MediaPrompt): ``media`` holds at most one step whose
     ``tokens`` are a media span's placeholders, decoded from its embeddings before the batch, on its
     own; ``encode`` lists the spans whose embeddings the engine should start encoding (off the
-    scheduler thread); ``blocked`` counts requests waiting for an encode in flight."""
+    scheduler thread): each running request's next span, from its admission on, so that it encodes
+    while the text before it is read; ``blocked`` counts requests at a span whose encode is not done."""
 
     __slots__ = ("steps", "cancelled", "n_decode", "loras", "media", "encode", "blocked")
 
@@ -372,19 +373,20 @@ class Scheduler:
                 if request.alora_start is not None and request.n_prefilled < request.alora_start:
                     end = request.alora_start  # (a chunk never spans the activated LoRA's start)
                 span = request.prompt.next_span(request.n_prefilled) if request.has_media else None
-                if span is not None and span.start == request.n_prefilled:
+                if span is not None:
                     done = request.prompt.encoded.get(span.start)
                     if isinstance(done, BaseException):
                         failed.append((slot, done))
-                    elif done is not None:
-                        at_media.append((slot, span))
-                    elif span.start in request.prompt.encoding:
-                        blocked += 1
-                    else:
+                        continue
+                    if done is None and span.start not in request.prompt.encoding:
+                        # asked for as soon as the request runs: it encodes while the text before it is read
                         encode.append((request, span))
-                        blocked += 1
-                    continue
-                if span is not None:
+                    if span.start == request.n_prefilled:
+                        if done is None:
+                            blocked += 1
+                        else:
+                            at_media.append((slot, span))
+                        continue
                     end = min(end, span.start)  # (a text chunk stops where a media span starts)
                 prefilling.append((slot, end - request.n_prefilled))
         for slot, error in failed:
@@ -490,7 +492,7 @@ class Scheduler:
             now = time.perf_counter()
         for step in plan.media:  # (its embeddings were decoded before the batch)
             slot, request = step.slot, step.request
-            slot.tokens += step.tokens
+            slot.add_media(step.tokens, request.prompt.span_at(request.n_prefilled).n_pos)
             request.n_prefilled += len(step.tokens)
             self.prompt_tokens_evaluated += len(step.tokens)
             if request.progress:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ... import telemetry
+from ...core.positions import PositionMap
 from ...core.prompt import common_prefix
 from ...errors import InvalidArgumentError
 from .prompt_cache import PromptCache
@@ -67,7 +68,8 @@ def agreement(a: Any, b: Any) -> int:
 
 
 class KVOps(Protocol):
-    """The KV operations the pool needs (implemented over the server's context)."""
+    """The KV operations the pool needs (implemented over the server's context). ``n``, ``keep``: a
+    position (where a prefix ends: its token count unless an M-RoPE image in it took fewer positions)."""
 
     def forget(self, seq: int) -> None: ...
     def complete(self, seq: int, n: int) -> bool: ...
@@ -89,6 +91,7 @@ class Slot:
     session: Any = None
     sample: Callable[[int], int] | None = None  # the request's sampler, bound to the context
     kv_tag: Any = ((0, ()),)  # which LoRA sets computed its tokens, by position (Request.kv_tag)
+    positions: PositionMap = field(default_factory=PositionMap)  # (M-RoPE media in ``tokens``)
 
     @property
     def free(self) -> bool:
@@ -97,6 +100,31 @@ class Slot:
     @property
     def n_past(self) -> int:
         return len(self.tokens)
+
+    @property
+    def next_pos(self) -> int:
+        """The position of the next token in the sequence (``n_past`` unless M-RoPE media took fewer)."""
+        return len(self.tokens) + self.positions.shift
+
+    def hold(self, prompt: list[int], n: int) -> None:
+        """The sequence holds ``prompt[:n]`` now."""
+        self.tokens = prompt[:n]
+        self.positions = PositionMap.of(prompt, n)
+
+    def drop(self) -> None:
+        """The sequence holds nothing now."""
+        self.tokens = []
+        self.positions.clear()
+
+    def cut(self, n: int) -> None:
+        """The sequence holds its first ``n`` tokens now (never a part of a media chunk)."""
+        self.positions.cut(n)
+        del self.tokens[n:]
+
+    def add_media(self, tokens: list[int], n_pos: int) -> None:
+        """A media chunk's placeholders were decoded at the end, taking ``n_pos`` positions."""
+        self.positions.add(len(self.tokens), len(tokens), n_pos)
+        self.tokens += tokens
 
 
 #: llama.cpp's sequence state files: magic 'ggsq' (LLAMA_STATE_SEQ_MAGIC) and LLAMA_STATE_SEQ_VERSION.
@@ -182,7 +210,9 @@ class SlotPool:
         c = _whole_media(prompt, min(common_prefix(tokens, prompt), len(prompt) - 1, agreement(slot.kv_tag, tag)))
         if not self.partial_reuse and c < len(tokens):
             return 0  # a recurrent state cannot be cut back
-        if c > 0 and not self.kv.complete(slot.seq_id, c):
+        if slot.positions.splits(c):
+            return 0  # (the same placeholders as other chunks: never with one projector, but cheap to rule out)
+        if c > 0 and not self.kv.complete(slot.seq_id, slot.positions.pos(c)):
             return 0  # a sliding-window cache already dropped cells this prefix needs
         return c
 
@@ -243,12 +273,13 @@ class SlotPool:
                 if other is not slot:
                     c = _whole_media(prompt, min(common_prefix(other.tokens, prompt), len(prompt) - 1,
                                                  agreement(other.kv_tag, tag)))
-                    if c > n and self.kv.complete(other.seq_id, c):
+                    if c > n and not other.positions.splits(c) \
+                            and self.kv.complete(other.seq_id, other.positions.pos(c)):
                         donor, n = other, c
             if donor is not None:
                 self._evict(slot)
-                self.kv.copy(donor.seq_id, slot.seq_id, n)
-                slot.tokens = prompt[:n]
+                self.kv.copy(donor.seq_id, slot.seq_id, donor.positions.pos(n))
+                slot.hold(prompt, n)
                 self.stats.adopted += 1
                 return n
         if self.ram is not None and len(self.ram):
@@ -256,14 +287,15 @@ class SlotPool:
             n = _whole_media(prompt, min(n, len(prompt) - 1))
             if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
                 self._evict(slot)
+                at = PositionMap.of(prompt, n).pos(n)  # (the entry's tokens up to n are the prompt's)
                 if self.kv.restore(slot.seq_id, entry.state) and (
-                        n == len(entry.tokens) or self.kv.truncate(slot.seq_id, n)) \
-                        and self.kv.complete(slot.seq_id, n):
-                    slot.tokens = prompt[:n]
+                        n == len(entry.tokens) or self.kv.truncate(slot.seq_id, at)) \
+                        and self.kv.complete(slot.seq_id, at):
+                    slot.hold(prompt, n)
                     self.stats.restored += 1
                     return n
                 self.kv.forget(slot.seq_id)
-                slot.tokens = []
+                slot.drop()
                 return 0
         return reused
 
@@ -275,20 +307,20 @@ class SlotPool:
             self._evict(slot)
             return
         self._save(slot)
-        if self.kv.truncate(slot.seq_id, n):
-            del slot.tokens[n:]
+        if self.kv.truncate(slot.seq_id, slot.positions.pos(n)):
+            slot.cut(n)
         else:
             self.kv.forget(slot.seq_id)
-            slot.tokens = []
+            slot.drop()
 
     def rollback(self, slot: Slot, keep: int) -> bool:
         """Cut a running slot's sequence back to its first ``keep`` tokens (rejected drafts);
         False when the memory cannot (nothing changed then)."""
         if keep >= len(slot.tokens):
             return True
-        if not self.kv.truncate(slot.seq_id, keep):
+        if not self.kv.truncate(slot.seq_id, slot.positions.pos(keep)):
             return False
-        del slot.tokens[keep:]
+        slot.cut(keep)
         return True
 
     # ---- slot files (llama-server's /slots/{id}?action=save|restore|erase) ------------------------
@@ -318,7 +350,8 @@ class SlotPool:
             self.kv.forget(slot.seq_id)
             raise InvalidArgumentError(f"{path}: its state holds {last + 1} positions, not one per each of its "
                                        f"{len(tokens)} tokens")
-        slot.tokens = list(tokens)
+        slot.drop()
+        slot.tokens = list(tokens)  # (files hold no media: every token at its own position)
         slot.kv_tag = _BASE  # (a saved slot's adapters are not in the file: taken as the base model's)
         slot.session = None
         slot.last_used = next(self._clock)
@@ -328,7 +361,7 @@ class SlotPool:
         """Drop a free slot's tokens and KV (not into the RAM cache: erased is erased); the token count."""
         n = len(slot.tokens)
         self.kv.forget(slot.seq_id)
-        slot.tokens = []
+        slot.drop()
         slot.session = None
         return n
 
@@ -340,7 +373,7 @@ class SlotPool:
         slot.last_used = next(self._clock)
         if not keep:
             self.kv.forget(slot.seq_id)
-            slot.tokens = []
+            slot.drop()
 
     def evict_idle(self) -> int:
         """Drop the KV of every free slot (under KV pressure); returns how many were dropped."""
@@ -355,7 +388,7 @@ class SlotPool:
         if slot.tokens:
             self._save(slot)
             self.kv.forget(slot.seq_id)
-            slot.tokens = []
+            slot.drop()
 
     def forget_adapter(self, adapter: Any) -> int:
         """Drop every cached prefix computed under a set holding ``adapter`` (being unloaded): the free
@@ -368,7 +401,7 @@ class SlotPool:
             if slot.free and doomed(slot.kv_tag):
                 if slot.tokens:
                     self.kv.forget(slot.seq_id)
-                    slot.tokens = []
+                    slot.drop()
                     dropped += 1
                 slot.kv_tag = _BASE
         if self.ram is not None:
