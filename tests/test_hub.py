@@ -211,5 +211,9 @@ def test_the_repository_projector_is_found_as_llama_server_finds_it(hub, tmp_pat
     with lc.load_model_from_hub("acme/tiny-GGUF", "tiny-Q8_0.gguf", mmproj="auto") as model:
         assert model.modalities == frozenset()  # (none in the repository: text only)
     with lc.ModelManager() as manager:
+        manager.load("plain", ("hub", "acme/vlm-GGUF", "vlm-Q4_K_M.gguf"), n_ctx=256)
+        text_only = manager.used()
         info = manager.load("vlm", ("hub", "acme/vlm-GGUF", "vlm-Q4_K_M.gguf"), mmproj="auto", n_ctx=256)
         assert "multimodal" in info.capabilities
+        # the projector's weights count in the budget (on this CPU machine: in RAM), besides the model's
+        assert manager.used()["ram"] == 2 * text_only["ram"] + len(mmproj)

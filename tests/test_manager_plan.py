@@ -60,3 +60,11 @@ def test_charge_counts_the_weights_once_and_never_an_rpc_workers_memory():
     assert sum(d.model for d in estimate.devices) == 150  # the second run's weights are the same weights
     _, resident = charge([first, second], weights=False)  # a Model handed in: its contexts only
     assert resident == Footprint({"ram": 10 + 5 + 20 + 7})
+
+
+def test_charge_puts_adapters_and_a_projector_beside_the_weights():
+    offloaded = MemoryUsage((_usage(10, 1, 1), DeviceMemory("CUDA0", 1, 0, 500, 20, 30)))
+    _, required = charge([offloaded], weights=True, adapters=7, projector=40)
+    assert required == Footprint({"ram": 12, ("gpu", 0): 550 + 7 + 40})
+    _, on_cpu = charge([offloaded], weights=True, projector=40, projector_on_gpu=False)  # --no-mmproj-offload
+    assert on_cpu == Footprint({"ram": 12 + 40, ("gpu", 0): 550})

@@ -276,8 +276,16 @@ class ModelManager(Closeable):
             params = model.params if model is not None else ModelParams(**model_opts)
             # llama.cpp's dry run of every context the plan makes (a Model handed in: its contexts only)
             runs = [estimate_memory(path, **_model_options(params), **opts) for opts in plan.context_runs()]
+            mmproj = None
+            if projector is not None:  # (found and fetched before the budget check: its weights count)
+                mmproj, projector_params = projector
+                if mmproj == "auto":
+                    name = hub.find_mmproj(source[1], source[2], required=False)
+                    mmproj = hub.download(source[1], name) if name is not None else None
             estimate, required = charge(runs, weights=model is None,
-                                        adapters=adapter_bytes(plan.server_opts.get("loras")))
+                                        adapters=adapter_bytes(plan.server_opts.get("loras")),
+                                        projector=_file_size(mmproj) if mmproj is not None else 0,
+                                        projector_on_gpu=mmproj is not None and getattr(projector_params, "use_gpu", True))
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)
@@ -287,14 +295,9 @@ class ModelManager(Closeable):
             if model is None:
                 model = load_model(path, **model_opts)
             entry.model = model
-            if projector is not None:
-                mmproj, params = projector
-                if mmproj == "auto":
-                    name = hub.find_mmproj(source[1], source[2], required=False)
-                    mmproj = hub.download(source[1], name) if name is not None else None
-                if mmproj is not None:
-                    model.attach_projector(mmproj, params)
-                    entry.capabilities = (*entry.capabilities, "multimodal")
+            if mmproj is not None:
+                model.attach_projector(mmproj, projector_params)
+                entry.capabilities = (*entry.capabilities, "multimodal")
             if plan.mode == "server":
                 entry.server = Server(model=model, **plan.server_opts, **plan.ctx_opts, **plan.defaults)
                 entry.actual = entry.server.memory
@@ -651,6 +654,13 @@ def _model_options(params: ModelParams) -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(params)} - {"progress_callback"}
     defaults = ModelParams()
     return {k: getattr(params, k) for k in fields if getattr(params, k) != getattr(defaults, k)}
+
+
+def _file_size(path: Any) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # (the attach reports a missing file)
 
 
 def _projector_params(params: Any) -> Any:

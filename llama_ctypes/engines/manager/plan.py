@@ -121,20 +121,24 @@ def adapter_bytes(loras: Any) -> int:
     return total
 
 
-def charge(usages: Sequence[MemoryUsage], weights: bool, adapters: int = 0) -> tuple[MemoryUsage, Footprint]:
+def charge(usages: Sequence[MemoryUsage], weights: bool, adapters: int = 0, projector: int = 0,
+           projector_on_gpu: bool = True) -> tuple[MemoryUsage, Footprint]:
     """The estimate of a whole load (the weights once) and the footprint the budget counts.
 
     ``usages``: one dry run per context run, each with the weights. ``weights``: whether the
     load brings the weights (a Model handed in is resident already: only its contexts count).
     ``adapters``: bytes of LoRA adapters it loads, counted in the pool that holds most of the weights
-    (llama.cpp puts an adapter's tensors beside the weights they change). Memory on RPC workers is
-    theirs: the budget covers this machine's pools only.
+    (llama.cpp puts an adapter's tensors beside the weights they change). ``projector``: bytes of a
+    multimodal projector's file, counted there too with ``projector_on_gpu`` (libmtmd uses the first
+    GPU), else in RAM. Memory on RPC workers is theirs: the budget covers this machine's pools only.
     """
     required = Footprint()
-    if adapters and usages:
-        local = [d for d in usages[0].devices if d.endpoint is None]
-        if local:
-            required = Footprint({max(local, key=lambda d: d.model).pool: adapters})
+    local = [d for d in usages[0].devices if d.endpoint is None] if usages else []
+    main = max(local, key=lambda d: d.model).pool if local else "ram"
+    if adapters and local:
+        required = Footprint({main: adapters})
+    if projector:
+        required = required + Footprint({main if projector_on_gpu else "ram": projector})
     for i, usage in enumerate(usages):
         for d in usage.devices:
             charged = d.context + d.compute + (d.model if weights and i == 0 else 0)
