@@ -276,7 +276,7 @@ class ModelManager(Closeable):
             params = model.params if model is not None else ModelParams(**model_opts)
             # llama.cpp's dry run of every context the plan makes (a Model handed in: its contexts only)
             runs = [estimate_memory(path, **_model_options(params), **opts) for opts in plan.context_runs()]
-            mmproj = None
+            mmproj = projector_params = None
             if projector is not None:  # (found and fetched before the budget check: its weights count)
                 mmproj, projector_params = projector
                 if mmproj == "auto":
@@ -285,7 +285,7 @@ class ModelManager(Closeable):
             estimate, required = charge(runs, weights=model is None,
                                         adapters=adapter_bytes(plan.server_opts.get("loras")),
                                         projector=_file_size(mmproj) if mmproj is not None else 0,
-                                        projector_on_gpu=mmproj is not None and getattr(projector_params, "use_gpu", True))
+                                        projector_on_gpu=getattr(projector_params, "use_gpu", True))
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)
