@@ -8,7 +8,9 @@ temporary folder and run with pytest there, unchanged. Their ``utils.ServerProce
 named by ``LLAMA_SERVER_BIN_PATH``; here that is a small launcher (written next to the copy) that
 substitutes a local model for every Hugging Face download (``--hf-repo``/``--hf-file``/``--model-url``
 become ``--model PATH``: Gemma 3 270M unless ``--model`` says otherwise; both targets get the same
-substitution) and then runs either llama-server from the tools build or ``python -m llama_ctypes serve``
+substitution; a repository with a projector, ``tinygemma3``, and ``--mmproj-url`` also get ``--mmproj``:
+a synthetic Gemma-3-style projector for that model, tests/tiny_models.py, unless ``--mmproj`` says
+otherwise) and then runs either llama-server from the tools build or ``python -m llama_ctypes serve``
 with the rest of the command line as it is. The launcher maps nothing else: a flag ``serve`` lacks makes
 it exit with argparse's error, which fails the test and is counted in the report ("flags we lack").
 
@@ -40,14 +42,21 @@ LAUNCHER = r'''#!{python}
 """llama-server's command line → llama-server or llama-ctypes serve, with local models (bench/llama_server_suite.py)."""
 import os, sys
 MODEL = {model!r}
+MMPROJ = {mmproj!r}
 TARGET = os.environ["LCS_TARGET"]
 LLAMA_SERVER = {llama_server!r}
 args, out, i = sys.argv[1:], [], 0
-model = None
+model = mmproj = None
 while i < len(args):
     a = args[i]
-    if a in ("--hf-repo", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"):
+    if a in ("--hf-repo", "-hf", "-hfr", "--hf-file", "-hff", "--model-url", "-mu"):
         model = MODEL  # a download: the local model instead
+        if a in ("--hf-repo", "-hf", "-hfr") and "tinygemma3" in args[i + 1] and "--no-mmproj" not in args:
+            mmproj = MMPROJ  # (its repository holds a projector, which -hf would fetch too)
+        i += 2
+        continue
+    if a in ("--mmproj-url", "-mmu"):
+        mmproj = MMPROJ
         i += 2
         continue
     if a in ("--model", "-m"):
@@ -61,6 +70,8 @@ while i < len(args):
     i += 1
 if model is not None:
     out = ["--model", model] + out
+if mmproj is not None:
+    out = ["--mmproj", mmproj] + out
 if TARGET == "llama-server":
     os.execv(LLAMA_SERVER, [LLAMA_SERVER] + out)
 os.execv(sys.executable, [sys.executable, "-m", "llama_ctypes", "serve"] + out)
@@ -105,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--files", default=",".join(DEFAULT_FILES), help="test files of tools/server/tests/unit")
     parser.add_argument("--target", choices=("both", "ours", "llama-server"), default="both")
     parser.add_argument("--model", help="the local model that replaces every download (default: Gemma 3 270M)")
+    parser.add_argument("--mmproj", help="the projector that replaces a downloaded one (default: a synthetic "
+                        "Gemma-3-style projector for the model)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, junit files)")
     args = parser.parse_args(argv)
@@ -130,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copytree(source, workdir)
     (root / "models").symlink_to(source.parent.parent.parent / "models")
     launcher = workdir / "launch.py"
-    launcher.write_text(LAUNCHER.format(python=sys.executable, model=model, llama_server=str(server)))
+    mmproj = args.mmproj
+    if mmproj is None:
+        import gguf
+        from tiny_models import write_tiny_gemma3_mmproj
+
+        fields = gguf.GGUFReader(model).fields
+        n_embd = next(int(f.parts[-1][0]) for k, f in fields.items() if k.endswith(".embedding_length"))
+        mmproj = str(write_tiny_gemma3_mmproj(root / "mmproj-synthetic.gguf", n_embd_text=n_embd))
+    launcher.write_text(LAUNCHER.format(python=sys.executable, model=model, mmproj=mmproj,
+                                        llama_server=str(server)))
     launcher.chmod(0o755)
     results = {t: _run(t, workdir, files, args.keyword, workdir / f"log-{t}.txt") for t in targets}
 

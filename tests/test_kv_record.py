@@ -54,6 +54,8 @@ def test_media_chunks_that_take_fewer_positions():
     record.decoded([3, 4])
     assert len(record) == 10 and record.next_pos == 6
     assert [record.pos(n) for n in (0, 2, 8, 10)] == [0, 2, 4, 6]
+    # a removal of positions p.. keeps the entries before p; the chunk's all sit at position 2
+    assert [record.positions.entries_before(p) for p in (0, 1, 2, 3, 4, 5, 6, 9)] == [0, 1, 2, 8, 8, 9, 10, 13]
     with pytest.raises(InvalidArgumentError, match="inside a media chunk"):
         record.pos(5)
     with pytest.raises(InvalidArgumentError):

@@ -64,7 +64,7 @@ def test_charge_counts_the_weights_once_and_never_an_rpc_workers_memory():
 
 def test_charge_puts_adapters_and_a_projector_beside_the_weights():
     offloaded = MemoryUsage((_usage(10, 1, 1), DeviceMemory("CUDA0", 1, 0, 500, 20, 30)))
-    _, required = charge([offloaded], weights=True, adapters=7, projector=40)
+    _, required = charge([offloaded], weights=True, adapters=7, projector=40, projector_pool=("gpu", 0))
     assert required == Footprint({"ram": 12, ("gpu", 0): 550 + 7 + 40})
-    _, on_cpu = charge([offloaded], weights=True, projector=40, projector_on_gpu=False)  # --no-mmproj-offload
+    _, on_cpu = charge([offloaded], weights=True, projector=40)  # --no-mmproj-offload
     assert on_cpu == Footprint({"ram": 12 + 40, ("gpu", 0): 550})

@@ -466,6 +466,13 @@ def test_mrope_image_takes_its_grid_positions(qwen2vl):
         assert lease.truncate(span.start) and lease.seq_pos_max(0) == span.start - 1
         assert lease.prefill(prompt, reuse=True) == span.start
         np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)
+        # removing positions p.. keeps the tokens before p (the grid's cells all sit at its first position)
+        assert lease.seq_rm(0, len(prompt) + shift + 3, -1) and len(ctx.tokens) == len(prompt)  # none there
+        assert lease.seq_rm(0, span.start + 2, -1) and len(ctx.tokens) == span.end
+        assert lease.seq_pos_max(0) == span.start
+        assert lease.prefill(prompt, reuse=True) == span.end
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)
+        assert lease.seq_rm(0, span.start, -1) and len(ctx.tokens) == span.start
 
 
 def test_mrope_against_llama_mtmd_cli_and_cache(qwen2vl, tmp_path):

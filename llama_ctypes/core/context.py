@@ -588,7 +588,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
         Returns False, with nothing changed, when the memory cannot drop that tail: a
         recurrent state with fewer rollback snapshots than tokens to drop
         (``ContextParams.n_rs_seq``). A sliding-window cache may have dropped cells the
-        kept prefix needs: check :meth:`prefix_complete` after cutting.
+        kept prefix needs: check :meth:`prefix_complete` (at ``KVRecord.pos(n)``) after cutting.
         """
         self._check()
         record = self.ctx._record
@@ -686,13 +686,15 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
         """Remove positions [p0, p1) of a sequence (-1: every sequence; -1 bounds: open end)."""
         self._check()
         seq_id = self._check_seq(seq_id, allow_all=True)
-        if seq_id == 0 and p0 > 0 and p1 < 0 and not self.ctx._record.can_cut(int(p0)):
+        record = self.ctx._record
+        # (the tokens a tail cut keeps: those before position p0, which M-RoPE images make differ)
+        keep = min(record.positions.entries_before(int(p0)), len(record)) if p0 > 0 and p1 < 0 else 0
+        if seq_id == 0 and p0 > 0 and p1 < 0 and not record.can_cut(keep):
             return False  # a recurrent state would be restored from a stale snapshot (see truncate)
         ok = bool(self._lib.llama_memory_seq_rm(self._mem, seq_id, int(p0), int(p1)))
         if ok and seq_id in (0, -1):
-            record = self.ctx._record
             if p0 > 0 and p1 < 0:
-                record.cut(int(p0))
+                record.cut(keep)
                 record.forget_snapshots()  # (even a cut of nothing: as before, any cut spends them)
             else:  # everything, a hole, or the head cut: the token list no longer describes the sequence
                 record.reset()

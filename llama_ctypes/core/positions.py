@@ -63,6 +63,19 @@ class PositionMap:
             shift = after
         return n + shift
 
+    def entries_before(self, p: int) -> int:
+        """How many entries sit at positions before ``p``: what a removal of positions ``p..`` keeps (the
+        cells of an M-RoPE image all sit at its first position, so it is kept or removed whole); may
+        exceed the list's length. llama-server's ``size_up_to_pos``."""
+        shift = 0
+        for start, end, after in self._marks:
+            if p <= start + shift:
+                return max(p - shift, 0)
+            if p <= end + after:  # (before the entries after the chunk)
+                return end
+            shift = after
+        return p - shift
+
     def add(self, start: int, n_tokens: int, n_pos: int) -> None:
         """A chunk of ``n_tokens`` entries taking ``n_pos`` positions was appended at entry ``start``."""
         if n_pos != n_tokens:

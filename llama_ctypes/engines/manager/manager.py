@@ -175,8 +175,9 @@ class ModelManager(Closeable):
         in server mode the :class:`Server` settings (``n_parallel``, ``n_ctx``, ...).
         ``mmproj``: a multimodal projector to attach (images, audio; ``"auto"`` for a Hub source: the
         repository's ``mmproj-*.gguf`` when it has one), with ``mmproj_params`` (a ProjectorParams or its
-        fields as a dict); the model's capabilities then include ``"multimodal"``. Its memory is not counted
-        in the budget.
+        fields as a dict); the model's capabilities then include ``"multimodal"``. Its weights (the file's
+        size) count in the budget, on GPU 0 unless ``use_gpu`` is off or there is none (libmtmd's
+        placement); its compute buffer does not (libmtmd has no dry run).
         Raises AlreadyLoadedError for an id in use, InsufficientMemoryError over budget.
         """
         if not isinstance(id, str) or not id or id == "default":
@@ -285,7 +286,8 @@ class ModelManager(Closeable):
             estimate, required = charge(runs, weights=model is None,
                                         adapters=adapter_bytes(plan.server_opts.get("loras")),
                                         projector=_file_size(mmproj) if mmproj is not None else 0,
-                                        projector_on_gpu=getattr(projector_params, "use_gpu", True))
+                                        projector_pool=("gpu", 0) if self.budget.n_gpus
+                                        and getattr(projector_params, "use_gpu", True) else "ram")
             with self._budget_lock:
                 self._check_live(entry)
                 self.budget.check(required, self._used(), model_id=entry.id)

@@ -122,15 +122,16 @@ def adapter_bytes(loras: Any) -> int:
 
 
 def charge(usages: Sequence[MemoryUsage], weights: bool, adapters: int = 0, projector: int = 0,
-           projector_on_gpu: bool = True) -> tuple[MemoryUsage, Footprint]:
+           projector_pool: Any = "ram") -> tuple[MemoryUsage, Footprint]:
     """The estimate of a whole load (the weights once) and the footprint the budget counts.
 
     ``usages``: one dry run per context run, each with the weights. ``weights``: whether the
     load brings the weights (a Model handed in is resident already: only its contexts count).
     ``adapters``: bytes of LoRA adapters it loads, counted in the pool that holds most of the weights
     (llama.cpp puts an adapter's tensors beside the weights they change). ``projector``: bytes of a
-    multimodal projector's file, counted there too with ``projector_on_gpu`` (libmtmd uses the first
-    GPU), else in RAM. Memory on RPC workers is theirs: the budget covers this machine's pools only.
+    multimodal projector's file, counted in ``projector_pool`` (libmtmd puts it on the first GPU unless
+    told not to, wherever the text model's layers are). Memory on RPC workers is theirs: the budget
+    covers this machine's pools only.
     """
     required = Footprint()
     local = [d for d in usages[0].devices if d.endpoint is None] if usages else []
@@ -138,7 +139,7 @@ def charge(usages: Sequence[MemoryUsage], weights: bool, adapters: int = 0, proj
     if adapters and local:
         required = Footprint({main: adapters})
     if projector:
-        required = required + Footprint({main if projector_on_gpu else "ram": projector})
+        required = required + Footprint({projector_pool: projector})
     for i, usage in enumerate(usages):
         for d in usage.devices:
             charged = d.context + d.compute + (d.model if weights and i == 0 else 0)

@@ -305,9 +305,12 @@ class Engine:
             with cond:
                 self._encodes[key] = prompt
 
-            def encode(prompt=prompt, span=span, key=key) -> None:
+            def encode(prompt=prompt, span=span, key=key, request=request) -> None:
                 try:
-                    prompt.embeddings(span)  # (keeps the result, or the error, with the prompt)
+                    # Skipped for a request that ended while this waited (cancelled long before its
+                    # image, say); another request sharing the prompt asks again.
+                    if request.ended is None and not request.cancel_requested:
+                        prompt.embeddings(span)  # (keeps the result, or the error, with the prompt)
                 finally:
                     prompt.encoding.discard(span.start)
                     with cond:
