@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import os
 import re
 import shutil
@@ -87,11 +88,12 @@ def _source_tests() -> Path:
     return Path(tree) / "tools" / "server" / "tests"
 
 
-def _run(target: str, workdir: Path, files: list[str], keyword: str | None, log: Path) -> dict[str, tuple[str, str]]:
+def _run(target: str, workdir: Path, files: list[str], keyword: str | None, log: Path,
+         port: int) -> dict[str, tuple[str, str]]:
     """Run the files for one target; {test id: (outcome, first line of the failure)}."""
     report = workdir / f"junit-{target}.xml"
     env = {**os.environ, "LCS_TARGET": target, "LLAMA_SERVER_BIN_PATH": str(workdir / "launch.py"),
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PORT": str(port), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
            *[f"unit/{f}" for f in files]]
     if keyword:
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mmproj", help="the projector that replaces a downloaded one (default: a synthetic "
                         "Gemma-3-style projector for the model)")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--port", type=int, default=8080, help="ours listens there, llama-server on the next port")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, junit files)")
     args = parser.parse_args(argv)
 
@@ -154,7 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     launcher.write_text(LAUNCHER.format(python=sys.executable, model=model, mmproj=mmproj,
                                         llama_server=str(server)))
     launcher.chmod(0o755)
-    results = {t: _run(t, workdir, files, args.keyword, workdir / f"log-{t}.txt") for t in targets}
+    # Both targets at once, on their own ports (the suite's ServerProcess reads PORT): half the wall time.
+    with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
+        futures = {t: pool.submit(_run, t, workdir, files, args.keyword, workdir / f"log-{t}.txt", args.port + i)
+                   for i, t in enumerate(targets)}
+        results = {t: f.result() for t, f in futures.items()}
 
     for t in targets:
         counts = collections.Counter(o for o, _ in results[t].values())

@@ -177,6 +177,21 @@ def test_rerank_scores_in_document_order(reranker, bert):
     assert all(0.0 < p < 1.0 for p in probs)
     with pytest.raises(lc.EmbeddingError, match="not a reranking model"):
         lc.rerank(bert, "q", ["d"])
+    # llama-server's --reranking on any model: read through llama.cpp's rank pooling, one score each
+    forced = lc.rerank(bert, "what is a cat", docs, any_model=True)
+    assert len(forced) == len(docs) and len(set(forced)) > 1
+    assert np.allclose(forced, [lc.rerank(bert, "what is a cat", [d], any_model=True)[0] for d in docs], atol=1e-4)
+
+
+def test_a_manager_reranks_with_any_model_given_rank_pooling(tiny_model_path):
+    """``pooling="rank"`` at load (``serve --reranking``) makes any model a reranker, as llama-server."""
+    with lc.ModelManager() as manager:
+        info = manager.load("r", tiny_model_path, mode="direct", pooling="rank")
+        assert "rerank" in info.capabilities
+        scores = manager.rerank("r", "what is a cat", ["a cat", "the stock market"])
+        assert len(scores) == 2 and all(np.isfinite(scores))
+        plain = manager.load("p", tiny_model_path, mode="direct")
+        assert "rerank" not in plain.capabilities
 
 
 def test_long_lists_are_embedded_a_run_at_a_time_in_order(bert, reranker, monkeypatch):

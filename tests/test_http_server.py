@@ -224,6 +224,15 @@ def test_rerank_and_tokens(tiny, bert_paths):
         for x in results:
             assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
         assert http.post("/v1/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]}).status_code == 400
+        # TEI's shape, as llama-server answers it: "texts" in, a bare list of {index, score[, text]} out
+        tei = http.post("/rerank", json={"model": "rerank", "query": "what is a cat", "texts": docs, "top_n": 2,
+                                         "return_text": True})
+        assert tei.status_code == 200, tei.text
+        assert [(x["index"], x["text"]) for x in tei.json()] == [(x["index"], docs[x["index"]]) for x in results[:2]]
+        for x in tei.json():
+            assert x["score"] == pytest.approx(expected[x["index"]], abs=1e-4)
+        missing = http.post("/rerank", json={"model": "rerank", "query": "q"})
+        assert missing.status_code == 400 and "'documents'" in missing.json()["error"]["message"]
 
         tokens = http.post("/tokenize", json={"model": "tiny", "content": "Hello world"}).json()["tokens"]
         assert tokens and all(isinstance(t, int) for t in tokens)

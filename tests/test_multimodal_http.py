@@ -96,8 +96,13 @@ def test_native_completion_with_multimodal_data(served):
 def test_props_and_models_report_modalities(served):
     props = httpx.get(served.base_url + "/props").json()
     assert props["modalities"] == {"vision": True, "video": False, "audio": False}
-    (model,) = httpx.get(served.base_url + "/v1/models").json()["data"]
+    listed = httpx.get(served.base_url + "/v1/models").json()
+    (model,) = listed["data"]
     assert "multimodal" in model["capabilities"]
+    # llama-server's Ollama-style list beside OpenAI's, with its capability names
+    (entry,) = listed["models"]
+    assert entry["name"] == model["id"] and entry["capabilities"] == ["completion", "multimodal"]
+    assert httpx.get(served.base_url + "/models").json() == listed
 
 
 def test_media_errors_over_http(served):

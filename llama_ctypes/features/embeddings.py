@@ -229,17 +229,23 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
 
 
 def rerank(model: Model, query: str, documents: Sequence[str], *, normalize: bool = False, truncate: bool = True,
-           n_batch: int = 2048, **ctx_opts: Any) -> list[float]:
+           n_batch: int = 2048, any_model: bool = False, **ctx_opts: Any) -> list[float]:
     """Relevance scores of ``documents`` for ``query``, in document order (a rank-pooling model).
 
     Scores are the model's raw outputs; ``normalize=True`` maps them through a
-    sigmoid into (0, 1). A model without a ranking head raises EmbeddingError.
-    Documents are processed a run at a time, as in :func:`embed`.
+    sigmoid into (0, 1). A model that does not declare rank pooling raises EmbeddingError, unless
+    ``any_model`` (llama-server's ``--reranking`` on any model): llama.cpp's rank pooling then reads its
+    first token's state (its ranking head when it has one; else the state's first value, meaningless
+    for a model never trained to rank). Documents are processed a run at a time, as in :func:`embed`.
     """
-    if model_pooling(model) != "rank":
+    if model_pooling(model) != "rank" and not any_model:
         raise EmbeddingError(f"{model.path.name} is not a reranking model (its pooling is "
                              f"{model_pooling(model)!r}, not 'rank')")
     embedder = _Embedder(model, "rank", n_batch, ctx_opts)
+    if model_pooling(model) != "rank":
+        # llama.cpp reads n_cls_out floats per sequence at the sequence's index; without a ranking head
+        # the pooled rows are n_embd wide, so only the first sequence of a decode is read where it is.
+        embedder.n_seq = 1
     limit = embedder.max_tokens
     scores: list[float] = []
     start = 0  # index of the chunk's first document

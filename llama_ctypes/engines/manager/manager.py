@@ -577,7 +577,9 @@ class ModelManager(Closeable):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
         model, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
         plan = entry.plan
-        return _emb.rerank(model, query, documents, n_batch=plan.embed_batch, **plan.embed_opts, **opts)
+        forced = plan.embed_pooling == "rank"  # (pooling="rank" at load: llama-server's --reranking, any model)
+        return _emb.rerank(model, query, documents, n_batch=plan.embed_batch, any_model=forced, **plan.embed_opts,
+                           **opts)
 
     # async forms: looking the model up may wait for its load, so that happens in a worker
     # thread too; a server's own async API is used where it has one.

@@ -75,6 +75,8 @@ class LoadPlan:
             raise ArgumentTypeError(f"options {server_only} apply to server mode only")
         if "generate" in caps:
             caps = (*caps, "embed")  # a generative model embeds too, in its own context
+        if ctx_opts.get("pooling") == "rank" and "rerank" not in caps:
+            caps = (*caps, "rerank")  # (llama-server's --reranking: any model, read through rank pooling)
         else:
             unused = sorted(k for k in (*server_opts, *ctx_opts) if k in _EMBED_SETS or k in ("n_ctx", "kv_unified"))
             if unused:

@@ -423,10 +423,29 @@ class EmbeddingRequest(_Body):
 
 
 class RerankRequest(_Body):
+    """Jina's shape (``documents``; results with ``relevance_score``) or, as llama-server, TEI's (``texts``;
+    a bare list with ``score``, and the text with ``return_text``)."""
+
     model: str | None = None
     query: str
-    documents: list[str] = Field(min_length=1)
+    documents: list[str] | None = Field(None, min_length=1)
+    texts: list[str] | None = Field(None, min_length=1)
     top_n: int | None = Field(None, ge=1)
+    return_text: bool = False
+
+    @model_validator(mode="after")
+    def _one_list(self) -> "RerankRequest":
+        if self.documents is None and self.texts is None:
+            raise ValueError("'documents' (or TEI's 'texts') is required: a non-empty list of strings")
+        return self
+
+    @property
+    def tei(self) -> bool:
+        return self.texts is not None
+
+    @property
+    def items(self) -> list[str]:
+        return self.documents if self.documents is not None else self.texts  # type: ignore[return-value]
 
 
 class TokenizeRequest(_Body):

@@ -73,18 +73,23 @@ def _rerank(manager: Any, model_id: str, query: str, documents: list[str],
 @endpoint
 async def rerank(request: Request, app: AppContext) -> Response:
     body = parse(RerankRequest, await read_body(request, app.max_body_bytes))
-    if len(body.documents) > app.limits.max_inputs:
-        raise over_limit("documents", len(body.documents), app.limits.max_inputs, "--max-inputs", param="documents")
+    documents = body.items
+    field = "texts" if body.documents is None else "documents"
+    if len(documents) > app.limits.max_inputs:
+        raise over_limit(field, len(documents), app.limits.max_inputs, "--max-inputs", param=field)
     await app.router.prepare(body.model)
     info = app.router.resolve(body.model)
     if "rerank" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} is not a reranking model (it can {', '.join(info.capabilities)})",
                          param="model")
     scores, n_tokens = await anyio.to_thread.run_sync(
-        functools.partial(_rerank, app.router.manager, info.id, body.query, body.documents, app.limits))
+        functools.partial(_rerank, app.router.manager, info.id, body.query, documents, app.limits))
     ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n is not None:
         ranked = ranked[:body.top_n]
+    if body.tei:  # (llama-server answers TEI's request, with "texts", in TEI's shape)
+        return JSONResponse([{"index": i, "score": scores[i], **({"text": documents[i]} if body.return_text else {})}
+                             for i in ranked])
     return JSONResponse({"model": info.id, "object": "list",
                          "usage": input_usage(n_tokens),
                          "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})

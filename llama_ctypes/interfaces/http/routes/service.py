@@ -26,7 +26,7 @@ async def models(request: Request, app: AppContext) -> Response:
     """Every model: loaded, loading, failed, and (router mode) the catalog's unloaded ones. ``status`` is
     llama-server's object (``{"value": "loaded" | "loading" | "unloaded" | "failed", "args": [...]}``)."""
     catalog = app.router.catalog
-    data = []
+    data, ollama = [], []
     listed = set()
     for info in app.router.manager.list():
         listed.add(info.id)
@@ -34,12 +34,23 @@ async def models(request: Request, app: AppContext) -> Response:
                      "status": catalog.describe(info.id), "capabilities": list(info.capabilities),
                      "aliases": list(app.router.settings_of(info.id).aliases),
                      "tags": list(app.router.settings_of(info.id).tags)})
+        ollama.append(_ollama_entry(info.id, info.capabilities))
     for entry in catalog.entries.values():
         if entry.id not in listed:
             data.append({"id": entry.id, "object": "model", "created": app.started, "owned_by": "llama_ctypes",
                          "status": catalog.describe(entry.id), "capabilities": [],
                          "aliases": list(entry.aliases), "tags": list(app.router.settings_of(entry.id).tags)})
-    return JSONResponse({"object": "list", "data": data})
+    # ("models": llama-server's Ollama-style list of the models it serves, beside OpenAI's "data")
+    return JSONResponse({"models": ollama, "object": "list", "data": data})
+
+
+def _ollama_entry(model_id: str, capabilities: tuple[str, ...]) -> dict:
+    """A model as llama-server lists it under ``models`` (Ollama's shape; its capability names)."""
+    names = {"generate": "completion", "multimodal": "multimodal", "embed": "embedding", "rerank": "rerank"}
+    return {"name": model_id, "model": model_id, "modified_at": "", "size": "", "digest": "", "type": "model",
+            "description": "", "tags": [""], "capabilities": [names[c] for c in capabilities if c in names],
+            "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                          "parameter_size": "", "quantization_level": ""}}
 
 
 async def _model_field(request: Request, app: AppContext) -> str:
