@@ -131,6 +131,30 @@ def test_apply_template_renders_without_generating(server):
                                   "<|im_start|>assistant\n")
 
 
+def test_reasoning_switch_sets_thinking_as_llama_server(tmp_path, tiny_model_path, vocab_dir):
+    """--reasoning auto (the default) and on ask a thinking template to think, off asks it not to; a
+    request's own chat_template_kwargs.enable_thinking wins."""
+    template = vocab_dir / "templates" / "Qwen-QwQ-32B.jinja"  # (llama.cpp's models/templates)
+    ask = {"messages": [{"role": "user", "content": "What is today?"}]}
+    ends = {}
+    for mode in ("auto", "off"):
+        proc = ServeProcess([str(tiny_model_path), "-c", "1024", "--jinja", "--chat-template-file", str(template),
+                             "--reasoning", mode], tmp_path / f"serve-{mode}.log")
+        try:
+            proc.wait_ready()
+            ends[mode] = httpx.post(f"{proc.base_url}/apply-template", json=ask).json()["prompt"]
+            thinking = httpx.post(f"{proc.base_url}/apply-template", json={
+                **ask, "chat_template_kwargs": {"enable_thinking": True}}).json()["prompt"]
+        finally:
+            proc.stop()
+        assert thinking.endswith("<|im_start|>assistant\n<think>\n")
+    assert ends["auto"].endswith("<|im_start|>assistant\n<think>\n")
+    assert ends["off"].endswith("<|im_start|>assistant\n<think>\n</think>")
+    bad = ServeProcess([str(tiny_model_path), "--reasoning", "maybe"], tmp_path / "serve-bad.log")
+    assert bad.proc.wait(timeout=60) == 2
+    bad.stop()
+
+
 def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     r = httpx.post(f"{server.base_url}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "What is the best book? " * 400}]})

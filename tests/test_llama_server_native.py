@@ -168,6 +168,14 @@ def test_logit_bias_in_every_form_bans_its_tokens(servers):
     text = _post(ours, "/detokenize", {"tokens": [first[0]]}).json()["content"]
     tokens = _post(ours, "/completion", {**base, "logit_bias": [[text, False]]}).json()["tokens"]
     assert first[0] not in tokens
+    # the biases are reported as llama-server reports them: ignore_eos's -inf (null) on every EOG token
+    plain = _post(ours, "/completion", base).json()["generation_settings"]["logit_bias"]
+    assert plain == []
+    shown = _post(ours, "/completion", {**base, "ignore_eos": True, "logit_bias": {str(first[0]): -2.5}}).json()
+    listed = {e["token"]: e["bias"] for e in shown["generation_settings"]["logit_bias"]}
+    eos = _post(ours, "/tokenize", {"content": "</s>", "parse_special": True}).json()["tokens"]
+    assert listed[first[0]] == -2.5 and eos and all(listed[t] is None for t in eos)
+    assert sum(b is None for b in listed.values()) >= 1
 
 
 def test_response_fields_and_probabilities(servers):

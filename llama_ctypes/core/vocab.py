@@ -77,6 +77,7 @@ class Vocab:
         # computes the same value twice.
         self._pieces: tuple[dict[int, bytes], dict[int, bytes]] = ({}, {})
         self._eog: dict[int, bool] = {}
+        self._eog_all: list[tuple[int, ...]] = []  # (shared with the holders' copies: filled once)
         self._max_token_bytes: int | None = None
         self._held = False
 
@@ -221,6 +222,15 @@ class Vocab:
                 eog = bool(self._lib.llama_vocab_is_eog(self._ptr, token))
             self._eog[token] = eog
         return eog
+
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token id, ascending (scanned once per model)."""
+        if not self._eog_all:
+            with self._guard():
+                is_eog, ptr = self._lib.llama_vocab_is_eog, self._ptr
+                found = tuple(t for t in range(self.n_tokens) if is_eog(ptr, t))
+            self._eog_all.append(found)
+        return self._eog_all[0]
 
     def is_control(self, token: int) -> bool:
         """True for control tokens (special tokens not meant to be shown)."""

@@ -145,6 +145,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _on_off_auto(value: str) -> str:
+    """llama-server's on/off/auto switch values ('true', 'enabled', '1', ... as it reads them)."""
+    v = value.strip().lower()
+    for word, spellings in (("on", ("on", "enabled", "true", "1")), ("off", ("off", "disabled", "false", "0")),
+                            ("auto", ("auto", "-1"))):
+        if v in spellings:
+            return word
+    raise argparse.ArgumentTypeError(f"{value!r}: expected on, off or auto")
+
+
 def _add_serve_parser(sub) -> None:
     """``serve``: llama-server's option names where it has them (see docs/http_server.md)."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, embeddings, ...)",
@@ -236,6 +246,10 @@ def _add_serve_parser(sub) -> None:
     slots.add_argument("--no-slots", dest="slots", action="store_false", help="answer /slots with 501")
     p.add_argument("--verbose", "-v", "--log-verbose", action="store_true",
                    help="debug logging, and llama-server's __verbose object in generation responses")
+    p.add_argument("--reasoning", "-rea", type=_on_off_auto, default="auto", metavar="on|off|auto",
+                   help="thinking in chat requests that do not say: 'off' sets the template's enable_thinking "
+                        "to false; 'on' and 'auto' (the default) to true, as llama-server (a template that "
+                        "cannot think ignores it)")
     p.add_argument("--reasoning-format", "-rf", choices=["auto", "none", "deepseek", "deepseek-legacy"],
                    default="auto", help="where a thinking model's reasoning goes: 'none' leaves it in the content; "
                                         "the others put it in reasoning_content (the default, 'auto')")

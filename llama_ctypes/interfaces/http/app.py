@@ -138,6 +138,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                limits: RequestLimits | None = None, close_manager: bool = False,
                slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
+               enable_thinking: bool | None = True,
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
                slot_save_path: str | os.PathLike | None = None,
@@ -161,6 +162,9 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         reasoning_format: ``"none"`` leaves a thinking model's reasoning in the content; ``"auto"``,
             ``"deepseek"`` and ``"deepseek-legacy"`` put it in ``reasoning_content`` (a request's own
             ``reasoning_format`` wins).
+        enable_thinking: the ``enable_thinking`` template variable of chat requests that do not set it:
+            True (the default) as llama-server (``--reasoning auto`` or ``on``), False (``--reasoning
+            off``), or None for the template's own default (the library's ``lc.chat`` default).
         spm_infill: ``/infill`` prompts put the suffix before the prefix (for models trained that way).
         cors_origins: browser origins answered with CORS headers: ``"*"`` (any, as llama-server),
             ``"localhost"``, or a comma-separated list (see :class:`~.cors.CorsPolicy`).
@@ -203,6 +207,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
+                         enable_thinking=enable_thinking,
                          spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
                          webui=page, fetch_media=url_fetcher(limits.media) if media_urls else None)
 

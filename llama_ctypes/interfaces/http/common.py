@@ -48,6 +48,7 @@ class AppContext:
     slots_endpoint: bool = True  # /slots answers (llama-server's --slots / --no-slots)
     verbose: bool = False  # responses carry ``__verbose`` unless a request says otherwise (--verbose)
     reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
+    enable_thinking: bool | None = True  # for chat requests that do not set it (--reasoning off: False)
     spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
     router_mode: bool = False  # several models (or none) rather than one: /props describes the router
     slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)

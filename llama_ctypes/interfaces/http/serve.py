@@ -523,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
                          limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True),
                          verbose=verbose, reasoning_format=getattr(args, "reasoning_format", "auto"),
+                         enable_thinking=getattr(args, "reasoning", "auto") != "off",
                          spm_infill=getattr(args, "spm_infill", False),
                          cors_origins=getattr(args, "cors_origins", None) or "*",
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),

@@ -62,10 +62,12 @@ def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[st
 
 def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, limits: SchemaLimits,
           reasoning_format: str = "auto", media_limits: MediaLimits | None = None,
-          fetch_media: Any = None) -> tuple[Any, dict[str, Any]]:
+          fetch_media: Any = None, default_thinking: bool | None = None) -> tuple[Any, dict[str, Any]]:
     """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
     converts the JSON schema to a grammar)."""
     thinking, kwargs = _template_options(body)
+    if thinking is None:
+        thinking = default_thinking
     add_generation_prompt, continue_final = body.continuation()
     schema = body.output_schema()
     if schema is not None:  # (tools are measured by plan_chat, before llama.cpp's chat code converts them)
@@ -107,7 +109,7 @@ async def plan_request(app: AppContext, body: ChatCompletionRequest) -> tuple[st
     try:
         plan, required = await anyio.to_thread.run_sync(
             functools.partial(_plan, server.model, body, template, app.limits.schema, app.reasoning_format,
-                              app.limits.media, app.fetch_media))
+                              app.limits.media, app.fetch_media, app.enable_thinking))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
         param = "json_schema" if body.json_schema is not None else \
             "response_format" if body.response_format is not None else "tools"

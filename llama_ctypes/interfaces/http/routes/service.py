@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -166,7 +167,7 @@ def generation_settings(server: Any, options: dict[str, Any] | None = None) -> d
     from ....core.params import split_options
     from ....core.sampler import SamplingParams
 
-    merged = {**server.defaults, **{k: v for k, v in (options or {}).items() if k in _PARAM_NAMES}}
+    merged = {**server.defaults, **{k: v for k, v in (options or {}).items() if k in _PARAM_NAMES or k == "logit_bias"}}
     sampling, gen = split_options(merged, SamplingParams, GenerationParams, where="server defaults")
     values = {**vars(SamplingParams(**sampling)), **vars(GenerationParams(**gen))}
     params = {name: values[ours] for ours, name in _PARAM_NAMES.items()}
@@ -174,6 +175,12 @@ def generation_settings(server: Any, options: dict[str, Any] | None = None) -> d
     if params["seed"] is None:
         params["seed"] = _RANDOM_SEED
     params.update({k: v for k, v in (options or {}).items() if k not in _PARAM_NAMES and k in ("stream", "n_probs")})
+    # llama-server lists its logit biases, ignore_eos's -inf on every end-of-generation token included
+    # (JSON has no -inf: null)
+    bias = {int(t): float(b) for t, b in dict(values.get("logit_bias") or {}).items()}
+    if params["ignore_eos"]:
+        bias.update({t: -math.inf for t in server.model.vocab.eog_tokens()})
+    params["logit_bias"] = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in bias.items()]
     return params
 
 
