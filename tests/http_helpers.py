@@ -21,12 +21,13 @@ def free_port() -> int:
 class ServeProcess:
     """``python -m llama_ctypes serve ARGS --port <free>`` until :meth:`stop`; its log goes to ``log_path``."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, host: str = "127.0.0.1"):
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env.pop("LLAMA_CTYPES_API_KEY", None)
         cmd = [sys.executable, "-m", "llama_ctypes", "--log-level", "INFO", "serve", *args,
                "--host", host, "--port", str(self.port)]

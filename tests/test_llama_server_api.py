@@ -155,6 +155,40 @@ def test_reasoning_switch_sets_thinking_as_llama_server(tmp_path, tiny_model_pat
     bad.stop()
 
 
+def test_vertex_ai_prediction_route_as_llama_server(tmp_path, tiny_model_path):
+    """AIP_MODE=PREDICTION: POST /predict runs each instance through the endpoint its @requestFormat
+    names, in order, each failure in its own place; AIP_HTTP_PORT overrides --port."""
+    from http_helpers import free_port
+
+    port = free_port()
+    proc = ServeProcess([str(tiny_model_path), "-c", "1024", "-np", "2", "--chat-template", "chatml"],
+                        tmp_path / "serve.log", env={"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": str(port),
+                                                     "AIP_PREDICT_ROUTE": "predict", "AIP_HEALTH_ROUTE": "/ping"})
+    proc.base_url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_ready(path="/ping")
+        chat = {"messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"{proc.base_url}/predict", timeout=120, json={"instances": [
+            {"@requestFormat": "chatCompletions", **chat, "stream": True},
+            {"@requestFormat": "/v1/chat/completions", **chat},
+            {"@requestFormat": "tokenize", "content": "Hello world"},
+            {"@requestFormat": "noSuchThing"},
+            {"@requestFormat": "chatCompletions", "messages": "not a list"},
+            "not an object"]})
+        assert r.status_code == 200, r.text
+        first, second, tokens, unknown, bad, not_object = r.json()["predictions"]
+        assert first["choices"][0]["message"]["role"] == "assistant" and first["usage"]["completion_tokens"] == 4
+        assert second["object"] == "chat.completion" and second["usage"]["completion_tokens"] == 4
+        plain = httpx.post(f"{proc.base_url}/tokenize", json={"content": "Hello world"}).json()["tokens"]
+        assert tokens["tokens"] == plain
+        assert "noSuchThing" in unknown["error"]["message"] and "messages" in bad["error"]["message"]
+        assert "JSON object" in not_object["error"]["message"]
+        assert httpx.post(f"{proc.base_url}/predict", json={"instances": [{}] * 129}).status_code == 400
+        assert httpx.post(f"{proc.base_url}/predict", json={"nothing": 1}).status_code == 400
+    finally:
+        proc.stop()
+
+
 def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     r = httpx.post(f"{server.base_url}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "What is the best book? " * 400}]})

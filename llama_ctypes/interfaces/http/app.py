@@ -38,6 +38,7 @@ from .routes.completions import completions
 from .routes.embeddings import embeddings, rerank
 from .routes.messages import count_tokens, messages
 from .routes.native import completion, infill
+from .routes.predict import make_predict
 from .routes.responses import input_tokens as response_input_tokens
 from .routes.responses import responses
 from .routes.service import (
@@ -142,7 +143,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
                slot_save_path: str | os.PathLike | None = None,
-               webui: bool | str | os.PathLike = True, media_urls: bool = False) -> Starlette:
+               webui: bool | str | os.PathLike = True, media_urls: bool = False,
+               predict_route: str | None = None, health_route: str | None = None) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -180,6 +182,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             ``--no-webui``). Its files need no API key; the page asks for one.
         media_urls: fetch http(s) image and audio URLs of chat requests (off: only ``data:`` URLs and
             base64 are taken; a server that fetches what clients name can reach hosts they cannot).
+        predict_route: serve Vertex AI's prediction protocol there (``"/predict"``; routes/predict.py), as
+            llama-server does under ``AIP_MODE=PREDICTION``; ``health_route``: ``/health`` there too.
     """
     save_path = None
     if slot_save_path is not None:
@@ -221,6 +225,14 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                 await anyio.to_thread.run_sync(manager.close)
 
     routes = [Route(path, fn, methods=methods) for paths, methods, fn, _ in _ROUTES for path in paths]
+    for extra in (predict_route, health_route):
+        if extra is not None and (not extra.startswith("/") or extra in _LABELS):
+            raise ValueError(f"{extra!r}: expected a path that is not one of the API's")
+    if predict_route is not None:
+        posts = {path: fn for paths, methods, fn, _ in _ROUTES for path in paths if "POST" in methods}
+        routes.append(Route(predict_route, make_predict(posts), methods=["POST"]))
+    if health_route is not None and health_route != predict_route:
+        routes.append(Route(health_route, health, methods=["GET"]))
     if page is not None:  # (last: the API's paths win)
         routes.append(Route("/{path:path}", _page, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},

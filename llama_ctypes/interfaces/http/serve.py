@@ -56,6 +56,26 @@ DEFAULT_MAX_TOKENS = -1
 _HTTP_KEYS = ("chat_template", "aliases", "tags", "load")
 
 
+
+def vertex_ai_routes(args: Any, env: Mapping[str, str]) -> dict[str, Any]:
+    """llama-server's Google Cloud compat: with ``AIP_MODE=PREDICTION``, Vertex AI's prediction route
+    (``AIP_PREDICT_ROUTE``, default ``/predict``) and health route (``AIP_HEALTH_ROUTE``), on the port
+    ``AIP_HTTP_PORT`` names (it overrides ``--port``). ``create_app`` options; ``args.port`` is set."""
+    if env.get("AIP_MODE") != "PREDICTION":
+        return {}
+
+    def route(name: str, default: str | None) -> str | None:
+        value = env.get(name) or default
+        return value if value is None or value.startswith("/") else "/" + value
+
+    port = env.get("AIP_HTTP_PORT") or "8080"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ArgumentTypeError(f"AIP_HTTP_PORT={port!r}: expected a port number")
+    if int(port) != args.port:
+        logger.warning("Vertex AI mode: AIP_HTTP_PORT %s overrides --port %d", port, args.port)
+        args.port = int(port)
+    return {"predict_route": route("AIP_PREDICT_ROUTE", "/predict"), "health_route": route("AIP_HEALTH_ROUTE", None)}
+
 def _toml(path: Path) -> dict[str, Any]:
     try:
         import tomllib
@@ -505,6 +525,7 @@ def run(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     if verbose:
         logging.getLogger("llama_ctypes").setLevel(logging.DEBUG)
+    vertex = vertex_ai_routes(args, os.environ)
     manager = ModelManager(memory_budget=budget)
     settings = {}
     try:
@@ -529,7 +550,8 @@ def run(args: argparse.Namespace) -> int:
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
                          catalog=catalog, router_mode=router_mode,
                          slot_save_path=slot_folder(getattr(args, "slot_save_path", None)),
-                         webui=webui_option(args), media_urls=getattr(args, "media_urls", False))
+                         webui=webui_option(args), media_urls=getattr(args, "media_urls", False),
+                         **vertex)
     except BaseException:
         manager.close()
         raise
