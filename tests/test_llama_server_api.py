@@ -189,6 +189,24 @@ def test_vertex_ai_prediction_route_as_llama_server(tmp_path, tiny_model_path):
         proc.stop()
 
 
+def test_pooling_none_is_refused_in_openais_shape_only(tmp_path, tiny_model_path):
+    """Per-token embeddings have no OpenAI shape: /v1/embeddings answers 400 as llama-server; /embeddings
+    gives each input's matrix (a row per token)."""
+    proc = ServeProcess([str(tiny_model_path), "--embedding", "--pooling", "none"], tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        refused = httpx.post(f"{proc.base_url}/v1/embeddings", json={"input": "hello hello hello"})
+        assert "not OAI compatible" in api_error(refused, 400)["message"]
+        r = httpx.post(f"{proc.base_url}/embeddings", json={"input": ["hello hello hello", "hi"]})
+        assert r.status_code == 200, r.text
+        rows = [d["embedding"] for d in r.json()["data"]]
+        n = [len(httpx.post(f"{proc.base_url}/tokenize", json={"content": t, "add_special": True}).json()["tokens"])
+             for t in ("hello hello hello", "hi")]
+        assert [len(m) for m in rows] == n and len({len(row) for m in rows for row in m}) == 1
+    finally:
+        proc.stop()
+
+
 def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     r = httpx.post(f"{server.base_url}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "What is the best book? " * 400}]})

@@ -75,12 +75,12 @@ class LoadPlan:
             raise ArgumentTypeError(f"options {server_only} apply to server mode only")
         if "generate" in caps:
             caps = (*caps, "embed")  # a generative model embeds too, in its own context
-        if ctx_opts.get("pooling") == "rank" and "rerank" not in caps:
-            caps = (*caps, "rerank")  # (llama-server's --reranking: any model, read through rank pooling)
         else:
             unused = sorted(k for k in (*server_opts, *ctx_opts) if k in _EMBED_SETS or k in ("n_ctx", "kv_unified"))
             if unused:
                 raise ArgumentTypeError(f"options {unused} have no effect on an embedding model (embed sets them)")
+        if ctx_opts.get("pooling") == "rank" and "rerank" not in caps:
+            caps = (*caps, "rerank")  # (llama-server's --reranking: any model, read through rank pooling)
         call_opts = {**{k: server_opts[k] for k in _DIRECT_SIZING if k in server_opts}, **ctx_opts}
         if "n_batch" in server_opts and "n_ubatch" not in ctx_opts:  # as the server sizes it
             call_opts["n_ubatch"] = min(server_opts["n_batch"], 512)

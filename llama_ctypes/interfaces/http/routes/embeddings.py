@@ -23,13 +23,14 @@ from ..limits import RequestLimits, over_limit
 from ..schemas import EmbeddingRequest, RerankRequest, parse
 
 
-def _embed(manager: Any, model_id: str, texts: list[str], limits: RequestLimits) -> tuple[np.ndarray, int]:
-    """The vectors and the number of input tokens (a worker thread)."""
+def _embed(manager: Any, model_id: str, texts: list[str], limits: RequestLimits) -> tuple[list[np.ndarray], int]:
+    """The vectors (a matrix per text when the pooling is "none") and the number of input tokens (a
+    worker thread)."""
     vocab = manager.model(model_id).vocab
     n_tokens = sum(len(vocab.tokenize(t, add_special=True, parse_special=False)) for t in texts)
     if n_tokens > limits.max_input_tokens:  # (tokenizing is linear and cheap; embedding is not)
         raise over_limit("input tokens", n_tokens, limits.max_input_tokens, "--max-input-tokens", param="input")
-    return np.asarray(manager.embed(model_id, texts), dtype=np.float32), n_tokens
+    return [np.asarray(v, dtype=np.float32) for v in manager.embed(model_id, texts)], n_tokens
 
 
 @endpoint
@@ -45,8 +46,11 @@ async def embeddings(request: Request, app: AppContext) -> Response:
                          f"it can {', '.join(info.capabilities)})", param="model")
     vectors, n_tokens = await anyio.to_thread.run_sync(
         functools.partial(_embed, app.router.manager, info.id, texts, app.limits))
-    if body.dimensions is not None and body.dimensions != vectors.shape[-1]:
-        raise BadRequest(f"the model {info.id!r} makes {vectors.shape[-1]}-dimensional embeddings; "
+    if any(v.ndim != 1 for v in vectors) and request.url.path.endswith("/v1/embeddings"):
+        # (one vector per input is OpenAI's shape; /embeddings keeps a matrix per input, as llama-server)
+        raise BadRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
+    if body.dimensions is not None and vectors and body.dimensions != vectors[0].shape[-1]:
+        raise BadRequest(f"the model {info.id!r} makes {vectors[0].shape[-1]}-dimensional embeddings; "
                          f"dimensions={body.dimensions} is not supported", param="dimensions")
     data = []
     for i, vec in enumerate(vectors):
