@@ -462,16 +462,16 @@ def test_mrope_image_takes_its_grid_positions(qwen2vl):
         assert lease.truncate(span.end) and lease.seq_pos_max(0) == span.start  # (the grid's cells: t = its start)
         assert lease.prefill(prompt, reuse=True) == span.end  # the image came from the cache
         assert lease.seq_pos_max(0) == len(prompt) + shift - 1
-        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)  # the same positions as cold
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-3)  # the same positions as cold (wrong ones: ~1)
         assert lease.truncate(span.start) and lease.seq_pos_max(0) == span.start - 1
         assert lease.prefill(prompt, reuse=True) == span.start
-        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-3)
         # removing positions p.. keeps the tokens before p (the grid's cells all sit at its first position)
         assert lease.seq_rm(0, len(prompt) + shift + 3, -1) and len(ctx.tokens) == len(prompt)  # none there
         assert lease.seq_rm(0, span.start + 2, -1) and len(ctx.tokens) == span.end
         assert lease.seq_pos_max(0) == span.start
         assert lease.prefill(prompt, reuse=True) == span.end
-        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-4)
+        np.testing.assert_allclose(lease.logits(-1), cold, atol=1e-3)
         assert lease.seq_rm(0, span.start, -1) and len(ctx.tokens) == span.start
 
 

@@ -19,11 +19,14 @@ __all__ = ["PositionMap"]
 class PositionMap:
     """The media chunks of a token list whose positions differ from their entries (see the module docs)."""
 
-    __slots__ = ("_marks",)
+    __slots__ = ("_marks", "shift")
 
     def __init__(self) -> None:
         # (start, end, shift): entries start..end are a chunk; entries from end on sit at index + shift
         self._marks: list[tuple[int, int, int]] = []
+        self.shift = 0
+        """Position minus index of the entries after the last chunk (0 when there is none): a plain
+        attribute, read per decoded token."""
 
     @classmethod
     def of(cls, prompt: Sequence[int], n: int) -> "PositionMap":
@@ -42,11 +45,6 @@ class PositionMap:
 
     def __repr__(self) -> str:
         return f"PositionMap({self._marks})"
-
-    @property
-    def shift(self) -> int:
-        """Position minus index of the entries after the last chunk (0 when there is none)."""
-        return self._marks[-1][2] if self._marks else 0
 
     def splits(self, n: int) -> bool:
         """Whether ``n`` lies strictly inside a chunk (no position marks the end of a first-``n`` prefix)."""
@@ -79,7 +77,8 @@ class PositionMap:
     def add(self, start: int, n_tokens: int, n_pos: int) -> None:
         """A chunk of ``n_tokens`` entries taking ``n_pos`` positions was appended at entry ``start``."""
         if n_pos != n_tokens:
-            self._marks.append((start, start + n_tokens, self.shift + n_pos - n_tokens))
+            self.shift += n_pos - n_tokens
+            self._marks.append((start, start + n_tokens, self.shift))
 
     def cut(self, n: int) -> None:
         """The list was cut back to its first ``n`` entries (never inside a chunk)."""
@@ -87,11 +86,9 @@ class PositionMap:
             raise InvalidArgumentError(f"entry {n} lies inside a media chunk")
         while self._marks and self._marks[-1][1] > n:
             self._marks.pop()
+        self.shift = self._marks[-1][2] if self._marks else 0
 
     def clear(self) -> None:
         self._marks.clear()
+        self.shift = 0
 
-    def copy(self) -> "PositionMap":
-        out = PositionMap()
-        out._marks = list(self._marks)
-        return out
