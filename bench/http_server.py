@@ -63,9 +63,10 @@ def stop(proc: subprocess.Popen, log) -> None:
     log.close()
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[int, float]:
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
+                      extra: dict | None = None) -> tuple[int, float]:
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     first = None
     tokens = chunks = 0
@@ -84,12 +85,13 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
     return tokens or chunks, first or 0.0
 
 
-async def level(url: str, c: int, max_tokens: int) -> dict[str, float]:
+async def level(url: str, c: int, max_tokens: int, extra: dict | None = None) -> dict[str, float]:
+    """``c`` concurrent streamed completions of ``max_tokens`` (greedy; ``extra``: more body fields)."""
     limits = httpx.Limits(max_connections=c + 2)
     async with httpx.AsyncClient(limits=limits) as client:
         prompts = [f"Write a short note about item number {i}:" for i in range(c)]
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(one_request(client, url, p, max_tokens, extra) for p in prompts))
         wall = time.perf_counter() - t0
     tokens = sum(r[0] for r in results)
     return {"tok_s": tokens / wall, "ttft_ms": 1e3 * sum(r[1] for r in results) / len(results), "tokens": tokens}

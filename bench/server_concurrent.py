@@ -24,7 +24,7 @@ from pathlib import Path
 import requests
 
 import llama_ctypes as lc
-from llama_ctypes.core.params import _threads_default
+from llama_ctypes.core.params import default_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 LEVELS = (1, 2, 4, 8, 16)
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--n-parallel", type=int, default=4)
     ap.add_argument("--n-ctx", type=int, default=1024, help="context tokens per slot")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=_threads_default())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--llama-server", type=Path, default=None)
     args = ap.parse_args()
     if args.model is None:

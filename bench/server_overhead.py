@@ -1,6 +1,7 @@
 """Serving overhead: `llama-ctypes serve` against llama-server at many slots, where Python costs the most.
 
     python bench/server_overhead.py [--models tiny,gemma] [--slots 8,32,64] [--max-tokens 64]
+                                    [--temp T --top-k K] [--backend-sampling]
 
 For each model and each slot count N, both servers run with N slots (``-c`` = N x 128, the same
 threads and batch size) and N concurrent clients each stream one ``/v1/completions`` request of
@@ -11,6 +12,8 @@ time per tick split into its parts (from ``llama_ctypes_tick_seconds`` in our ``
 difference over the level): admit, schedule, decode (batch fill + llama_decode), sample, update,
 and within update text (detokenizing, stop strings) and handoff (pieces to the HTTP handlers).
 The servers are measured one after the other, never at once (2 cores); the best of ``--rounds``.
+``--temp``/``--top-k`` sample (seeded per request) instead of greedy; ``--backend-sampling`` starts both
+servers with ``-bs`` (sampling inside the decode graph).
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ def tick_counters(url: str) -> tuple[dict[str, float], float]:
     return seconds, float(ticks.group(1)) if ticks else 0.0
 
 
-def run_level(cmd: list[str], port: int, n: int, max_tokens: int, ours: bool) -> dict:
+def run_level(cmd: list[str], port: int, n: int, max_tokens: int, ours: bool, extra: dict | None = None) -> dict:
     proc, log = start(cmd, port)
     try:
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(level(url, min(n, 4), 8))  # warm up
+        asyncio.run(level(url, min(n, 4), 8, extra))  # warm up
         before = tick_counters(url) if ours else None
-        result = asyncio.run(level(url, n, max_tokens))
+        result = asyncio.run(level(url, n, max_tokens, extra))
         if before is not None:
             after = tick_counters(url)
             ticks = max(after[1] - before[1], 1.0)
@@ -68,7 +71,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--temp", type=float, default=0.0, help="request temperature (0: greedy)")
+    ap.add_argument("--top-k", type=int, default=40, help="request top-k when --temp > 0 (0: the whole vocabulary)")
+    ap.add_argument("--backend-sampling", action="store_true", help="both servers sample in the decode graph (-bs)")
     args = ap.parse_args()
+    extra = {"temperature": args.temp, "top_k": args.top_k, "seed": 1} if args.temp > 0 else None
     exe = find_llama_server()
     if exe is None:
         print("llama-server not found: build it with LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py")
@@ -86,7 +93,9 @@ def main() -> int:
             paths[name] = Path(assemble())
         else:
             paths[name] = Path(name)
-    print(f"max_tokens={args.max_tokens}, threads={args.threads}, best of {args.rounds}; split: ms per tick")
+    print(f"max_tokens={args.max_tokens}, threads={args.threads}, best of {args.rounds}, temp={args.temp}"
+          + (f", top_k={args.top_k}" if args.temp > 0 else "") + f", backend_sampling={args.backend_sampling}; "
+          "split: ms per tick")
     print(f"{'model':>6} {'N':>3} {'ours tok/s':>10} {'server tok/s':>12} {'ratio':>6}  "
           + " ".join(f"{p:>8}" for p in PHASES))
     for name, path in paths.items():
@@ -94,21 +103,36 @@ def main() -> int:
             ctx = str(128 * n)
             ours_cmd = [sys.executable, "-m", "llama_ctypes", "serve", str(path), "--host", "127.0.0.1",
                         "--n-parallel", str(n), "--ctx-size", ctx, "--threads", str(args.threads),
-                        "--batch-size", "512", "--max-queue", "0", "--port"]
+                        "--batch-size", "512", "--max-queue", "0", "--metrics", "--port"]
             theirs_cmd = [str(exe), "-m", str(path), "--host", "127.0.0.1", "--no-webui", "--parallel", str(n),
                           "-c", ctx, "-t", str(args.threads), "-tb", str(args.threads), "-b", "512", "--port"]
+            if args.backend_sampling:
+                ours_cmd[-1:-1], theirs_cmd[-1:-1] = ["-bs"], ["-bs"]
             best: dict[str, dict] = {}
             for _ in range(args.rounds):
                 for who, cmd in (("ours", ours_cmd), ("theirs", theirs_cmd)):
                     port = free_port()
-                    r = run_level(cmd + [str(port)], port, n, args.max_tokens, who == "ours")
+                    r = run_level(cmd + [str(port)], port, n, args.max_tokens, who == "ours", extra)
                     if who not in best or r["tok_s"] > best[who]["tok_s"]:
                         best[who] = r
             o, t = best["ours"], best["theirs"]
             split = " ".join(f"{o['split_ms'][p]:>8.3f}" for p in PHASES)
             print(f"{name:>6} {n:>3} {o['tok_s']:>10.1f} {t['tok_s']:>12.1f} {o['tok_s'] / t['tok_s']:>6.2f}  {split}",
                   flush=True)
+    _print_gpu_commands()
     return 0
+
+
+def _print_gpu_commands() -> None:
+    """Where Python's share matters most is a GPU (a tick of many slots takes a few ms): without one here,
+    the runs to make on a machine that has one (a wheel with its GPU plugin, llama-server built alike)."""
+    import llama_ctypes as lc
+
+    if any(d.type == "gpu" for d in lc.devices()):
+        return
+    print("\nno GPU here; on a GPU machine run (all layers offloaded by default):")
+    for extra in ("", " --temp 1 --top-k 40", " --temp 1 --top-k 40 --backend-sampling"):
+        print(f"  python bench/server_overhead.py --models tiny,gemma --slots 8,32,64{extra}")
 
 
 if __name__ == "__main__":

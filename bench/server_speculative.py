@@ -22,7 +22,7 @@ from pathlib import Path
 import requests
 
 import llama_ctypes as lc
-from llama_ctypes.core.params import _threads_default
+from llama_ctypes.core.params import default_threads
 from server_concurrent import find_llama_server, free_port, run_threads
 
 FRUITS = ["apple", "banana", "cherry", "date", "elderberry", "fig", "grape", "honeydew", "kiwi", "lemon",
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--levels", default="1,2,4")
     ap.add_argument("--modes", default="plain,ngram,draft")
-    ap.add_argument("--threads", type=int, default=_threads_default())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--llama-server", type=Path, default=None)
     args = ap.parse_args()
     if args.model is None:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import llama_ctypes as lc
-from llama_ctypes.core.params import _threads_default
+from llama_ctypes.core.params import default_threads
 from llama_ctypes.interfaces.benchmark import measure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--n-gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="alternate ours/llama-bench this many times")
-    ap.add_argument("--threads", type=int, default=_threads_default())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--llama-bench", type=Path, default=None)
     args = ap.parse_args()
     if args.model is None:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import llama_ctypes as lc
-from llama_ctypes.core.params import _threads_default
+from llama_ctypes.core.params import default_threads
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the quarterly budget. After a long discussion, it approved "
@@ -131,7 +131,7 @@ def main() -> int:
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--n-gpu-layers", type=int, default=-1)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=_threads_default())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--modes", default="plain,ngram,draft")
     ap.add_argument("--task", choices=sorted(TASKS), default="copy")
     ap.add_argument("--tiny-mtp", action="store_true", help="check the MTP path on tiny generated models")

@@ -19,10 +19,13 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """``python -m llama_ctypes serve ARGS --port <free>`` until :meth:`stop`; its log goes to ``log_path``."""
+    """``python -m llama_ctypes serve ARGS --port <free>`` until :meth:`stop`; its log goes to ``log_path``.
+
+    ``metrics``: pass ``--metrics`` (most tests read /metrics; the CLI's default is off, as llama-server).
+    """
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, host: str = "127.0.0.1",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, metrics: bool = True):
         self.port = free_port()
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -33,6 +36,8 @@ class ServeProcess:
                "--host", host, "--port", str(self.port)]
         if api_key is not None:
             cmd += ["--api-key", api_key]
+        if metrics:
+            cmd.append("--metrics")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

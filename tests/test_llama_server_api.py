@@ -554,6 +554,19 @@ def test_return_progress_reports_the_prompt_as_it_is_read(server):
     assert not any("prompt_progress" in c for c in plain)
 
 
+def test_metrics_are_off_unless_asked_as_on_llama_server(tmp_path, tiny_model_path):
+    proc = ServeProcess([str(tiny_model_path), "-c", "256", "--parallel", "1"], tmp_path / "serve.log",
+                        metrics=False)
+    try:
+        proc.wait_ready()
+        r = httpx.get(f"{proc.base_url}/metrics", timeout=10)
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+        assert "--metrics" in r.json()["error"]["message"]
+        assert httpx.get(f"{proc.base_url}/props", timeout=10).json()["endpoint_metrics"] is False
+    finally:
+        proc.stop()
+
+
 def test_llama_servers_metric_names_count_what_responses_report(tmp_path, tiny_model_path):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -576,10 +589,47 @@ def test_llama_servers_metric_names_count_what_responses_report(tmp_path, tiny_m
         # names on the wire spelled as llama-server spells them (clients that keep a plain dict look them up so)
         assert {b"Process-Start-Time-Unix", b"Content-Type", b"Content-Length"} <= dict(r.headers.raw).keys()
         samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+        # types and names as llama-server writes them (n_tokens_max: a counter without "_total")
+        types = dict(line.split()[2:4] for line in r.text.splitlines() if line.startswith("# TYPE llamacpp:"))
+        assert types["llamacpp:n_tokens_max"] == types["llamacpp:n_decode_total"] == "counter"
+        assert types["llamacpp:requests_processing"] == "gauge" and len(types) == 15
+        assert all(f"# HELP {name} " in r.text for name in types)
         assert samples["llamacpp:prompt_tokens_total"] == prompt_n
         assert samples["llamacpp:prompt_tokens_cached_total"] == cache_n > 0
         assert samples["llamacpp:tokens_predicted_total"] == predicted_n == 22
         assert samples["llamacpp:n_decode_total"] >= 3 and samples["llamacpp:requests_processing"] == 0
-        assert samples["llamacpp:predicted_tokens_seconds"] > 0 and samples["llamacpp:n_tokens_max"] > 0
+        assert samples["llamacpp:predicted_tokens_seconds"] > 0
+        # (prometheus_client's parser names a counter's sample "..._total"; the text has llama-server's name)
+        assert float(re.search(r"^llamacpp:n_tokens_max (\S+)$", r.text, re.M).group(1)) > 0
+    finally:
+        proc.stop()
+
+
+def test_backend_sampling_flag_and_field_as_llama_server(tmp_path, tiny_model_path):
+    """``-bs`` makes in-graph sampling every request's default, ``backend_sampling`` in a body overrides it;
+    greedy text is the CPU path's (checked against its margins), and /metrics counts both kinds."""
+    from margins import assert_same_greedy
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = ServeProcess([str(tiny_model_path), "-c", "512", "--parallel", "1", "-bs", "--temp", "0"],
+                        tmp_path / "serve.log")
+    try:
+        proc.wait_ready()
+        props = httpx.get(f"{proc.base_url}/props", timeout=10).json()
+        assert props["default_generation_settings"]["params"]["backend_sampling"] is True
+        body = {"prompt": "Once upon a time", "n_predict": 24, "ignore_eos": True, "cache_prompt": False,
+                "return_tokens": True}
+        ref = httpx.post(f"{proc.base_url}/completion", json={**body, "n_probs": 2}, timeout=60).json()
+        top = [[(alt["id"], alt["logprob"]) for alt in p["top_logprobs"]] for p in ref["completion_probabilities"]]
+        out = httpx.post(f"{proc.base_url}/completion", json=body, timeout=60).json()
+        assert_same_greedy(out["tokens"], ref["tokens"], top, what="in-graph vs CPU over HTTP")
+        off = httpx.post(f"{proc.base_url}/v1/completions", timeout=60, json={
+            "prompt": "Once upon a time", "max_tokens": 4, "backend_sampling": False}).json()
+        assert off["choices"][0]["text"]
+        samples = [(s.name, s.labels.get("reason"), s.value)
+                   for f in text_string_to_metric_families(httpx.get(f"{proc.base_url}/metrics").text)
+                   for s in f.samples if s.name.startswith("llama_ctypes_in_graph")]
+        assert sorted(samples, key=str) == [("llama_ctypes_in_graph_fallbacks_total", "logprobs", 1.0),
+                                            ("llama_ctypes_in_graph_requests_total", None, 1.0)]
     finally:
         proc.stop()

@@ -60,10 +60,6 @@ CASES = [(conv, think, preserve) for conv in CONVERSATIONS for think in (True, F
 # Templates whose prompts still differ from llama-server's, and why. Each must still differ (else
 # the entry, and docs/chat.md, are out of date).
 KNOWN_DIFFERENCES = {
-    "fireworks-ai-llama-3-firefunction-v2":
-        "reads a `functions` variable (Fireworks' API passes the tool list as JSON text) that neither side "
-        "supplies: llama.cpp renders the undefined value as empty text, dropping the tools from the prompt; "
-        "we raise ChatTemplateError (pass template_kwargs={'functions': ...})",
     "google-gemma-4-31B-it-interleaved":
         "llama.cpp recognises this outdated Gemma 4 template and rewrites tool results into the assistant "
         "turn (tool_responses); we render the template as written (for the current Gemma 4 template, "
@@ -208,7 +204,17 @@ def test_a_system_prompt_is_folded_with_one_newline_and_none_content_is_empty():
 
 def test_an_undefined_template_variable_says_how_to_pass_it():
     with pytest.raises(ChatTemplateError, match="'functions' is undefined.*template_kwargs"):
-        _template("fireworks-ai-llama-3-firefunction-v2").render(CONVERSATIONS["basic"][0])
+        ChatTemplate("{{ functions.name }}").render(CONVERSATIONS["basic"][0])
+
+
+def test_text_joined_with_an_undefined_or_null_value_is_the_text_as_in_llama_cpp():
+    # (firefunction-v2 adds its `functions` variable, which no caller sets, to its system prompt)
+    text = _template("fireworks-ai-llama-3-firefunction-v2").render(CONVERSATIONS["no_system"][0])
+    assert f"Today is {datetime.now():%b %d %Y}." in text and "Hello!" in text
+    source = "{{ 'a' + missing }}|{{ none + 'b' }}|{{ 'c' + none }}|{{ 'd' + 'e' }}"
+    assert ChatTemplate(source).render([]) == "a|b|c|de"
+    with pytest.raises(ChatTemplateError):  # (only text: a number plus nothing is still an error)
+        ChatTemplate("{{ 1 + missing }}").render([])
 
 
 def test_thinking_defaults_to_the_templates_own_choice(tiny_model):

@@ -38,6 +38,7 @@ from .hidden_states import HiddenStates
 from .kv_record import KVRecord
 from .lease_adapters import AdapterOps
 from .lease_media import MediaOps
+from .lease_sampling import InGraphSampling
 from .lora import LoraAdapter, LoraSet
 from .params import ContextParams, split_options
 from .prompt import common_prefix
@@ -317,7 +318,7 @@ def _synchronized_check(lib, ptr, watch: ConnectionWatch) -> Callable[[], RPCCon
     return lost
 
 
-class ContextLease(HiddenStates, AdapterOps, MediaOps):
+class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling):
     """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
 
     Created by :meth:`Context.lease`. While it is held the context cannot be
@@ -335,6 +336,8 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
         self._lib = ctx._lib
         self._ptr = ctx._ptr
         self._mem = ctx._mem
+        self._in_graph: dict[int, int] = {}
+        self._graph_used = False
         self._held = True
         # Checked after every decode when the model uses RPC workers (None: nothing to watch).
         self._lost = _synchronized_check(self._lib, ctx._ptr, ctx._rpc) if ctx._rpc.active else None
@@ -350,6 +353,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
 
     def release(self) -> None:
         if self._held:
+            self._detach_all_samplers()  # (the context must not keep chains its next holder cannot see)
             self._held = False
             self.ctx._end_exclusive()
 
@@ -605,13 +609,14 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
 
     # ---- outputs -------------------------------------------------------------------------------
     def has_logits(self, i: int) -> bool:
-        """Whether batch row ``i`` of the last decode has logits."""
+        """Whether batch row ``i`` of the last decode has logits (not one sampled inside the graph)."""
         self._check()
-        return bool(self._lib.llama_get_logits_ith(self._ptr, i))
+        return not self._sampled_in_graph(i) and bool(self._lib.llama_get_logits_ith(self._ptr, i))
 
     def logits(self, i: int = -1) -> np.ndarray:
         """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
         self._check()
+        self._refuse_in_graph_row(i)
         ptr = self._lib.llama_get_logits_ith(self._ptr, i)
         if not ptr:
             raise IndexOutOfRangeError(f"no logits for batch row {i} (was it marked as an output?)")
@@ -633,6 +638,8 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps):
         def view(idx: int) -> np.ndarray:
             if not self._held:
                 raise ClosedError("this ContextLease was released")
+            if self._graph_used:
+                self._refuse_in_graph_row(idx)
             addr = logits_addr(ctx_addr, idx)
             if not addr:
                 raise IndexOutOfRangeError(f"no logits for batch row {idx}")

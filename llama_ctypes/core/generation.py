@@ -288,6 +288,11 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
             timings.sample_ms = sample_s * 1e3
 
 
+def in_graph_blocker(params: GenerationParams) -> str | None:
+    """What of these parameters keeps sampling out of the decode graph (it reads the logits), or None."""
+    return "logprobs" if params.logprobs is not None else None
+
+
 def post_candidates(params: GenerationParams) -> int:
     """Candidates a sampler binding keeps per row for these parameters (0: none)."""
     return max(params.logprobs or 0, 1) if params.post_sampling else 0
@@ -406,7 +411,8 @@ class _TextGeneration:
         try:
             lease = self.ctx.lease(held=True)
             try:
-                binding = self.sampler.bind(lease, held=True, candidates=post_candidates(self.params))
+                binding = self.sampler.bind(lease, held=True, candidates=post_candidates(self.params), seq=0,
+                                            blocker=in_graph_blocker(self.params))
             except BaseException:
                 lease.release()
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import math
 import random
 from dataclasses import dataclass, field, fields
@@ -17,6 +18,8 @@ from .backend import clear_native_error, native_error
 from .grammar_check import check_gbnf
 from .handle import NativeHandle
 from .params import split_options
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .model import Model
@@ -95,6 +98,12 @@ class SamplingParams:
     """Text at the end of the prompt that the grammar's start rule expects (llama.cpp's chat code
     writes the generation prompt into its tool-call grammars); fed to the grammar before the first
     token and after a reset. Not for lazy grammars."""
+    backend_sampling: bool = False
+    """Sample inside ``llama_decode``'s compute graph (llama.cpp's backend sampling, llama-server's
+    ``backend_sampling``): the logits row never leaves the device and the chain runs there. Falls back
+    to the usual path, with the reason recorded, for what the graph cannot do (:attr:`in_graph_blocker`;
+    the runner adds its own: logprobs, speculative decoding). Greedy picks the same tokens; seeded
+    sampling draws from the same distribution."""
 
     def __hash__(self) -> int:
         # Consistent with the field-wise ==: json_schema and logit_bias may be dicts, so hash a
@@ -114,6 +123,7 @@ class SamplingParams:
             value = getattr(self, name)
             check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                   name, "a finite number")
+        check(isinstance(self.backend_sampling, bool), "backend_sampling", "True or False")
         for name in ("top_k", "mirostat", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "min_keep"):
             check(isinstance(getattr(self, name), int), name, "an integer")
         check(0.0 <= self.top_p <= 1.0, "top_p", "a value in [0, 1]")
@@ -172,6 +182,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temp <= 0
+
+    @property
+    def in_graph_blocker(self) -> str | None:
+        """Why this chain cannot run inside the decode graph (a sampler llama.cpp has no backend
+        version of, or penalties: see below), or None: logit bias, top-k, top-p, min-p, temperature
+        (dynamic too), greedy and the random draw all can."""
+        penalties = self.penalty_last_n != 0 and (
+            self.penalty_repeat != 1.0 or self.penalty_freq != 0 or self.penalty_present != 0)
+        # (llama.cpp's penalties refuse the graph where a sequence may output more than one row per
+        # decode, as every context here allows: the rest of the chain would still run there, partly)
+        for reason, used in (("grammar", self.grammar is not None), ("dry", self.dry_multiplier > 0),
+                             ("penalties", penalties),
+                             ("mirostat", self.mirostat != 0 and not self.greedy),
+                             ("top_n_sigma", self.top_n_sigma > 0 and not self.greedy),
+                             ("typical_p", self.typical_p < 1.0 and not self.greedy),
+                             ("xtc", self.xtc_probability > 0 and not self.greedy),
+                             ("adaptive_p", self.adaptive_target >= 0 and not self.greedy)):
+            if used:
+                return reason
+        return None
 
     @property
     def plain_greedy(self) -> bool:
@@ -262,9 +292,15 @@ class SamplerBinding:
 
     Holds the sampler exclusively (a second generation using it raises BusyError) and keeps
     it from being freed until :meth:`release`.
+
+    ``seq``: the sequence the generation decodes, for in-graph sampling (``params.backend_sampling``:
+    a clone of the chain is attached to it, and its state comes back to the sampler at release);
+    ``blocker``: the runner's reason not to sample in the graph (logprobs, speculative decoding).
+    :attr:`in_graph` says whether the graph samples; :attr:`fallback` why not, when it was asked.
     """
 
-    def __init__(self, sampler: "Sampler", lease, held: bool = False, candidates: int = 0) -> None:
+    def __init__(self, sampler: "Sampler", lease, held: bool = False, candidates: int = 0,
+                 seq: int | None = None, blocker: str | None = None) -> None:
         if sampler.model is not lease.ctx.model:
             raise InvalidArgumentError("this Sampler was made for another Model than the context's "
                                        "(token ids and grammars belong to one vocabulary)")
@@ -272,9 +308,26 @@ class SamplerBinding:
         self._sampler = sampler
         #: With ``candidates``: row -> :class:`PostSampling` of the last token sampled from it.
         self.post: dict[int, PostSampling] | None = {} if candidates else None
+        self.in_graph = False
+        self.fallback: str | None = None
+        # In the graph: a clone of the chain (llama.cpp sets an attached chain up for the graph for good,
+        # after which it cannot sample on the CPU or be attached again); its state goes back at release.
+        self._clone: int | None = None
+        self._attached: tuple[Any, int, int] | None = None  # (lease, seq, clone) while in the graph
         try:
-            fn = sampler._candidates_fn(lease, candidates, self.post) if candidates else sampler._sample_fn(lease)
+            if sampler.params.backend_sampling and seq is not None:
+                self.fallback = blocker or ("post_sampling_probs" if candidates else None) \
+                    or sampler.params.in_graph_blocker
+                if self.fallback is None:
+                    self._attach(sampler, lease, seq)
+                if self.fallback is not None:
+                    logger.debug("backend_sampling: sequence %s samples as usual (%s)", seq, self.fallback)
+            if self.in_graph:  # (llama_sampler_sample returns the graph's token and accepts it)
+                fn = lease.sample_fn(self._clone)
+            else:
+                fn = sampler._candidates_fn(lease, candidates, self.post) if candidates else sampler._sample_fn(lease)
         except BaseException:
+            self._detach()
             sampler._end_exclusive()
             raise
         self._held = True
@@ -286,10 +339,44 @@ class SamplerBinding:
 
         self.sample: Callable[[int], int] = sample
 
+    def _attach(self, sampler: "Sampler", lease, seq: int) -> None:
+        if sampler._ptr is None:
+            raise ClosedError("Sampler is closed")
+        lib = sampler._lib
+        clone = lib.llama_sampler_clone(sampler._ptr)
+        if not clone:
+            self.fallback = "the chain cannot be cloned"
+            return
+        self._clone = clone
+        if lease.attach_sampler(seq, clone):
+            self._attached = (lease, seq, clone)
+            self.in_graph = True
+        else:
+            self.fallback = "not supported by the backend"
+
+    def _detach(self) -> None:
+        """Detach the clone from the context, give its state (RNG, penalty history) back to the sampler's
+        own chain, free it. Idempotent."""
+        if self._attached is not None:
+            lease, seq, chain = self._attached
+            self._attached = None
+            lease.detach_sampler(seq, chain)
+        clone, self._clone = self._clone, None
+        if clone:
+            lib, own = self._sampler._lib, self._sampler._ptr
+            try:
+                if self.in_graph and own:
+                    lib.llama_sampler_copy(clone, own)
+            finally:
+                lib.llama_sampler_free(clone)
+
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._sampler._end_exclusive()
+            try:
+                self._detach()  # (before the sampler may be freed: the context points at its chain)
+            finally:
+                self._sampler._end_exclusive()
 
     def __del__(self) -> None:
         try:
@@ -472,7 +559,8 @@ class Sampler(NativeHandle):
         with ctx.lease() as lease:
             return self.sample(lease, idx)
 
-    def bind(self, lease, held: bool = False, candidates: int = 0) -> SamplerBinding:
+    def bind(self, lease, held: bool = False, candidates: int = 0, seq: int | None = None,
+             blocker: str | None = None) -> SamplerBinding:
         """Claim this sampler for a generation on a leased context (see :class:`SamplerBinding`).
 
         ``held``: the caller keeps the sampler alive with :meth:`hold`, so a close requested
@@ -480,7 +568,7 @@ class Sampler(NativeHandle):
         candidates the chain left (``binding.post``); the tokens drawn are the same (with a grammar,
         which then masks before the chain instead of checking after it: the same for greedy).
         """
-        return SamplerBinding(self, lease, held, candidates)
+        return SamplerBinding(self, lease, held, candidates, seq, blocker)
 
     def _sample_fn(self, lease) -> Callable[[int], int]:
         # The cheapest exact strategy: a numpy argmax for plain greedy, the llama.cpp chain

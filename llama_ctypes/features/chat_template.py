@@ -86,7 +86,7 @@ class _Sandbox(SandboxedEnvironment):
     """The sandbox, with budgets on the two ways a template can allocate without bound."""
 
     # Routed through call_binop at render time (and never constant-folded at compile time).
-    intercepted_binops = frozenset({"*", "**", "%"})
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     # Every call a template makes (methods, globals, filters) is checked before it runs: no
     # legitimate template passes a size beyond the output budget, and the string operations
@@ -113,6 +113,13 @@ class _Sandbox(SandboxedEnvironment):
             f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
 
     def call_binop(self, context, operator, left, right):
+        if operator == "+" and (isinstance(left, str) or isinstance(right, str)):
+            # llama.cpp's engine joins a string with null or undefined as with "" (firefunction-v2
+            # adds its undefined `functions` when there are no tools); keep its rendering.
+            if left is None or isinstance(left, jinja2.Undefined):
+                return right
+            if right is None or isinstance(right, jinja2.Undefined):
+                return left
         budget = _budget()
         if operator == "*" and budget is not None:
             for seq, n in ((left, right), (right, left)):

@@ -232,10 +232,14 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--top-k", type=int, help="default top-k of a request")
     p.add_argument("--top-p", type=float, help="default top-p of a request")
     p.add_argument("--min-p", type=float, help="default min-p of a request")
+    p.add_argument("--backend-sampling", "-bs", action="store_true", default=None,
+                   help="sample inside the decode graph by default (a request's backend_sampling wins; "
+                        "requests it cannot serve sample as usual, counted in the server's stats)")
     # llama-server switches for behaviour that is always on here (accepted, so its command lines run):
     p.add_argument("--cont-batching", "-cb", action="store_true",
                    help="continuous batching (always on here)")
-    p.add_argument("--metrics", action="store_true", help="the Prometheus /metrics endpoint (always on here)")
+    p.add_argument("--metrics", action="store_true",
+                   help="serve the Prometheus /metrics endpoint (off: 501, as llama-server)")
     p.add_argument("--jinja", action="store_true", help="render chat templates with Jinja (always, here)")
     p.add_argument("--no-jinja", action="store_true",
                    help="llama-server's legacy template path; here templates are still rendered with Jinja "

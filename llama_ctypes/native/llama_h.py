@@ -560,6 +560,21 @@ PROTOTYPES = [
     ("llama_get_logits", [llama_context_p], POINTER(c_float)),
     # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
     ("llama_get_logits_ith", [llama_context_p, c_int32], POINTER(c_float)),
+    # backend sampling [EXPERIMENTAL]: tokens sampled inside the graph by a chain attached per sequence
+    # bool llama_set_sampler(struct llama_context * ctx, llama_seq_id seq_id, struct llama_sampler * smpl);
+    ("llama_set_sampler", [llama_context_p, llama_seq_id, llama_sampler_p], c_bool),
+    # llama_token llama_get_sampled_token_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_token_ith", [llama_context_p, c_int32], llama_token),
+    # float * llama_get_sampled_probs_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_probs_ith", [llama_context_p, c_int32], POINTER(c_float)),
+    # uint32_t llama_get_sampled_probs_count_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_probs_count_ith", [llama_context_p, c_int32], c_uint32),
+    # uint32_t llama_get_sampled_logits_count_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_logits_count_ith", [llama_context_p, c_int32], c_uint32),
+    # llama_token * llama_get_sampled_candidates_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_candidates_ith", [llama_context_p, c_int32], POINTER(llama_token)),
+    # uint32_t llama_get_sampled_candidates_count_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_sampled_candidates_count_ith", [llama_context_p, c_int32], c_uint32),
     # float * llama_get_embeddings(struct llama_context * ctx);
     ("llama_get_embeddings", [llama_context_p], POINTER(c_float)),
     # float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
@@ -630,6 +645,8 @@ PROTOTYPES = [
     ("llama_sampler_reset", [llama_sampler_p], None),
     # struct llama_sampler * llama_sampler_clone(const struct llama_sampler * smpl);
     ("llama_sampler_clone", [llama_sampler_p], llama_sampler_p),
+    # void llama_sampler_copy(const struct llama_sampler * src, struct llama_sampler * dst);
+    ("llama_sampler_copy", [llama_sampler_p, llama_sampler_p], None),
     # void llama_sampler_free(struct llama_sampler * smpl);
     ("llama_sampler_free", [llama_sampler_p], None),
     # struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);

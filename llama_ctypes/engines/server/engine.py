@@ -29,7 +29,7 @@ from ... import telemetry
 from ...core.batch import Batch
 from ...core.context import ContextLease
 from ...core.decode_status import check_decode
-from ...core.generation import post_candidates
+from ...core.generation import in_graph_blocker, post_candidates
 from ...core.logprobs import TokenLogprob, post_sampling_logprob, token_logprob
 from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache
@@ -148,8 +148,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
                                    max_outputs=ctx.n_outputs_max,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
-                                   bind=lambda request: request.sampler.bind(
-                                       lease, candidates=post_candidates(request.params)),
+                                   bind=self._bind,
                                    n_draft=n_draft if drafter is not None else 0)
         self._check_tokens = ctx.vocab.check_tokens
         self._calls: collections.deque[_Call] = collections.deque()
@@ -164,10 +163,27 @@ class Engine:
         self.batch_tokens = 0
         self.max_batch_tokens = 0  # the largest decode so far, in tokens
         self.slot_steps = 0  # slots decoded, summed over ticks (busy slots per decode = this / ticks)
+        # Requests that asked for in-graph sampling: sampled in the graph, or not (by reason).
+        self.in_graph = 0
+        self.in_graph_fallbacks: collections.Counter[str] = collections.Counter()
         self.split = TickSplit()  # where the scheduler thread's time goes
         self.thread = threading.Thread(target=self._run, name="llama_ctypes-server", daemon=True)
 
     # ---- client side (any thread) ----------------------------------------------------------
+    def _bind(self, request: Request) -> Any:
+        """Claim a running request's sampler (on its slot's sequence, in the graph when it asks and can)."""
+        blocker = in_graph_blocker(request.params) or ("speculative" if self.drafter is not None else None)
+        binding = request.sampler.bind(self.lease, candidates=post_candidates(request.params),
+                                       seq=request.seq_id, blocker=blocker)
+        # (counted once: a request sent back to the queue is bound again when it runs)
+        if request.sampler.params.backend_sampling and request.in_graph is None:
+            request.in_graph = binding.in_graph
+            if binding.in_graph:
+                self.in_graph += 1
+            else:
+                self.in_graph_fallbacks[binding.fallback] += 1
+        return binding
+
     def submit(self, request: Request) -> None:
         self.scheduler.submit(request)
 

@@ -106,6 +106,7 @@ class Request:
     session: Any = None
     text: TextAssembler | None = None  # None: no text (token-only consumers, scheduler tests)
     binding: Any = None  # the sampler's claim while running (a SamplerBinding), released at the end
+    in_graph: bool | None = None  # backend_sampling asked: sampled in the graph or not (None: not asked)
     id: int = field(default_factory=lambda: next(_ids))
     status: Status = Status.WAITING
     arrived: float = field(default_factory=time.perf_counter)

@@ -628,6 +628,10 @@ class Server:
             "draft_acceptance": engine.scheduler.accepted / engine.scheduler.drafted
             if engine.scheduler.drafted else 0.0,
             "lora_switches": engine.scheduler.lora_switches,
+            # requests that asked for backend_sampling: sampled in the graph, and those that could not
+            # be, by reason (grammar, logprobs, speculative, a sampler the graph lacks, ...)
+            "in_graph_requests": engine.in_graph,
+            "in_graph_fallbacks": dict(engine.in_graph_fallbacks),
             # where the scheduler thread's time went, in seconds (engine.TickSplit; text and handoff
             # are parts of update)
             "tick_seconds": {**{name: getattr(engine.split, name) for name in engine.split.__slots__},

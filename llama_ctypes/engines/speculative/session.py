@@ -199,7 +199,8 @@ class _Generation:
         binding = None
         started = False
         try:
-            binding = self.sampler.bind(lease, held=True)
+            # (drafts are verified from the logits: backend_sampling falls back here, said in the debug log)
+            binding = self.sampler.bind(lease, held=True, seq=0, blocker="speculative")
             self.drafter.start()
             started = True
             if self.drafter.observes_target:

@@ -138,7 +138,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = None,
                models: Mapping[str, ModelSettings] | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                limits: RequestLimits | None = None, close_manager: bool = False,
-               slots_endpoint: bool = True, verbose: bool = False, reasoning_format: str = "auto",
+               slots_endpoint: bool = True, metrics_endpoint: bool = True, verbose: bool = False,
+               reasoning_format: str = "auto",
                enable_thinking: bool | None = True,
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
@@ -159,6 +160,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             bytes, schema sizes); beyond them, a 400 naming the limit.
         close_manager: close the manager when the app shuts down.
         slots_endpoint: serve ``/slots`` (False: 501, as llama-server's ``--no-slots``).
+        metrics_endpoint: serve ``/metrics`` (False: 501, as llama-server without ``--metrics``; the CLI's
+            default).
         verbose: generation responses carry llama-server's ``__verbose`` debug object (the rendered prompt,
             the raw output, ...) unless a request sets ``"verbose": false``.
         reasoning_format: ``"none"`` leaves a thinking model's reasoning in the content; ``"auto"``,
@@ -210,7 +213,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
     context = AppContext(router=router, metrics=Metrics(router.server_stats), api_keys=keys,
                          cors=CorsPolicy(cors_origins), api_prefix=api_prefix,
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
-                         slots_endpoint=slots_endpoint, verbose=verbose, reasoning_format=reasoning_format,
+                         slots_endpoint=slots_endpoint, metrics_endpoint=metrics_endpoint,
+                         verbose=verbose, reasoning_format=reasoning_format,
                          enable_thinking=enable_thinking,
                          spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
                          webui=page, fetch_media=url_fetcher(limits.media) if media_urls else None)

@@ -46,6 +46,7 @@ class AppContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     close_manager: bool = False
     slots_endpoint: bool = True  # /slots answers (llama-server's --slots / --no-slots)
+    metrics_endpoint: bool = True  # /metrics answers (llama-server's --metrics)
     verbose: bool = False  # responses carry ``__verbose`` unless a request says otherwise (--verbose)
     reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
     enable_thinking: bool | None = True  # for chat requests that do not set it (--reasoning off: False)

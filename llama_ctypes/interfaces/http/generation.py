@@ -51,6 +51,8 @@ def sampling_options(req: SamplingFields, max_tokens: int | None) -> dict[str, A
         opts["ignore_eos"] = req.ignore_eos
     if req.cache_prompt is not None:
         opts["cache_prompt"] = req.cache_prompt
+    if req.backend_sampling is not None:
+        opts["backend_sampling"] = req.backend_sampling
     if req.id_slot is not None:
         opts["id_slot"] = req.id_slot
     lora_option(req.lora, opts)

@@ -45,6 +45,10 @@ class _ServerCollector(Collector):
                                       labels=["model"])
         accepted = CounterMetricFamily(f"{PREFIX}_draft_tokens_accepted", "Speculative draft tokens accepted",
                                        labels=["model"])
+        in_graph = CounterMetricFamily(f"{PREFIX}_in_graph_requests", "Requests sampled inside the decode graph "
+                                       "(backend_sampling)", labels=["model"])
+        fallbacks = CounterMetricFamily(f"{PREFIX}_in_graph_fallbacks", "Requests that asked for backend_sampling "
+                                        "and sampled as usual, by reason", labels=["model", "reason"])
         tick = CounterMetricFamily(f"{PREFIX}_tick_seconds", "Scheduler thread time by part of the tick (text and "
                                    "handoff are parts of update)", labels=["model", "phase"])
         try:
@@ -62,56 +66,51 @@ class _ServerCollector(Collector):
             evaluated.add_metric([model], s["prompt_tokens_evaluated"])
             drafted.add_metric([model], s.get("draft_tokens", 0))
             accepted.add_metric([model], s.get("draft_accepted", 0))
+            in_graph.add_metric([model], s.get("in_graph_requests", 0))
+            for reason, n in s.get("in_graph_fallbacks", {}).items():
+                fallbacks.add_metric([model, reason], n)
             for phase, seconds in s.get("tick_seconds", {}).items():
                 tick.add_metric([model, phase], seconds)
-        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, tick]
+        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, in_graph, fallbacks, tick]
 
 
-class _LlamaServerCollector(Collector):
-    """llama-server's own metric names (``llamacpp:*``, its ``--metrics``), totals over the app's models,
-    so dashboards built for llama-server read this server too."""
+def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals") -> str:
+    """llama-server's own metrics (``llamacpp:*``, its ``--metrics``), totals over the app's models, so
+    dashboards built for llama-server read this server too.
 
-    def __init__(self, stats: Callable[[], Mapping[str, Mapping[str, Any]]], totals: "_Totals"):
-        self._stats = stats
-        self._totals = totals
+    Written by hand rather than through prometheus_client: llama-server names its counters as they are
+    (``llamacpp:n_tokens_max`` is a counter without ``_total``), which the 0.0.4 text format allows and
+    prometheus_client would rename.
+    """
+    def total(key: str) -> float:
+        return float(sum(s.get(key, 0) for s in stats))
 
-    def collect(self) -> Iterable[Metric]:
-        try:
-            stats = list(self._stats().values())
-        except Exception:
-            logger.exception("reading server stats for /metrics failed")
-            stats = []
-
-        def total(key: str) -> float:
-            return float(sum(s.get(key, 0) for s in stats))
-
-        t = self._totals
-        ticks = total("ticks")
-        out: list[Metric] = []
-        for name, doc, value in (
-                ("prompt_tokens", "Number of prompt tokens processed.", total("prompt_tokens_evaluated")),
-                ("prompt_tokens_cached", "Number of prompt tokens served from the cache.", total("cached_tokens")),
-                ("prompt_seconds", "Prompt process time.", t.prompt_seconds),
-                ("tokens_predicted", "Number of generation tokens processed.", total("generated_tokens")),
-                ("tokens_predicted_seconds", "Predict process time.", t.predicted_seconds),
-                ("n_decode", "Total number of llama_decode() calls.", ticks),
-                ("spec_decode_num_draft_tokens", "Draft tokens verified.", total("draft_tokens")),
-                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", total("draft_accepted")),
-                ("spec_decode_num_drafts", "Drafts verified.", total("drafts"))):
-            out.append(CounterMetricFamily(f"llamacpp:{name}", doc, value=value))
-        busy = sum(s.get("avg_busy_slots", 0.0) * s.get("ticks", 0) for s in stats) / ticks if ticks else 0.0
-        for name, doc, value in (
-                ("n_tokens_max", "Largest observed n_tokens.", max((s.get("max_batch_tokens", 0) for s in stats),
-                                                                   default=0)),
-                ("prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                 t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
-                ("predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                 t.predicted_steps / t.predicted_seconds if t.predicted_seconds else 0.0),
-                ("requests_processing", "Number of requests processing.", total("active_slots")),
-                ("requests_deferred", "Number of requests deferred.", total("queue_length")),
-                ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy)):
-            out.append(GaugeMetricFamily(f"llamacpp:{name}", doc, value=value))
-        return out
+    ticks = total("ticks")
+    busy = sum(s.get("avg_busy_slots", 0.0) * s.get("ticks", 0) for s in stats) / ticks if ticks else 0.0
+    rows = (
+        ("counter", "prompt_tokens_total", "Number of prompt tokens processed.", total("prompt_tokens_evaluated")),
+        ("counter", "prompt_tokens_cached_total", "Number of prompt tokens served from the cache.",
+         total("cached_tokens")),
+        ("counter", "prompt_seconds_total", "Prompt process time.", t.prompt_seconds),
+        ("counter", "tokens_predicted_total", "Number of generation tokens processed.", total("generated_tokens")),
+        ("counter", "tokens_predicted_seconds_total", "Predict process time.", t.predicted_seconds),
+        ("counter", "n_decode_total", "Total number of llama_decode() calls.", ticks),
+        # (a largest value never decreases, so llama-server counts it)
+        ("counter", "n_tokens_max", "Largest observed n_tokens.",
+         float(max((s.get("max_batch_tokens", 0) for s in stats), default=0))),
+        ("counter", "spec_decode_num_draft_tokens_total", "Draft tokens verified.", total("draft_tokens")),
+        ("counter", "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", total("draft_accepted")),
+        ("counter", "spec_decode_num_drafts_total", "Drafts verified.", total("drafts")),
+        ("gauge", "prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+         t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+        ("gauge", "predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+         t.predicted_steps / t.predicted_seconds if t.predicted_seconds else 0.0),
+        ("gauge", "requests_processing", "Number of requests processing.", total("active_slots")),
+        ("gauge", "requests_deferred", "Number of requests deferred.", total("queue_length")),
+        ("gauge", "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy),
+    )
+    return "".join(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value!r}\n"
+                   for kind, name, doc, value in rows)
 
 
 class _Totals:
@@ -142,8 +141,8 @@ class Metrics:
                                       "Generation speed of a request after its first token", ["model"],
                                       buckets=_TPS_BUCKETS, registry=r)
         r.register(_ServerCollector(server_stats))
+        self._server_stats = server_stats
         self.totals = _Totals()
-        r.register(_LlamaServerCollector(server_stats, self.totals))
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -164,4 +163,10 @@ class Metrics:
                 self.tokens_per_s.labels(model).observe(timings.tokens_per_s)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The text format (0.0.4): this app's metrics, then llama-server's ``llamacpp:*`` block."""
+        try:
+            stats = list(self._server_stats().values())
+        except Exception:  # a scrape must not fail because a model is going away
+            logger.exception("reading server stats for /metrics failed")
+            stats = []
+        return generate_latest(self.registry) + _llama_server_block(stats, self.totals).encode()

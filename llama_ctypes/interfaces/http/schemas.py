@@ -160,6 +160,7 @@ class SamplingFields(_Body):
     grammar: str | None = None  # GBNF the output must follow
     json_schema: dict[str, Any] | None = None  # a JSON Schema the output must follow
     cache_prompt: bool | None = None  # keep the slot's KV for a later request with the same prefix
+    backend_sampling: bool | None = None  # sample inside the decode graph (default: serve --backend-sampling)
     timings_per_token: bool = False  # every streamed chunk carries ``timings``
     verbose: bool | None = None  # the response carries ``__verbose`` (default: ``serve --verbose``)
     id_slot: int | None = None  # the slot to run in (-1: any), as llama-server
@@ -336,6 +337,7 @@ class NativeCompletionRequest(_Body):
     n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
     post_sampling_probs: bool = False
     cache_prompt: bool | None = None
+    backend_sampling: bool | None = None
     return_tokens: bool = False
     logit_bias: list[Any] | dict[str, Any] | None = None
     ignore_eos: bool | None = None

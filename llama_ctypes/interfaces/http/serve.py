@@ -46,7 +46,8 @@ _CLI_LOAD_OPTIONS = {"n_parallel": "n_parallel", "ctx_size": _TOTAL_CTX, "batch_
                      "ubatch_size": "n_ubatch", "cache_type_k": "type_k", "cache_type_v": "type_v",
                      "n_gpu_layers": "n_gpu_layers", "threads": "n_threads", "flash_attn": "flash_attn",
                      "max_queue": "max_queue", "max_tokens": "max_tokens",
-                     "temp": "temp", "seed": "seed", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+                     "temp": "temp", "seed": "seed", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                     "backend_sampling": "backend_sampling"}
 # llama-server's spellings of flash_attn values
 _FLASH_ATTN = {"on": "enabled", "off": "disabled"}
 _DIRECT_OPTIONS = ("n_gpu_layers", "n_threads", "n_threads_batch")
@@ -543,6 +544,7 @@ def run(args: argparse.Namespace) -> int:
             logger.warning("no model given: serving with none loaded (llama-server's router mode)")
         app = create_app(manager, api_key=api_key, models=settings, max_body_bytes=int(args.max_body_mb * 2**20),
                          limits=limits, close_manager=True, slots_endpoint=getattr(args, "slots", True),
+                         metrics_endpoint=getattr(args, "metrics", False),
                          verbose=verbose, reasoning_format=getattr(args, "reasoning_format", "auto"),
                          enable_thinking=getattr(args, "reasoning", "auto") != "off",
                          spm_infill=getattr(args, "spm_infill", False),

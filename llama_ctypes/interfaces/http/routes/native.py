@@ -167,7 +167,7 @@ def _options(body: NativeCompletionRequest, vocab: Any, limits: Any) -> dict[str
     for field, name in (("temperature", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
                         ("repeat_penalty", "penalty_repeat"), ("presence_penalty", "penalty_present"),
                         ("frequency_penalty", "penalty_freq"), ("ignore_eos", "ignore_eos"),
-                        ("cache_prompt", "cache_prompt")):
+                        ("cache_prompt", "cache_prompt"), ("backend_sampling", "backend_sampling")):
         value = getattr(body, field)
         if value is not None:
             opts[name] = value

@@ -105,6 +105,9 @@ async def health(request: Request, app: AppContext) -> Response:
 
 @endpoint
 async def metrics(request: Request, app: AppContext) -> Response:
+    """Prometheus text; 501 unless enabled (``serve --metrics``), as llama-server."""
+    if not app.metrics_endpoint:
+        raise NotSupported("this server does not support metrics endpoint (start it with --metrics)")
     text = await anyio.to_thread.run_sync(app.metrics.render)
     # (llama-server's header: when the counters started, for rates across restarts)
     return Response(text, media_type=CONTENT_TYPE, headers={"Process-Start-Time-Unix": str(app.started)})
@@ -154,7 +157,8 @@ _PARAM_NAMES = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_
                 "penalty_repeat": "repeat_penalty", "penalty_last_n": "repeat_last_n",
                 "penalty_freq": "frequency_penalty", "penalty_present": "presence_penalty",
                 "dry_multiplier": "dry_multiplier", "mirostat": "mirostat", "seed": "seed",
-                "max_tokens": "n_predict", "stop": "stop", "ignore_eos": "ignore_eos", "cache_prompt": "cache_prompt"}
+                "max_tokens": "n_predict", "stop": "stop", "ignore_eos": "ignore_eos", "cache_prompt": "cache_prompt",
+                "backend_sampling": "backend_sampling"}
 #: llama-server's "default seed" (a random one per request)
 _RANDOM_SEED = 0xFFFFFFFF
 
@@ -202,7 +206,7 @@ def _props(app: AppContext, model_id: str, model: Any, server: Any) -> dict[str,
         "model_path": str(model.path),
         "modalities": {"vision": "vision" in model.modalities, "video": False, "audio": "audio" in model.modalities},
         "media_marker": MEDIA_MARKER,
-        "endpoint_slots": app.slots_endpoint, "endpoint_props": False, "endpoint_metrics": True,
+        "endpoint_slots": app.slots_endpoint, "endpoint_props": False, "endpoint_metrics": app.metrics_endpoint,
         "ui": False,
         "chat_template": template or model.chat_template or "",
         "bos_token": vocab.token_bytes(vocab.bos, True).decode("utf-8", "replace") if vocab.bos is not None else "",
