@@ -10,7 +10,9 @@ threads) and prints the ratios. Decode is measured the way llama-bench does it:
 N_GEN single-token decodes from an empty context; ours also samples (greedy)
 and detokenizes every token, which llama-bench does not. The two are
 alternated (--rounds) and medians reported, since one run on a shared machine
-is noisy.
+is noisy. The Python time per token is printed twice: between real decodes, and
+with the decode skipped (warm caches; the difference is the cache refill after
+each CPU decode, which a GPU decode does not cause).
 """
 
 from __future__ import annotations
@@ -44,6 +46,31 @@ def find_llama_bench() -> Path | None:
 
 def bench_ours(model: lc.Model, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
     return measure(model, n_prompt, n_gen, reps, threads)
+
+
+def warm_python_us(model: lc.Model, threads: int, n_gen: int = 2000, reps: int = 5) -> float:
+    """Python µs per token of the same loop (sampler, text, bookkeeping) with ``llama_decode`` skipped.
+
+    Each step only records its token, so the logits row stays the prompt's and the caches stay warm.
+    Against the figure measured with real decodes, it shows how much of that is the refill of the
+    CPU caches that each decode evicts (a CPU-only cost: a GPU decode leaves the host caches alone).
+    """
+    from llama_ctypes.core.context import Context, ContextLease
+    from llama_ctypes.core.sampler import Sampler
+
+    real = ContextLease.append_fn
+    ContextLease.append_fn = lambda lease: lease.ctx._record.appended  # (bench only: no decode)
+    ctx = Context.create(model, n_ctx=n_gen + 16, n_threads=threads)
+    try:
+        figures = []
+        for _ in range(reps):
+            ctx.clear()
+            with Sampler.create(model, temp=0) as smp:
+                figures.append(ctx.generate(smp, [1], max_tokens=n_gen, ignore_eos=True).timings.python_us_per_token)
+        return statistics.median(figures)
+    finally:
+        ContextLease.append_fn = real
+        ctx.close()
 
 
 def bench_llama_cpp(exe: Path, model_path: Path, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
@@ -95,6 +122,7 @@ def main() -> int:
     print(f"{'TTFT (1-token prompt), ms':<34}{ours['ttft_ms']:>14.2f}")
     print(f"{'outside llama_decode per token, us':<34}{ours['outside_decode_us']:>14.1f}")
     print(f"{'  of which Python (not sampling), us':<34}{ours['python_us_per_token']:>14.1f}")
+    print(f"{'  the same, llama_decode skipped, us':<34}{warm_python_us(model, args.threads):>14.1f}")
     if not exe:
         print("(llama-bench not found: build it with LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py)")
     model.close()

@@ -15,6 +15,7 @@ from ._version import __version__
 from .core.backend import Device, LoadedBackend, VersionInfo, devices, init, loaded_backends, system_info, version_info
 from .core.batch import Batch
 from .core.context import Context, ContextLease
+from .core.budget import ReasoningBudget
 from .core.generation import Completion, GenerationParams, TextStream, Timings
 from .core.logprobs import TokenLogprob
 from .core.control_vector import ControlVector, load_control_vector
@@ -106,7 +107,7 @@ __all__ = [
     "Model", "load_model", "LoraAdapter", "ControlVector", "load_control_vector", "estimate_memory", "MemoryUsage", "DeviceMemory", "ModelParams", "Context", "ContextLease", "ContextParams", "Batch", "Vocab",
     "Sampler", "SamplingParams", "Tokenizer", "StreamDecoder",
     # generation
-    "generate", "stream", "GenerationParams", "Completion", "TextStream", "Timings", "TokenLogprob",
+    "generate", "stream", "GenerationParams", "ReasoningBudget", "Completion", "TextStream", "Timings", "TokenLogprob",
     "GenerationTarget", "LocalTarget",
     # images and audio
     "MEDIA_MARKER", "MediaLimits", "MediaPrompt", "Projector", "ProjectorParams",

@@ -207,6 +207,132 @@ def test_pooling_none_is_refused_in_openais_shape_only(tmp_path, tiny_model_path
         proc.stop()
 
 
+def test_embedding_inputs_count_as_prompts_in_the_metrics(tmp_path, tiny_model_path):
+    """An embedding request samples nothing, but its inputs are prompt tokens and cost decodes:
+    llamacpp:prompt_tokens_total and n_decode_total count them, as llama-server's test_metrics asks."""
+    proc = ServeProcess([str(tiny_model_path), "--embedding"], tmp_path / "serve.log")
+
+    def sample(text: str, name: str) -> float:
+        return float(re.search(rf"^llamacpp:{name} (\S+)$", text, re.M).group(1))
+
+    try:
+        proc.wait_ready()
+        before = httpx.get(f"{proc.base_url}/metrics").text
+        assert sample(before, "prompt_tokens_total") == sample(before, "n_decode_total") == 0
+        r = httpx.post(f"{proc.base_url}/v1/embeddings", json={"input": ["hello world", "goodbye world"]})
+        assert r.status_code == 200, r.text
+        after = httpx.get(f"{proc.base_url}/metrics").text
+        assert sample(after, "prompt_tokens_total") == r.json()["usage"]["prompt_tokens"] > 0
+        assert sample(after, "n_decode_total") == 1  # (two short texts share one decode)
+        assert sample(after, "tokens_predicted_total") == 0
+    finally:
+        proc.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^llamacpp:{name} (\S+)$", text, re.M).group(1))
+
+
+def test_sleep_idle_seconds_frees_the_model_and_the_next_request_loads_it(tmp_path, tiny_model_path):
+    """``--sleep-idle-seconds``, as llama-server: after that long without work the model is freed; /health,
+    /props, /models and /metrics answer without waking it (the counters as they were, the throughput
+    gauges over the window since the last scrape); the next generation or token count loads it again,
+    and the counters go on from where they were."""
+    proc = ServeProcess([str(tiny_model_path), "--sleep-idle-seconds", "1", "--alias", "tiny"],
+                        tmp_path / "serve.log")
+
+    def sleeping() -> bool:
+        return httpx.get(f"{proc.base_url}/props").json()["is_sleeping"]
+
+    def wait_asleep() -> None:
+        deadline = time.monotonic() + 15
+        while not sleeping():
+            assert time.monotonic() < deadline, "the server did not go to sleep"
+            time.sleep(0.1)
+
+    try:
+        proc.wait_ready()
+        assert not sleeping()
+        request = {"prompt": "Hello", "n_predict": 8, "ignore_eos": True, "return_tokens": True, "temperature": 0}
+        first = httpx.post(f"{proc.base_url}/completion", json=request, timeout=60).json()
+        wait_asleep()
+        # (/props says so as the model starts being freed; the log line comes once it is)
+        assert wait_for(lambda: "entering sleeping state" in proc.log(), 15)
+        props = httpx.get(f"{proc.base_url}/props").json()
+        assert props["model_alias"] == "tiny" and props["total_slots"] >= 1
+        assert httpx.get(f"{proc.base_url}/health").status_code == 200
+        listed = httpx.get(f"{proc.base_url}/v1/models").json()["data"]
+        assert [m["id"] for m in listed] == ["tiny"]
+        scrape = httpx.get(f"{proc.base_url}/metrics").text
+        assert _metric(scrape, "tokens_predicted_total") == 8 and _metric(scrape, "predicted_tokens_seconds") > 0
+        again = httpx.get(f"{proc.base_url}/metrics").text  # (a new window: nothing ran)
+        assert _metric(again, "predicted_tokens_seconds") == 0 and _metric(again, "tokens_predicted_total") == 8
+        assert httpx.get(f"{proc.base_url}/favicon.ico").status_code == 404  # (not an API path: not work)
+        assert sleeping()  # none of these woke it
+        # a token count is work: it wakes the model
+        r = httpx.post(f"{proc.base_url}/v1/messages/count_tokens",
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "Hello world"}]})
+        assert r.status_code == 200 and r.json()["input_tokens"] > 0
+        assert not sleeping() and "exiting sleeping state" in proc.log()
+        wait_asleep()
+        # so is a generation; the model loaded again gives what it gave before the sleep (greedy)
+        second = httpx.post(f"{proc.base_url}/completion", json=request, timeout=60).json()
+        assert not sleeping()
+        # (both ran cold on the same machine, in the same batch shapes: the same tokens)
+        assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 8
+        after = httpx.get(f"{proc.base_url}/metrics").text
+        assert _metric(after, "tokens_predicted_total") == 16  # (the 8 from before the sleep carried over)
+        assert _metric(after, "n_decode_total") >= 16
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log()
+
+
+def test_sleep_in_router_mode_loads_what_requests_name(tmp_path, tiny_model_path):
+    """With several models (``--models-dir``), a sleep frees every loaded one; a request then loads only the
+    model it names, ``/models/load`` works while asleep (and ends the sleep), and a model that cannot be
+    loaded again fails alone."""
+    import shutil
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("a", "b"):
+        shutil.copy(tiny_model_path, folder / f"{name}.gguf")
+    proc = ServeProcess(["--models-dir", str(folder), "--sleep-idle-seconds", "1"], tmp_path / "serve.log")
+
+    def status() -> dict[str, str]:
+        return {m["id"]: m["status"]["value"] for m in httpx.get(f"{proc.base_url}/models").json()["data"]}
+
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(f"{proc.base_url}/completion", timeout=60,
+                          json={"model": model, "prompt": "Hi", "n_predict": 2, "temperature": 0})
+
+    try:
+        proc.wait_ready()
+        assert complete("a").status_code == 200 and complete("b").status_code == 200
+        assert wait_for(lambda: status() == {"a": "unloaded", "b": "unloaded"}, 15)
+        assert wait_for(lambda: "entering sleeping state" in proc.log(), 15)
+        assert complete("b").status_code == 200
+        assert status() == {"a": "unloaded", "b": "loaded"}  # (only what the request named)
+        assert wait_for(lambda: status()["b"] == "unloaded", 15)  # asleep again
+        r = httpx.post(f"{proc.base_url}/models/load", json={"model": "a"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert wait_for(lambda: status()["a"] == "loaded", 30)
+        assert wait_for(lambda: status()["a"] == "unloaded", 15)  # (awake again: the timer ran, asleep again)
+        (folder / "a.gguf").write_bytes(b"GGUF broken")  # a cannot be loaded any more; b still can
+        assert complete("a").status_code == 503
+        assert complete("b").status_code == 200
+    finally:
+        proc.stop()
+
+
+def test_sleep_idle_seconds_is_checked(tmp_path, tiny_model_path):
+    proc = ServeProcess([str(tiny_model_path), "--sleep-idle-seconds", "0"], tmp_path / "serve.log")
+    assert proc.proc.wait(60) != 0
+    assert "--sleep-idle-seconds 0" in proc.log()
+    proc.stop()
+
+
 def test_a_prompt_over_the_slot_is_refused_in_both_shapes(server):
     r = httpx.post(f"{server.base_url}/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "What is the best book? " * 400}]})

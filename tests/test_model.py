@@ -74,6 +74,23 @@ def test_stream_decoder_emits_split_characters_once_whole(tiny_model):
         assert sum(p.count(ch) for p in pieces) == 1
 
 
+def test_stream_decoder_matches_an_incremental_utf8_decoder(tiny_model):
+    """Piece by piece, the decoder's fast path (a whole-character piece decoded at once) gives what an
+    incremental UTF-8 decoder gives: split characters, stray and invalid bytes included."""
+    import codecs
+    import random
+
+    rng = random.Random(5)
+    byte_tokens = list(range(3, 259))  # SPM's <0x00>..<0xFF>
+    for _ in range(20):
+        ids = [rng.choice(byte_tokens) if rng.random() < 0.6 else rng.randrange(259, tiny_model.n_vocab)
+               for _ in range(60)]
+        decoder, ref = lc.StreamDecoder(tiny_model), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for t in ids:
+            assert decoder.push(t) == ref.decode(lc.Tokenizer.token_bytes(tiny_model, t))
+        assert decoder.flush() == ref.decode(b"", final=True)
+
+
 def test_decode_rejects_out_of_range_tokens(tiny_model):
     with pytest.raises(lc.TokenizationError):
         lc.Tokenizer.decode(tiny_model, [1, 99999999])

@@ -157,6 +157,29 @@ def test_asyncio_requests_do_not_block_the_loop(server, tiny_model):
     assert max(gaps) < 0.25  # the loop kept running while 32 requests were served
 
 
+def test_a_tick_hands_its_pieces_to_the_event_loop_at_once(server):
+    """The pieces of one tick reach an event loop in one hand-off (one wake-up of its thread), not one
+    per stream: 4 streams x 24 tokens arrive whole, in order, with far fewer wake-ups than pieces."""
+    from llama_ctypes.engines.server.request import _mailbox
+
+    async def main():
+        box = _mailbox(asyncio.get_running_loop())
+        before = box.wakeups
+        streams = [server.asubmit(f"hand-off {i}", max_tokens=24, temp=0, ignore_eos=True) for i in range(4)]
+        texts = []
+        for st in streams:
+            texts.append([p async for p in st])
+        return streams, texts, box.wakeups - before
+
+    streams, texts, wakeups = asyncio.run(main())
+    for st, pieces in zip(streams, texts):
+        assert len(st.tokens) == 24 and "".join(pieces) == st.text
+        spelled = b"".join(lc.Tokenizer.token_bytes(server.model, t) for t in st.tokens)
+        assert st.text == spelled.decode("utf-8", errors="replace")  # nothing lost, nothing reordered
+    items = sum(len(p) for p in texts) + len(streams)  # the pieces and each stream's end
+    assert items >= 4 * 20 and wakeups <= items // 2, (wakeups, items)
+
+
 def test_cancelling_an_asyncio_task_frees_its_slot(server):
     async def main():
         task = asyncio.create_task(server.agenerate("long", max_tokens=5000, temp=0, ignore_eos=True))
@@ -168,6 +191,39 @@ def test_cancelling_an_asyncio_task_frees_its_slot(server):
     asyncio.run(main())
     wait_idle(server)
     assert server.kv_positions() == [-1] * 4
+
+
+def test_greedy_rows_of_a_tick_take_one_argmax(tiny_model):
+    """A tick whose rows are mostly plain greedy takes their tokens from one argmax over the logits
+    block (the very memory of each row's own view); the sampled request of the tick samples alone."""
+    srv = lc.Server(model=tiny_model, n_parallel=4, n_ctx=512, n_threads=1)
+    engine = srv._engine
+    blocks, view = [], engine.lease.logits_view_fn()
+    rows_view = engine._logits_rows
+
+    def checked(rows):
+        block = rows_view(rows)
+        if block is not None:
+            for k, row in enumerate(rows):  # (the same memory as each row's own view)
+                assert block[k].ctypes.data == view(row).ctypes.data
+            if len(rows) >= 3:  # a row left out: not one block
+                assert rows_view([rows[0], rows[-1]]) is None
+            blocks.append(len(rows))
+        return block
+
+    engine._logits_rows = checked
+    try:
+        opts = dict(max_tokens=24, ignore_eos=True)
+        streams = [srv.stream(f"greedy {i}", temp=0, **opts) for i in range(3)]
+        streams.append(srv.stream("sampled", temp=0.8, seed=7, **opts))
+        done = [st.completion() for st in streams]
+    finally:
+        srv.close()
+    assert blocks and max(blocks) == 4  # the three greedy rows and the sampled one, in one block
+    assert all(len(c.tokens) == 24 for c in done)
+    for i in range(3):
+        ref = lc.generate(tiny_model, f"greedy {i}", temp=0, logprobs=2, n_ctx=512, **opts)
+        assert_greedy_equivalent(done[i], ref)
 
 
 def test_sixteen_threads_share_one_server(server, tiny_model):

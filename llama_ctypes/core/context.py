@@ -650,6 +650,34 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling):
 
         return view
 
+    def logits_rows_fn(self) -> Callable[[Sequence[int]], "np.ndarray | None"]:
+        """``rows -> (len(rows), n_vocab) float32 view`` of the logits of batch rows ``rows`` (ascending,
+        every row of the last batch with logits between the first and the last), for one numpy operation
+        over them all; None when they are not stored as one block (rows sampled inside the graph, or
+        rows missing from the list). A view is valid until the next decode.
+        """
+        self._check()
+        n_vocab = self.ctx.n_vocab
+        stride = n_vocab * ctypes.sizeof(ctypes.c_float)
+        logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+            ctypes.cast(self._lib.llama_get_logits_ith, ctypes.c_void_p).value)
+        ctx_addr = ctypes.cast(self._ptr, ctypes.c_void_p).value
+
+        def rows_view(rows: Sequence[int]) -> np.ndarray | None:
+            if not self._held:
+                raise ClosedError("this ContextLease was released")
+            if self._graph_used or not rows:
+                return None
+            # (reading a row puts llama.cpp's outputs back in batch order: output k is the k-th row with
+            # logits, so the first and the last address bound a packed block exactly when no row is missing)
+            first, last = logits_addr(ctx_addr, rows[0]), logits_addr(ctx_addr, rows[-1])
+            if not first or not last or last - first != (len(rows) - 1) * stride:
+                return None
+            return np.ctypeslib.as_array((ctypes.c_float * (n_vocab * len(rows))).from_address(first)) \
+                .reshape(len(rows), n_vocab)
+
+        return rows_view
+
     def sample_fn(self, chain) -> Callable[[int], int]:
         """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context.
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Sequence
 
 from ..errors import ArgumentTypeError, CancelledError, InvalidArgumentError
+from .budget import ReasoningBudget
 from .control_vector import ControlVector
 from .handle import Closeable
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, post_sampling_logprob, token_logprob
@@ -74,6 +75,9 @@ class GenerationParams:
     control_vector: Any = None
     """A :class:`~llama_ctypes.ControlVector` for this generation (``lc.load_control_vector``). None: the
     context keeps the one it applies (the one-call API then applies none; a Server applies its own)."""
+    reasoning_budget: ReasoningBudget | None = None
+    """At most that many tokens inside a thinking model's reasoning block, then its end is forced
+    (:class:`~llama_ctypes.core.budget.ReasoningBudget`; chat builds it from ``reasoning_budget=N``)."""
 
     def __post_init__(self) -> None:
         for name in ("ignore_eos", "add_special", "parse_special", "special", "cache_prompt", "post_sampling"):
@@ -88,6 +92,9 @@ class GenerationParams:
         for s in stop:
             encode_text(s)  # a lone surrogate can never appear in generated (UTF-8) text
         object.__setattr__(self, "stop", stop)
+        if self.reasoning_budget is not None and not isinstance(self.reasoning_budget, ReasoningBudget):
+            raise ArgumentTypeError(f"reasoning_budget={self.reasoning_budget!r}: expected a ReasoningBudget or None "
+                                    "(chat takes a number of tokens)")
         if self.control_vector is not None and not isinstance(self.control_vector, ControlVector):
             raise ArgumentTypeError(f"control_vector={self.control_vector!r}: expected a ControlVector "
                                     "(lc.load_control_vector) or None")
@@ -248,6 +255,7 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
         if run.logprobs is None:
             run.logprobs = []
     entries = run.logprobs
+    budget = params.reasoning_budget.start() if params.reasoning_budget is not None else None
     clock = time.perf_counter
     decode_s = sample_s = 0.0
     t_first = None
@@ -255,6 +263,8 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
         while True:
             ts = clock()
             tok = sample(-1)
+            if budget is not None:
+                tok = budget.next(tok)
             te = clock()
             sample_s += te - ts
             if t_first is None:
@@ -471,8 +481,14 @@ class GenerationResults:
 
     def completion(self) -> Completion:
         """Run to the end (if not done) and return the :class:`Completion`."""
-        for _ in self:  # through __next__: a close() from another thread then cancels this loop
-            pass
+        lock = getattr(self, "_iter_lock", None)
+        if lock is None:
+            for _ in self:
+                pass
+        else:
+            with lock:  # (once, not per token: a close() from another thread cancels, then waits for this)
+                for _ in self._gen:  # type: ignore[attr-defined]
+                    pass
         g = self._g
         if g.run.finish_reason is None:
             # closed (from another thread, between two steps) before its end: not a finished run

@@ -331,6 +331,10 @@ class SamplerBinding:
             sampler._end_exclusive()
             raise
         self._held = True
+        #: ``sample`` is a bare argmax of the row's logits: a runner may take it from one numpy
+        #: operation over many rows instead (``ContextLease.logits_rows_fn``).
+        self.argmax = not self.in_graph and not candidates and sampler._grammar is None \
+            and sampler.params.plain_greedy
 
         def sample(idx: int) -> int:
             if not self._held:
@@ -452,8 +456,10 @@ class Sampler(NativeHandle):
             if p.logit_bias:
                 bad = [t for t in p.logit_bias if t >= n_vocab]
                 if bad:
-                    raise InvalidArgumentError(f"logit_bias token ids {bad} are outside the vocabulary (size {n_vocab})")
-                arr = (L.llama_logit_bias * len(p.logit_bias))(*[L.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
+                    raise InvalidArgumentError(f"logit_bias token ids {bad} are outside the vocabulary "
+                                               f"(size {n_vocab})")
+                arr = (L.llama_logit_bias * len(p.logit_bias))(
+                    *[L.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
                 add(lib.llama_sampler_init_logit_bias(n_vocab, len(arr), arr), "logit_bias")
             if p.penalty_last_n != 0 and (p.penalty_repeat != 1.0 or p.penalty_freq != 0 or p.penalty_present != 0):
                 add(lib.llama_sampler_init_penalties(n_vocab, penalty_last_n, p.penalty_repeat, p.penalty_freq,

@@ -131,6 +131,11 @@ class StreamDecoder:
         data = self._pieces.get(token)
         if data is None:
             data = self._token_bytes(token, self._special)
+        if not self._utf8.buffer:  # (most pieces are whole characters: one C call, no decoder state)
+            try:
+                return data.decode()
+            except UnicodeDecodeError:
+                pass
         return self._utf8.decode(data)
 
     def flush(self) -> str:

@@ -204,6 +204,12 @@ def to_openai(body: Mapping[str, Any], *, count_only: bool = False) -> dict[str,
         kwargs = dict(body.get("chat_template_kwargs") or {})
         kwargs.setdefault("enable_thinking", thinking["type"] == "enabled")
         out["chat_template_kwargs"] = kwargs
+        if thinking["type"] == "enabled":  # (llama-server's default budget when none is given)
+            budget = thinking.get("budget_tokens", 10000)
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise RequestError("thinking.budget_tokens: expected a number of tokens",
+                                   param="thinking.budget_tokens")
+            out["thinking_budget_tokens"] = budget
     output = body.get("output_config")
     if isinstance(output, Mapping):
         fmt = output.get("format")

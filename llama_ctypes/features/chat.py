@@ -11,21 +11,21 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
-from ..errors import ArgumentTypeError, InvalidArgumentError, MediaError
 from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings
 from ..core.logprobs import TokenLogprob
 from ..core.media import MediaData, MediaLimits
-from ..core.projector import MediaPrompt
 from ..core.model import Model
-from ..core.target import GenerationTarget, as_target
 from ..core.params import ContextParams, split_options
+from ..core.projector import MediaPrompt
 from ..core.sampler import SamplingParams
+from ..core.target import GenerationTarget, as_target
 from ..core.tokenizer import Tokenizer
+from ..errors import ArgumentTypeError, InvalidArgumentError, MediaError
 from ..native import llama_h as L
-from .openai.shapes import CompletionUsage, usage
 from .chat_media import has_media, split_media
 from .chat_template import ChatTemplate, ChatTemplateError, check_template_kwargs
-from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+from .openai.shapes import CompletionUsage, usage
+from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning, reasoning_budget
 from .structured import constrain_to, parse_completion
 
 Message = Mapping[str, Any]
@@ -384,7 +384,8 @@ def stream_chat(model: Model | GenerationTarget, messages: Sequence[Message], **
 
     Options: :class:`ChatParams` (chat_template, system, tools, enable_thinking,
     template_kwargs, ...) plus everything :func:`llama_ctypes.stream` (or the
-    server's ``stream``) takes.
+    server's ``stream``) takes. ``reasoning_budget=N`` (tokens; -1: no limit) forces the end of a
+    thinking model's reasoning block after N tokens, after ``reasoning_budget_message`` when given.
     """
     target = as_target(model)
     model = target.model
@@ -399,6 +400,14 @@ def stream_chat(model: Model | GenerationTarget, messages: Sequence[Message], **
     splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
     if formats:
         rest.setdefault("special", True)  # reasoning markers are often special tokens
+    if isinstance(rest.get("reasoning_budget"), int) and not isinstance(rest["reasoning_budget"], bool):
+        n = rest.pop("reasoning_budget")
+        if n < -1:
+            raise InvalidArgumentError(f"reasoning_budget={n!r}: expected -1 (no limit), 0 or a number of tokens")
+        message = rest.pop("reasoning_budget_message", "")
+        if n >= 0:
+            rest["reasoning_budget"] = reasoning_budget(model.vocab, formats_for_template(template.source), text, n,
+                                                        message)
     tokens = media_prompt_tokens(model, text, media, media_limits) if media else prompt_tokens(model, text)
     return ChatStream(target.stream_tokens(tokens, session=session, **rest), splitter)
 

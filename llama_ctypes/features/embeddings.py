@@ -9,6 +9,7 @@ unless overridden; a decoder model without one (e.g. Gemma) is mean-pooled.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Mapping, Sequence, overload
 
 import numpy as np
@@ -39,6 +40,16 @@ class EmbeddingError(LlamaError, ValueError):
     """The model or the options cannot produce the requested embeddings."""
 
 
+@dataclass
+class EmbedUsage:
+    """What embedding calls cost, summed over the calls it is passed to (``usage=``): for metrics."""
+
+    tokens: int = 0
+    """Tokens evaluated (the texts' own, not the alignment padding)."""
+    decodes: int = 0
+    """Forward passes (``llama_decode`` or ``llama_encode`` calls)."""
+
+
 def declared_pooling(model: Model, kv_overrides: Mapping[str, Any] | None = None) -> AppliedPooling | None:
     """The pooling a model declares (metadata, or a ``kv_overrides`` entry), None when it declares none."""
     key = f"{model.architecture}.pooling_type"
@@ -64,9 +75,11 @@ def _max_tokens_per_text(model: Model, n_batch: int) -> int:
 class _Embedder:
     """One embedding context (pooling, batch size) and the packing loop over it."""
 
-    def __init__(self, model: Model, pooling: AppliedPooling, n_batch: int, ctx_opts: dict[str, Any]):
+    def __init__(self, model: Model, pooling: AppliedPooling, n_batch: int, ctx_opts: dict[str, Any],
+                 usage: EmbedUsage | None = None):
         self.model = model
         self.pooling = pooling
+        self.usage = usage
         self.n_seq = MAX_SEQUENCES // 2  # texts per decode; text j's padding is sequence n_seq + j
         # A multiple of n_seq_max (llama.cpp reserves its graph for a multiple of n_seq_max tokens,
         # and mean pooling aborts otherwise) and so of ROW_ALIGN: an aligned n_batch-token text fits.
@@ -105,7 +118,7 @@ class _Embedder:
             ids = token_lists[i]
             size = -(-len(ids) // ROW_ALIGN) * ROW_ALIGN
             if pending and (len(pending) == self.n_seq or batch.n_tokens + size > self.capacity):
-                self._decode(lease, batch)
+                self._decode(lease, batch, sum(len(token_lists[j]) for j, _ in pending))
                 self._collect(lease, pending, token_lists, results, actual, n_out)
                 batch.clear()
                 pending = []
@@ -117,16 +130,19 @@ class _Embedder:
                 batch.add_sequence([ids[0]] * pad, 0, self.n_seq + seq, output_last=False)
             batch.logits[pending[-1][1]:batch.n_tokens] = 1
         if pending:
-            self._decode(lease, batch)
+            self._decode(lease, batch, sum(len(token_lists[j]) for j, _ in pending))
             self._collect(lease, pending, token_lists, results, actual, n_out)
         return results  # type: ignore[return-value]
 
-    def _decode(self, lease: ContextLease, batch: Batch) -> None:
+    def _decode(self, lease: ContextLease, batch: Batch, n_tokens: int) -> None:
         if self.encoder_only:
             lease.encode(batch)
         else:
             lease.clear()
             lease.decode(batch)
+        if self.usage is not None:
+            self.usage.tokens += n_tokens
+            self.usage.decodes += 1
 
     def _collect(self, lease: ContextLease, pending, token_lists, results, pooling, n_out) -> None:
         for seq, (i, row) in enumerate(pending):
@@ -193,7 +209,7 @@ def embed(model: Model, texts: Sequence[str], **opts: Any) -> np.ndarray | list[
 
 
 def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, pooling: AppliedPooling | None = None,
-          truncate: bool = True, n_batch: int = 2048, **ctx_opts: Any):
+          truncate: bool = True, n_batch: int = 2048, usage: EmbedUsage | None = None, **ctx_opts: Any):
     """Embed one text (→ 1-D float32 array of ``model.n_embd_out``) or a list (→ 2-D array, one row per text).
 
     ``pooling`` overrides the model's (none/mean/cls/last/rank); with ``"none"``
@@ -203,7 +219,7 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
     :class:`ContextOverflowError`. Other options are :class:`ContextParams`
     fields (n_threads, type_k, ...). A list of any length is tokenized and packed
     a run of texts at a time (:data:`CHUNK_CHARS`), so memory beyond the output
-    stays bounded.
+    stays bounded. ``usage``: an :class:`EmbedUsage` this call's tokens and decodes are added to.
     """
     single = isinstance(texts, str)
     items = [texts] if single else list(texts)
@@ -215,7 +231,7 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
     for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"):
         if reserved in ctx_opts:
             raise ArgumentTypeError(f"embed sets {reserved} itself")
-    embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts)
+    embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts, usage)
     vectors: list[np.ndarray] = []
     for chunk in _chunks(items, lambda t: len(t) if isinstance(t, str) else 0):
         vectors += embedder.run(_tokenize_all(model, chunk, embedder.max_tokens, truncate))
@@ -229,19 +245,21 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
 
 
 def rerank(model: Model, query: str, documents: Sequence[str], *, normalize: bool = False, truncate: bool = True,
-           n_batch: int = 2048, any_model: bool = False, **ctx_opts: Any) -> list[float]:
+           n_batch: int = 2048, any_model: bool = False, usage: EmbedUsage | None = None,
+           **ctx_opts: Any) -> list[float]:
     """Relevance scores of ``documents`` for ``query``, in document order (a rank-pooling model).
 
     Scores are the model's raw outputs; ``normalize=True`` maps them through a
     sigmoid into (0, 1). A model that does not declare rank pooling raises EmbeddingError, unless
     ``any_model`` (llama-server's ``--reranking`` on any model): llama.cpp's rank pooling then reads its
     first token's state (its ranking head when it has one; else the state's first value, meaningless
-    for a model never trained to rank). Documents are processed a run at a time, as in :func:`embed`.
+    for a model never trained to rank). Documents are processed a run at a time, as in :func:`embed`;
+    ``usage`` as there.
     """
     if model_pooling(model) != "rank" and not any_model:
         raise EmbeddingError(f"{model.path.name} is not a reranking model (its pooling is "
                              f"{model_pooling(model)!r}, not 'rank')")
-    embedder = _Embedder(model, "rank", n_batch, ctx_opts)
+    embedder = _Embedder(model, "rank", n_batch, ctx_opts, usage)
     if model_pooling(model) != "rank":
         # llama.cpp reads n_cls_out floats per sequence at the sequence's index; without a ranking head
         # the pooled rows are n_embd wide, so only the first sequence of a decode is read where it is.

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
+from ..core.budget import ReasoningBudget
 from ..core.text import partial_suffix
 
 Kind = Literal["reasoning", "content"]
@@ -45,6 +46,22 @@ def opens_inside_reasoning(prompt: str, formats: Iterable[ReasoningFormat]) -> R
         if start >= 0 and prompt.find(fmt.end, start + len(fmt.start)) < 0:
             return fmt
     return None
+
+
+def reasoning_budget(vocab: Any, formats: Sequence[ReasoningFormat], prompt: str, tokens: int,
+                     message: str = "") -> ReasoningBudget | None:
+    """A :class:`ReasoningBudget` of ``tokens`` for a prompt rendered with a template that writes ``formats``
+    (None when it writes none: nothing to limit). Markers and ``message`` are tokenized as the model writes
+    them (special tokens parsed)."""
+    if not formats:
+        return None
+
+    def ids(text: str) -> list[int]:
+        return vocab.tokenize(text, add_special=False, parse_special=True)
+
+    open_format = opens_inside_reasoning(prompt, formats)
+    return ReasoningBudget(tokens, tuple((ids(f.start), ids(f.end)) for f in formats),
+                           ids(message) if message else (), ids(open_format.end) if open_format else None)
 
 
 class ReasoningSplitter:

@@ -41,6 +41,7 @@ from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
 from .chat_template import check_template_kwargs
 from .openai.shapes import new_call_id
 from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+from .reasoning import reasoning_budget as reasoning_budget_for
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,8 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
               json_schema: Mapping[str, Any] | None = None, schema_limits: SchemaLimits | None = None,
               add_generation_prompt: bool = True, continue_final_message: bool = False,
               parse_reasoning: bool = True, media_limits: MediaLimits | None = None,
-              allow_media_paths: bool = True, fetch_media: Callable[[str], bytes] | None = None) -> ChatPlan:
+              allow_media_paths: bool = True, fetch_media: Callable[[str], bytes] | None = None,
+              reasoning_budget: int | None = None, reasoning_budget_message: str = "") -> ChatPlan:
     """Prepare a chat request (OpenAI fields) for generation on ``model``.
 
     With tools (and ``tool_choice`` other than ``"none"``), llama.cpp's chat code renders
@@ -298,7 +300,15 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     (llama-server's ``reasoning_format: none``).
     Images and audio in the messages' content parts (features/chat_media.py) need a model with a
     projector; ``media_limits``, ``allow_media_paths`` and ``fetch_media`` as :func:`split_media` takes them.
+    ``reasoning_budget``: at most that many tokens of thinking, then the end of the reasoning block is forced
+    (after ``reasoning_budget_message``), as llama-server's ``--reasoning-budget``; None or -1: no limit; a
+    template that does not think ignores it.
     """
+    if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int)
+                                         or reasoning_budget < -1):
+        raise InvalidArgumentError(f"reasoning_budget={reasoning_budget!r}: expected -1 (no limit), 0 or a number "
+                                   "of tokens")
+    budget = reasoning_budget if reasoning_budget is not None and reasoning_budget >= 0 else None
     tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
     media: list = []
     if has_media(messages):
@@ -325,6 +335,9 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
             options["special"] = True  # reasoning markers are often special tokens
         if json_schema is not None:
             options["json_schema"] = json_schema
+        if budget is not None:
+            options["reasoning_budget"] = reasoning_budget_for(model.vocab, formats, text, budget,
+                                                               reasoning_budget_message)
 
         def output() -> ChatOutput:
             if not (formats and parse_reasoning):
@@ -348,9 +361,13 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
                           enable_thinking=True if enable_thinking is None else enable_thinking,
                           template_kwargs=kwargs, add_generation_prompt=add_generation_prompt,
                           reasoning_format="deepseek" if parse_reasoning else "none")
+    source = chat_template if chat_template is not None else (model.chat_template or "")
     if not fmt.caps.get("supports_tool_calls", False):
         plan = _generic_plan(model, messages, tools, mode, bool(parallel_tool_calls), chat_template,
                              enable_thinking, kwargs, add_generation_prompt, tokens)
+        if budget is not None:
+            plan.options["reasoning_budget"] = reasoning_budget_for(
+                model.vocab, formats_for_template(source), plan.prompt_text, budget, reasoning_budget_message)
         return dataclasses.replace(plan, prompt_text=shown(plan.prompt_text))
     options = {}
     if fmt.grammar:
@@ -366,6 +383,9 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
         options["stop"] = list(fmt.additional_stops)
     # The parser must see the format's special tokens (e.g. <tool_call>) in the text.
     options["special"] = True
+    if budget is not None:
+        options["reasoning_budget"] = reasoning_budget_for(model.vocab, formats_for_template(source), fmt.prompt,
+                                                           budget, reasoning_budget_message)
 
     def output() -> ChatOutput:
         parser = OutputParser(fmt)

@@ -257,7 +257,15 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--reasoning-format", "-rf", choices=["auto", "none", "deepseek", "deepseek-legacy"],
                    default="auto", help="where a thinking model's reasoning goes: 'none' leaves it in the content; "
                                         "the others put it in reasoning_content (the default, 'auto')")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="tokens a thinking model may reason before the end of its reasoning is forced, for requests "
+                        "that set no reasoning_budget_tokens (as llama-server; -1, the default: no limit; 0: none)")
+    p.add_argument("--reasoning-budget-message", metavar="TEXT",
+                   help="text forced before the end of the reasoning when the budget is spent")
     p.add_argument("--slot-save-path", help="folder for POST /slots/{id}?action=save|restore files (as llama-server)")
+    p.add_argument("--sleep-idle-seconds", type=float, default=-1, metavar="SECONDS",
+                   help="free the models after this many seconds without a request, and load them again on the "
+                        "next one (as llama-server; -1, the default: never)")
     p.add_argument("--lora", action="append", metavar="FILE", default=[],
                    help="load a LoRA adapter (repeatable); applied with scale 1 to requests that name none")
     p.add_argument("--lora-scaled", action="append", nargs=2, metavar=("FILE", "SCALE"), default=[],

@@ -567,15 +567,15 @@ class ModelManager(Closeable):
         return _openai_chat.stream_chat_completion(self._generation_target(id, "chat", opts), messages, **opts)
 
     def embed(self, id: str, texts: str | Sequence[str], **opts: Any):
-        """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize`` and ``truncate``."""
-        model, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate"))
+        """Embeddings (see :func:`llama_ctypes.embed`); per call only ``normalize``, ``truncate`` and ``usage``."""
+        model, entry = self._direct(id, "embed", opts, allowed=("normalize", "truncate", "usage"))
         plan = entry.plan
         return _emb.embed(model, texts, n_batch=plan.embed_batch, pooling=plan.embed_pooling,
                           **plan.embed_opts, **opts)
 
     def rerank(self, id: str, query: str, documents: Sequence[str], **opts: Any):
         """Relevance scores of documents for query (see :func:`llama_ctypes.rerank`)."""
-        model, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate"))
+        model, entry = self._direct(id, "rerank", opts, allowed=("normalize", "truncate", "usage"))
         plan = entry.plan
         forced = plan.embed_pooling == "rank"  # (pooling="rank" at load: llama-server's --reranking, any model)
         return _emb.rerank(model, query, documents, n_batch=plan.embed_batch, any_model=forced, **plan.embed_opts,

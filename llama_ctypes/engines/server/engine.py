@@ -33,7 +33,7 @@ from ...core.generation import in_graph_blocker, post_candidates
 from ...core.logprobs import TokenLogprob, post_sampling_logprob, token_logprob
 from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache
-from .request import Request
+from .request import Request, handoff_batch
 from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
 from .slots import SlotPool
 from .speculation import SlotDrafter
@@ -135,6 +135,7 @@ class Engine:
         self._decode: Callable[[Batch], int] = lease.decode_rc
         # Logits rows for logprobs, read through the lease: unusable once the server releases it.
         self._logits_of = lease.logits_view_fn()
+        self._logits_rows = lease.logits_rows_fn()
         token_bytes = ctx.vocab.token_bytes
         # Token pieces as a request's detokenizer renders them: [plain, special tokens as text].
         self._pieces: tuple[Callable[[int], bytes], Callable[[int], bytes]] = (
@@ -285,8 +286,9 @@ class Engine:
                                            "was stopped", self.ctx.n_ctx, victim.id)
                     else:
                         t4 = clock()
-                        scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs,
-                                                     row_errors=row_errors)
+                        with handoff_batch():  # (each event loop woken once per tick, not per piece)
+                            scheduler.update_from_output(plan, outputs, failure, logprobs=logprobs,
+                                                         row_errors=row_errors)
                         split.update += clock() - t4
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
@@ -489,10 +491,15 @@ class Engine:
                 return None, None, error, None
         outputs: list[int] = []
         row_errors: dict[int, BaseException] | None = None
+        best = self._argmax_rows(plan)
         for step in plan.steps:
             sample = step.slot.sample
             if step.n_draft:
                 row_errors = self._sample_verified(step, outputs, row_errors)
+                continue
+            if best is not None and getattr(step.request.binding, "argmax", False):
+                for _ in step.sample:
+                    outputs.append(best[len(outputs)])
                 continue
             for i in step.sample:
                 try:
@@ -502,6 +509,8 @@ class Engine:
                         row_errors = {}
                     row_errors[len(outputs)] = error
                     outputs.append(-1)
+        if any(step.request.budget is not None for step in plan.steps):
+            self._apply_budgets(plan, outputs)
         if self._observer is not None:
             try:
                 self._observer.observe(plan, outputs, self.lease, batch.n_tokens)
@@ -524,6 +533,34 @@ class Engine:
                 "prefill_tokens": batch.n_tokens - decode_tokens, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
         return outputs, logprobs, None, row_errors
+
+    @staticmethod
+    def _apply_budgets(plan: TickPlan, outputs: list[int]) -> None:
+        """Tokens forced by a request's reasoning budget in place of the sampled ones (before logprobs,
+        so a forced token's entry is its own). Budgeted requests never draft: one row per step."""
+        k = 0
+        for step in plan.steps:
+            budget = step.request.budget
+            for _ in step.sample:
+                if budget is not None and outputs[k] >= 0:
+                    outputs[k] = budget.next(outputs[k])
+                k += 1
+
+    def _argmax_rows(self, plan: TickPlan) -> list[int] | None:
+        """The argmax of every sampled row of the plan, in one numpy operation, when at least half of
+        them are plain greedy (their bindings' ``argmax``); None otherwise (each row samples alone)."""
+        rows: list[int] = []
+        n_greedy = 0
+        for step in plan.steps:
+            if step.n_draft:  # (verification samples row by row, up to the first mismatch)
+                return None
+            rows.extend(step.row + i for i in step.sample)
+            if getattr(step.request.binding, "argmax", False):
+                n_greedy += len(step.sample)
+        if n_greedy < 2 or 2 * n_greedy < len(rows):
+            return None
+        block = self._logits_rows(rows)
+        return None if block is None else block.argmax(axis=1).tolist()
 
     def _sample_verified(self, step, outputs: list[int],
                          row_errors: dict[int, BaseException] | None) -> dict[int, BaseException] | None:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 import queue
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ...core.generation import GenerationParams, Timings
 from ...core.logprobs import TokenLogprob
@@ -50,31 +53,123 @@ class End:
 _ids = itertools.count(1)
 
 
+class _Mailbox:
+    """Items bound for the queues of one event loop, handed over in batches.
+
+    The first item of a burst schedules one drain on the loop (one wake-up of its
+    thread); items put before that drain runs join it. The scheduler puts one piece
+    per stream per tick, so a tick of 64 streams wakes the loop once instead of 64
+    times, and the loop's thread asks for the GIL once. Thread-safe.
+    """
+
+    __slots__ = ("_lock", "_items", "_scheduled", "wakeups", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+        self.wakeups = 0  # drains scheduled so far (tests and curiosity)
+
+    def put(self, loop: asyncio.AbstractEventLoop, target: asyncio.Queue, item: Any) -> bool:
+        with self._lock:
+            if loop.is_closed():  # nobody is listening any more (and a pending drain never runs)
+                self._items.clear()
+                return False
+            self._items.append((target, item))
+            if self._scheduled:  # a drain is on its way
+                return True
+            held = getattr(_held, "boxes", None)
+            if held is not None:  # within handoff_batch(): sent at its end
+                held[self] = loop
+                return True
+            self._scheduled = True
+            self.wakeups += 1
+        return self._schedule(loop)
+
+    def flush(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Schedule the drain of what was held back (nothing to do if one is on its way)."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return True
+            self._scheduled = True
+            self.wakeups += 1
+        return self._schedule(loop)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> bool:
+        try:
+            loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop was closed: nobody is listening any more
+            with self._lock:
+                self._scheduled = False
+                self._items.clear()
+            return False
+        return True
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for target, item in items:
+            target.put_nowait(item)
+
+
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def handoff_batch() -> Iterator[None]:
+    """Within the block, asyncio hand-offs from this thread are held back; at its end each event loop
+    gets what it was sent in one wake-up. (Without it, the socket write that wakes a loop lets the
+    loop's thread take the GIL and drain one item, so a tick of N streams still woke it N times.)"""
+    if getattr(_held, "boxes", None) is not None:  # (nested: the outer block sends)
+        yield
+        return
+    boxes: dict[_Mailbox, asyncio.AbstractEventLoop] = {}
+    _held.boxes = boxes
+    try:
+        yield
+    finally:
+        _held.boxes = None
+        for box, loop in boxes.items():
+            box.flush(loop)
+
+
+_mailboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    """The one mailbox of ``loop`` (it holds no reference to the loop: the entry goes with it)."""
+    with _mailboxes_lock:
+        box = _mailboxes.get(loop)
+        if box is None:
+            box = _mailboxes[loop] = _Mailbox()
+        return box
+
+
 class Channel:
     """Where the scheduler thread puts a request's items (text pieces, then End or an exception;
     with logprobs, each token's :class:`TokenLogprob` before the text it completes).
 
     Synchronous consumers block on a queue; asyncio consumers get items through
-    their event loop, so waiting never blocks the loop.
+    their event loop, so waiting never blocks the loop. The channels of one loop
+    share its mailbox: the items of a tick reach the loop in one hand-off.
     """
 
-    __slots__ = ("loop", "sync", "aio")
+    __slots__ = ("loop", "sync", "aio", "_box")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None):
         self.loop = loop
         self.sync: queue.SimpleQueue | None = None if loop else queue.SimpleQueue()
         self.aio: asyncio.Queue | None = asyncio.Queue() if loop else None
+        self._box = _mailbox(loop) if loop else None
 
     def put(self, item: Any) -> bool:
         """Deliver ``item``; False when nobody can receive it any more (its event loop was closed)."""
         if self.sync is not None:
             self.sync.put(item)
             return True
-        try:
-            self.loop.call_soon_threadsafe(self.aio.put_nowait, item)  # type: ignore[union-attr]
-        except RuntimeError:  # the loop was closed: nobody is listening any more
-            return False
-        return True
+        return self._box.put(self.loop, self.aio, item)  # type: ignore[union-attr,arg-type]
 
     def get(self) -> Any:
         return self.sync.get()  # type: ignore[union-attr]
@@ -127,6 +222,7 @@ class Request:
     loras: Any = ()  # the LoRA set it runs under (core/lora.py LoraSet); a tick decodes one set
     alora_start: int | None = None  # an activated LoRA's start: the prompt before it is read without adapters
     speculative: bool = True  # draft for it when the server speculates
+    budget: Any = None  # its reasoning budget's BudgetState (core/budget.py): forced tokens replace sampled ones
     has_media: bool = False  # its prompt is a MediaPrompt: images or audio decoded from embeddings
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
     drafted: int = 0  # draft tokens verified so far

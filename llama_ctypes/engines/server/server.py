@@ -408,9 +408,11 @@ class Server:
             if start is not None and start >= len(tokens):
                 self._served.unresolve([loras])
                 loras, start = (), None  # (no invocation in the prompt: the activated LoRA stays off)
+            budget = params.reasoning_budget.start() if params.reasoning_budget is not None else None
+            # (no drafts for a budgeted request: a forced token is not the sampler's, so no draft verifies it)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
-                              speculative=speculative, pin=pin, progress=progress, has_media=media,
-                              loras=loras, alora_start=start or None)
+                              speculative=speculative and budget is None, pin=pin, progress=progress,
+                              has_media=media, loras=loras, alora_start=start or None, budget=budget)
         except BaseException:
             self._served.unresolve([loras])
             sampler.close()
@@ -522,6 +524,17 @@ class Server:
         if isinstance(request, (ServerStream, AsyncServerStream)):
             request = request.request
         self._engine.cancel(request)
+
+    def end_reasoning(self, request: Request | ServerStream | AsyncServerStream) -> bool:
+        """Force the end of a running request's reasoning block now (llama-server's ``reasoning_end``
+        control): its next tokens are the block's end marker, then the answer. False when the request
+        has no reasoning budget, or its block is not open (not started, or over). Any thread."""
+        if isinstance(request, (ServerStream, AsyncServerStream)):
+            request = request.request
+        budget = request.budget
+        if budget is None:
+            return False
+        return bool(self._engine.call(budget.force_end))  # (between two ticks: the budget is the tick's)
 
     def get_model(self) -> Model:
         """The model (the same as ``server.model``), for tokenizing outside the server (see :meth:`generate_tokens`)."""

@@ -144,6 +144,9 @@ class SpeculativeSession(Closeable):
         if gparams.post_sampling:
             raise InvalidArgumentError("post_sampling=True is not offered with a single-sequence speculative "
                                        "session (a Server with speculative= offers it)")
+        if gparams.reasoning_budget is not None:  # (a forced token is no draw of the sampler: no draft verifies it)
+            raise InvalidArgumentError("a reasoning budget cannot be combined with speculative decoding (a Server "
+                                       "with speculative= runs budgeted requests without drafts)")
         ctx = self._ctx
         tokens = prompt_tokens(ctx.vocab, prompt, gparams, ctx.n_ctx_seq)
         check_prompt(ctx, tokens)

@@ -10,6 +10,7 @@ in worker threads, and concurrent requests meet in each model's batching server.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -33,7 +34,7 @@ from .limits import RequestLimits
 from .media_urls import url_fetcher
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
-from .routes.chat import apply_template, chat_completions, input_tokens
+from .routes.chat import apply_template, chat_completions, control, input_tokens
 from .routes.completions import completions
 from .routes.embeddings import embeddings, rerank
 from .routes.messages import count_tokens, messages
@@ -51,12 +52,14 @@ from .routes.service import (
     metrics,
     models,
     props,
+    props_snapshot,
     slot_action,
     slots,
     tokenize,
     unload_model,
 )
 from .routing import ModelSettings, Router
+from .sleep import IdleSleep
 from .webui import WebUI
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ logger = logging.getLogger(__name__)
 #: (paths, methods, endpoint, the endpoint's label in the metrics)
 _ROUTES = [
     (("/v1/chat/completions", "/chat/completions"), ["POST"], chat_completions, "chat_completions"),
+    (("/v1/chat/completions/control",), ["POST"], control, "control"),
     (("/v1/completions",), ["POST"], completions, "completions"),
     (("/completion", "/completions"), ["POST"], completion, "completion"),  # (llama-server's own shape)
     (("/infill",), ["POST"], infill, "infill"),
@@ -96,6 +100,8 @@ _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
 
 def _endpoint_label(path: str, webui: WebUI | None = None) -> str:
     label = _LABELS.get(path)
+    if label is None and path.startswith("/slots/") and path.count("/") == 2:
+        label = "slot_action"
     if label is None:  # (unknown paths share one label: no unbounded label values)
         label = "webui" if webui is not None and webui.serves(path) else "other"
     return label
@@ -140,12 +146,13 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                limits: RequestLimits | None = None, close_manager: bool = False,
                slots_endpoint: bool = True, metrics_endpoint: bool = True, verbose: bool = False,
                reasoning_format: str = "auto",
-               enable_thinking: bool | None = True,
+               enable_thinking: bool | None = True, reasoning_budget: int = -1, reasoning_budget_message: str = "",
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
                catalog: Catalog | None = None, router_mode: bool = False,
                slot_save_path: str | os.PathLike | None = None,
                webui: bool | str | os.PathLike = True, media_urls: bool = False,
-               predict_route: str | None = None, health_route: str | None = None) -> Starlette:
+               predict_route: str | None = None, health_route: str | None = None,
+               sleep_idle_seconds: float | None = None) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -170,6 +177,9 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         enable_thinking: the ``enable_thinking`` template variable of chat requests that do not set it:
             True (the default) as llama-server (``--reasoning auto`` or ``on``), False (``--reasoning
             off``), or None for the template's own default (the library's ``lc.chat`` default).
+        reasoning_budget: tokens a thinking model may reason before the end of its reasoning block is forced
+            (after ``reasoning_budget_message``), for chat requests that set no ``reasoning_budget_tokens``
+            (llama-server's ``--reasoning-budget``; -1: no limit, 0: end it at once).
         spm_infill: ``/infill`` prompts put the suffix before the prefix (for models trained that way).
         cors_origins: browser origins answered with CORS headers: ``"*"`` (any, as llama-server),
             ``"localhost"``, or a comma-separated list (see :class:`~.cors.CorsPolicy`).
@@ -187,6 +197,9 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             base64 are taken; a server that fetches what clients name can reach hosts they cannot).
         predict_route: serve Vertex AI's prediction protocol there (``"/predict"``; routes/predict.py), as
             llama-server does under ``AIP_MODE=PREDICTION``; ``health_route``: ``/health`` there too.
+        sleep_idle_seconds: free the catalog's loaded models after that many seconds without a request,
+            and load them again on the next request that needs one (llama-server's
+            ``--sleep-idle-seconds``; sleep.py). None: never.
     """
     save_path = None
     if slot_save_path is not None:
@@ -195,6 +208,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             raise ValueError(f"slot_save_path={str(slot_save_path)!r}: no such folder")
     if reasoning_format not in ("auto", "none", "deepseek", "deepseek-legacy"):
         raise ValueError(f"reasoning_format={reasoning_format!r}: expected auto, none, deepseek or deepseek-legacy")
+    if isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int) or reasoning_budget < -1:
+        raise ValueError(f"reasoning_budget={reasoning_budget!r}: expected -1 (no limit), 0 or a number of tokens")
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes!r}: expected a positive integer")
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key) if api_key is not None else ()
@@ -215,16 +230,26 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          max_body_bytes=max_body_bytes, limits=limits, close_manager=close_manager,
                          slots_endpoint=slots_endpoint, metrics_endpoint=metrics_endpoint,
                          verbose=verbose, reasoning_format=reasoning_format,
-                         enable_thinking=enable_thinking,
+                         enable_thinking=enable_thinking, reasoning_budget=reasoning_budget,
+                         reasoning_budget_message=reasoning_budget_message,
                          spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
                          webui=page, fetch_media=url_fetcher(limits.media) if media_urls else None)
 
+    if sleep_idle_seconds is not None:
+        if catalog is None:
+            raise ValueError("sleep_idle_seconds needs a catalog: the models it frees are loaded again from "
+                             "their catalog entries")
+        context.sleep = _idle_sleep(context, sleep_idle_seconds)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(context.sleep.watch()) if context.sleep is not None else None
         try:
             yield
         finally:
             context.closing = True
+            if watcher is not None:
+                watcher.cancel()
             if context.close_manager:
                 await anyio.to_thread.run_sync(manager.close)
 
@@ -237,13 +262,34 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
         routes.append(Route(predict_route, make_predict(posts), methods=["POST"]))
     if health_route is not None and health_route != predict_route:
         routes.append(Route(health_route, health, methods=["GET"]))
+    extra_labels = {path: label for path, label in ((health_route, "health"), (predict_route, "predict"))
+                    if path is not None}
     if page is not None:  # (last: the API's paths win)
         routes.append(Route("/{path:path}", _page, methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(ServiceMiddleware, context=context,
-                                           endpoint_of=lambda path: _endpoint_label(path, page))])
+                                           endpoint_of=lambda path: extra_labels.get(path)
+                                           or _endpoint_label(path, page))])
     app.state.llama = context
     return app
+
+
+def _idle_sleep(context: AppContext, seconds: float) -> IdleSleep:
+    """The app's IdleSleep: on sleeping, /props and /metrics keep what they showed; on waking, the new
+    servers' counters add to the old ones."""
+    async def on_sleep() -> None:
+        context.metrics.freeze()
+        try:
+            context.sleep_props = await props_snapshot(context)
+        except Exception:  # (no props to show while asleep: /props then wakes the server)
+            logger.exception("reading /props before sleeping failed")
+            context.sleep_props = None
+
+    def on_wake(freed: list[str]) -> None:
+        context.metrics.thaw(freed)
+        context.sleep_props = None
+
+    return IdleSleep(context.router.catalog, seconds, on_sleep=on_sleep, on_wake=on_wake)
 
 
 __all__ = ["create_app", "ModelSettings", "RequestLimits"]

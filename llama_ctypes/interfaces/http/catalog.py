@@ -81,7 +81,8 @@ class Catalog:
             return "failed" if model_id in self._failed else "unloaded"
         return {"ready": "loaded", "loading": "loading", "failed": "failed"}.get(info.status, info.status)
 
-    def _busy(self, model_id: str) -> bool:
+    def busy(self, model_id: str) -> bool:
+        """Whether a model runs or queues requests now (a direct-mode or unready one: never)."""
         try:
             server = self.manager.server(model_id)
         except Exception:  # (a direct-mode model, or one not ready: nothing of its runs through a server)
@@ -106,7 +107,7 @@ class Catalog:
                                          model_id=model_id)
             if self.max_loaded is not None and len(loaded) >= self.max_loaded:
                 now = time.monotonic()
-                idle = sorted((m for m in loaded if self.status(m) != "loading" and not self._busy(m)
+                idle = sorted((m for m in loaded if self.status(m) != "loading" and not self.busy(m)
                                and now - self._used.get(m, 0.0) >= EVICTION_GRACE_S),
                               key=lambda m: self._used.get(m, 0.0))
                 if not idle:

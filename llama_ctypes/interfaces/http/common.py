@@ -7,9 +7,10 @@ import asyncio
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -50,11 +51,17 @@ class AppContext:
     verbose: bool = False  # responses carry ``__verbose`` unless a request says otherwise (--verbose)
     reasoning_format: str = "auto"  # "none": reasoning stays in the content (--reasoning-format)
     enable_thinking: bool | None = True  # for chat requests that do not set it (--reasoning off: False)
+    reasoning_budget: int = -1  # thinking tokens before the block's end is forced, for requests that set none
+    reasoning_budget_message: str = ""  # forced before that end (--reasoning-budget-message)
     spm_infill: bool = False  # /infill puts the suffix before the prefix (--spm-infill)
     router_mode: bool = False  # several models (or none) rather than one: /props describes the router
     slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)
     webui: WebUI | None = None  # the page at / (None: --no-webui)
     fetch_media: Callable[[str], bytes] | None = None  # http(s) media URLs (None: refused; --media-urls)
+    sleep: Any = None  # an IdleSleep with --sleep-idle-seconds (sleep.py), else None
+    #: the chat completions being answered, by response id (weak: each goes with its response)
+    running_chats: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    sleep_props: dict[str, Any] | None = None  # /props as the server fell asleep
     closing: bool = False
     started: int = field(default_factory=lambda: int(time.time()))
 

@@ -74,7 +74,7 @@ class _ServerCollector(Collector):
         return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, in_graph, fallbacks, tick]
 
 
-def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals") -> str:
+def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals", window: list[float]) -> str:
     """llama-server's own metrics (``llamacpp:*``, its ``--metrics``), totals over the app's models, so
     dashboards built for llama-server read this server too.
 
@@ -88,23 +88,26 @@ def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals") -> str:
     ticks = total("ticks")
     busy = sum(s.get("avg_busy_slots", 0.0) * s.get("ticks", 0) for s in stats) / ticks if ticks else 0.0
     rows = (
-        ("counter", "prompt_tokens_total", "Number of prompt tokens processed.", total("prompt_tokens_evaluated")),
+        # (embedding and rerank inputs are prompts too: llama-server counts their tokens and decodes)
+        ("counter", "prompt_tokens_total", "Number of prompt tokens processed.",
+         total("prompt_tokens_evaluated") + t.embed_tokens),
         ("counter", "prompt_tokens_cached_total", "Number of prompt tokens served from the cache.",
          total("cached_tokens")),
         ("counter", "prompt_seconds_total", "Prompt process time.", t.prompt_seconds),
         ("counter", "tokens_predicted_total", "Number of generation tokens processed.", total("generated_tokens")),
         ("counter", "tokens_predicted_seconds_total", "Predict process time.", t.predicted_seconds),
-        ("counter", "n_decode_total", "Total number of llama_decode() calls.", ticks),
+        ("counter", "n_decode_total", "Total number of llama_decode() calls.", ticks + t.embed_decodes),
         # (a largest value never decreases, so llama-server counts it)
         ("counter", "n_tokens_max", "Largest observed n_tokens.",
          float(max((s.get("max_batch_tokens", 0) for s in stats), default=0))),
         ("counter", "spec_decode_num_draft_tokens_total", "Draft tokens verified.", total("draft_tokens")),
         ("counter", "spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", total("draft_accepted")),
         ("counter", "spec_decode_num_drafts_total", "Drafts verified.", total("drafts")),
+        # (over the requests finished since the previous scrape, as llama-server's)
         ("gauge", "prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-         t.prompt_tokens / t.prompt_seconds if t.prompt_seconds else 0.0),
+         window[0] / window[1] if window[1] else 0.0),
         ("gauge", "predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-         t.predicted_steps / t.predicted_seconds if t.predicted_seconds else 0.0),
+         window[2] / window[3] if window[3] else 0.0),
         ("gauge", "requests_processing", "Number of requests processing.", total("active_slots")),
         ("gauge", "requests_deferred", "Number of requests deferred.", total("queue_length")),
         ("gauge", "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call.", busy),
@@ -114,13 +117,51 @@ def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals") -> str:
 
 
 class _Totals:
-    """Sums over finished generations (llama-server's time counters)."""
+    """Sums over finished generations (llama-server's time counters), and the same since the last
+    scrape (``window``: llama-server's "bucket", which its two throughput gauges average over)."""
 
     def __init__(self) -> None:
         self.prompt_tokens = 0  # evaluated (not cached) prompt tokens of finished requests
         self.prompt_seconds = 0.0
         self.predicted_steps = 0  # tokens after each request's first (the decode steps of its generation)
         self.predicted_seconds = 0.0
+        self.embed_tokens = 0  # tokens of embedding and rerank inputs
+        self.embed_decodes = 0  # their forward passes
+        self.window = [0, 0.0, 0, 0.0]  # prompt tokens, prompt seconds, predicted steps, predicted seconds
+
+
+#: Server.stats() fields that are not counters: across a sleep they are not carried over.
+_GAUGES = frozenset({"n_parallel", "active_slots", "queue_length", "avg_batch_tokens", "avg_busy_slots",
+                     "draft_acceptance", "ram_cache_entries", "ram_cache_bytes"})
+
+
+def _carry(live: Mapping[str, Mapping[str, Any]], before: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Each model's stats with the counters its servers had before a sleep added (they restart at 0
+    when the model is loaded again; a counter must not go back). A model not loaded again keeps
+    its stats as they were (idle)."""
+    out: dict[str, Any] = {model: dict(s) for model, s in live.items()}
+    for model, old in before.items():
+        now = out.get(model)
+        if now is None:
+            out[model] = dict(old)
+            continue
+        ticks = now.get("ticks", 0) + old.get("ticks", 0)
+        for key in ("avg_batch_tokens", "avg_busy_slots"):  # (per tick: weighted by each part's ticks)
+            now[key] = (now.get(key, 0.0) * now.get("ticks", 0) + old.get(key, 0.0) * old.get("ticks", 0)) / ticks \
+                if ticks else 0.0
+        for key, value in old.items():
+            if key in _GAUGES:
+                continue
+            if key == "max_batch_tokens":
+                now[key] = max(now.get(key, 0), value)
+            elif isinstance(value, dict):
+                merged = dict(now.get(key, {}))
+                for k, v in value.items():
+                    merged[k] = merged.get(k, 0) + v
+                now[key] = merged
+            else:
+                now[key] = now.get(key, 0) + value
+    return out
 
 
 class Metrics:
@@ -140,9 +181,36 @@ class Metrics:
         self.tokens_per_s = Histogram(f"{PREFIX}_generation_tokens_per_second",
                                       "Generation speed of a request after its first token", ["model"],
                                       buckets=_TPS_BUCKETS, registry=r)
-        r.register(_ServerCollector(server_stats))
-        self._server_stats = server_stats
+        self._live_stats = server_stats
+        self._frozen: dict[str, Any] | None = None  # the stats when the models went to sleep
+        self._carried: dict[str, Any] = {}  # the counters of the servers freed by sleeps
         self.totals = _Totals()
+        r.register(_ServerCollector(self.server_stats))  # (last: registering reads the stats once)
+
+    def server_stats(self) -> Mapping[str, Mapping[str, Any]]:
+        """Every model's ``Server.stats()``, counters carried over sleeps; while asleep, as it fell asleep."""
+        if self._frozen is not None:
+            return self._frozen
+        live = self._live_stats()
+        return _carry(live, self._carried) if self._carried else live
+
+    def freeze(self) -> None:
+        """The models are going to sleep (their servers will close): keep showing their stats."""
+        self._frozen = self.server_stats()  # type: ignore[assignment]
+
+    def thaw(self, freed: Iterable[str] = ()) -> None:
+        """The models are awake again: the counters of the ``freed`` models' servers are kept (their new
+        servers' counters add to them); those of models that stayed loaded go on by themselves."""
+        if self._frozen is not None:
+            freed = set(freed)
+            self._carried = {**self._carried, **{m: s for m, s in self._frozen.items() if m in freed}}
+            self._frozen = None
+
+    def take_window(self) -> list[float]:
+        """The throughput window since the previous scrape, and a new one started (on the thread that
+        records generations: a request finishing during a scrape counts in one window or the next)."""
+        window, self.totals.window = self.totals.window, [0, 0.0, 0, 0.0]
+        return window
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -157,16 +225,30 @@ class Metrics:
             t.prompt_seconds += timings.prompt_ms / 1e3
             t.predicted_steps += max(0, generated_tokens - 1)
             t.predicted_seconds += timings.generation_ms / 1e3
+            w = t.window
+            w[0] += max(0, timings.prompt_tokens - timings.cached_tokens)
+            w[1] += timings.prompt_ms / 1e3
+            w[2] += max(0, generated_tokens - 1)
+            w[3] += timings.generation_ms / 1e3
         if timings is not None and generated_tokens:
             self.ttft.labels(model).observe(timings.ttft_ms / 1e3)
             if timings.tokens_per_s > 0:
                 self.tokens_per_s.labels(model).observe(timings.tokens_per_s)
 
-    def render(self) -> bytes:
-        """The text format (0.0.4): this app's metrics, then llama-server's ``llamacpp:*`` block."""
+    def embedding_done(self, usage: Any) -> None:
+        """Record an embedding or rerank request's work (an :class:`~llama_ctypes.features.embeddings.EmbedUsage`)."""
+        self.totals.embed_tokens += usage.tokens
+        self.totals.embed_decodes += usage.decodes
+
+    def render(self, window: list[float] | None = None) -> bytes:
+        """The text format (0.0.4): this app's metrics, then llama-server's ``llamacpp:*`` block. The two
+        throughput gauges cover ``window`` (:meth:`take_window`; None: taken here), as llama-server's
+        cover the time since the previous scrape."""
+        if window is None:
+            window = self.take_window()
         try:
-            stats = list(self._server_stats().values())
+            stats = list(self.server_stats().values())
         except Exception:  # a scrape must not fail because a model is going away
             logger.exception("reading server stats for /metrics failed")
             stats = []
-        return generate_latest(self.registry) + _llama_server_block(stats, self.totals).encode()
+        return generate_latest(self.registry) + _llama_server_block(stats, self.totals, window).encode()

@@ -1,4 +1,5 @@
-"""The ASGI layer around every endpoint: request counting, the API keys, CORS, refusal while closing.
+"""The ASGI layer around every endpoint: request counting, the API keys, CORS, refusal while closing,
+waking sleeping models (``--sleep-idle-seconds``).
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware), so streamed responses pass through untouched.
 """
@@ -11,7 +12,8 @@ from typing import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .common import AppContext
-from .errors import NotFound, Unauthorized, Unavailable, shape_of
+from .errors import APIError, NotFound, Unauthorized, Unavailable, shape_of
+from .sleep import wakes
 
 #: Paths that answer without the API key (as llama-server leaves its health check open).
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
@@ -84,6 +86,17 @@ class ServiceMiddleware:
             elif ctx.closing and path not in OPEN_PATHS:
                 await Unavailable("the server is shutting down").response(shape_of(path))(
                     scope, receive, counting_send)
+            elif ctx.sleep is not None and wakes(scope["method"], path) \
+                    and self.endpoint_of(path) not in ("other", "webui"):  # (API paths only: no 404 wakes it)
+                try:
+                    await ctx.sleep.enter()  # (wakes the models first when they sleep)
+                except APIError as error:
+                    await error.response(shape_of(path))(scope, receive, counting_send)
+                    return
+                try:
+                    await self.app(scope, receive, counting_send)
+                finally:
+                    ctx.sleep.leave()
             else:
                 await self.app(scope, receive, counting_send)
         finally:

@@ -205,6 +205,11 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     reasoning_format: Literal["auto", "none", "deepseek", "deepseek-legacy"] | None = None
+    # llama-server's reasoning budget: tokens of thinking before the end of the block is forced (-1: none)
+    reasoning_budget_tokens: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    thinking_budget_tokens: int | None = Field(None, ge=-1, le=_INT32_MAX)
+    reasoning_budget_message: str | None = Field(None, max_length=4096)
+    reasoning_control: bool = False  # POST /v1/chat/completions/control may end its reasoning while it runs
 
     @model_validator(mode="after")
     def _logprobs(self) -> "ChatCompletionRequest":
@@ -218,6 +223,16 @@ class ChatCompletionRequest(SamplingFields):
         if self.grammar is not None and self.tools and self.tool_choice != "none":
             raise ValueError("a custom grammar cannot be combined with tools")
         return self
+
+    def reasoning_budget(self, default: int = -1) -> int:
+        """The reasoning budget in tokens (-1: none): ``reasoning_budget_tokens``, else
+        ``thinking_budget_tokens``, else the server's ``--reasoning-budget``, as llama-server."""
+        for value in (self.reasoning_budget_tokens, self.thinking_budget_tokens):
+            if value is not None and value != -1:
+                return value
+        if default == -1 and self.reasoning_control:
+            return _INT32_MAX  # (armed without a limit: only the control ends it)
+        return default
 
     def output_schema(self) -> Mapping[str, Any] | None:
         """The JSON Schema the reply must follow (``response_format``, or llama-server's ``json_schema``)."""
@@ -245,6 +260,13 @@ class ChatCompletionRequest(SamplingFields):
             raise BadRequest("add_generation_prompt and continue_final_message cannot both be true",
                              param="continue_final_message")
         return add, cont
+
+
+class ControlRequest(_Body):
+    """llama-server's ``/v1/chat/completions/control`` body."""
+
+    id: str = ""
+    action: str = ""
 
 
 class MessagesCountRequest(_Body):

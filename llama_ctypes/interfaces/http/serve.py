@@ -500,6 +500,16 @@ def listen_sockets(hosts: list[str], port: int) -> list[Any]:
     return out
 
 
+def _sleep_seconds(value: float) -> float | None:
+    """``--sleep-idle-seconds``: None (never) for -1, as llama-server; zero or another negative value is refused."""
+    if value == -1 or value is None:
+        return None
+    if not 0 < value < float("inf"):
+        raise SystemExit(f"llama-ctypes serve: --sleep-idle-seconds {value:g}: expected a positive number of "
+                         "seconds (or -1: never)")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the models in the background and serve until interrupted."""
     try:
@@ -547,12 +557,15 @@ def run(args: argparse.Namespace) -> int:
                          metrics_endpoint=getattr(args, "metrics", False),
                          verbose=verbose, reasoning_format=getattr(args, "reasoning_format", "auto"),
                          enable_thinking=getattr(args, "reasoning", "auto") != "off",
+                         reasoning_budget=getattr(args, "reasoning_budget", -1),
+                         reasoning_budget_message=getattr(args, "reasoning_budget_message", None) or "",
                          spm_infill=getattr(args, "spm_infill", False),
                          cors_origins=getattr(args, "cors_origins", None) or "*",
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
                          catalog=catalog, router_mode=router_mode,
                          slot_save_path=slot_folder(getattr(args, "slot_save_path", None)),
                          webui=webui_option(args), media_urls=getattr(args, "media_urls", False),
+                         sleep_idle_seconds=_sleep_seconds(getattr(args, "sleep_idle_seconds", -1)),
                          **vertex)
     except BaseException:
         manager.close()

@@ -39,7 +39,7 @@ from ..generation import (
     verbose_fields,
 )
 from ..limits import over_limit
-from ..schemas import ChatCompletionRequest, parse
+from ..schemas import ChatCompletionRequest, ControlRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
 
 
@@ -62,7 +62,8 @@ def _template_options(body: ChatCompletionRequest) -> tuple[bool | None, dict[st
 
 def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, limits: SchemaLimits,
           reasoning_format: str = "auto", media_limits: MediaLimits | None = None,
-          fetch_media: Any = None, default_thinking: bool | None = None) -> tuple[Any, dict[str, Any]]:
+          fetch_media: Any = None, default_thinking: bool | None = None,
+          budget: tuple[int, str] = (-1, "")) -> tuple[Any, dict[str, Any]]:
     """The chat plan and the generation options it requires (a worker thread: it renders, tokenizes and
     converts the JSON schema to a grammar)."""
     thinking, kwargs = _template_options(body)
@@ -78,7 +79,10 @@ def _plan(model: Any, body: ChatCompletionRequest, chat_template: str | None, li
                      enable_thinking=thinking, template_kwargs=kwargs, json_schema=schema, schema_limits=limits,
                      add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
                      parse_reasoning=(body.reasoning_format or reasoning_format) != "none",
-                     media_limits=media_limits, allow_media_paths=False, fetch_media=fetch_media)
+                     media_limits=media_limits, allow_media_paths=False, fetch_media=fetch_media,
+                     reasoning_budget=body.reasoning_budget(budget[0]),
+                     reasoning_budget_message=body.reasoning_budget_message
+                     if body.reasoning_budget_message is not None else budget[1])
     options = dict(plan.options)
     if options.get("json_schema") is not None:
         # converted here, off the event loop (the server's sampler would do it on submission)
@@ -109,7 +113,8 @@ async def plan_request(app: AppContext, body: ChatCompletionRequest) -> tuple[st
     try:
         plan, required = await anyio.to_thread.run_sync(
             functools.partial(_plan, server.model, body, template, app.limits.schema, app.reasoning_format,
-                              app.limits.media, app.fetch_media, app.enable_thinking))
+                              app.limits.media, app.fetch_media, app.enable_thinking,
+                              (app.reasoning_budget, app.reasoning_budget_message)))
     except SchemaError as e:  # (a tool's parameters, when there is no response_format)
         param = "json_schema" if body.json_schema is not None else \
             "response_format" if body.response_format is not None else "tools"
@@ -155,6 +160,7 @@ class _Reply:
         self.prompt_tokens, self.prompt_text = prompt_tokens, prompt_text
         self.envelope = Envelope("chat", model_id, SYSTEM_FINGERPRINT, body.include_usage)
         self.verbose = app.verbose if body.verbose is None else body.verbose
+        app.running_chats[self.envelope.id] = self  # (for /v1/chat/completions/control)
 
     def _extras(self, response: dict[str, Any]) -> dict[str, Any]:
         """llama-server's fields on a finished response: ``timings`` (of the first choice), ``__verbose``."""
@@ -241,6 +247,28 @@ class _Reply:
             yield chunk
         if self.body.include_usage:
             yield self._extras(self.envelope.usage_chunk(self._usage()))
+
+
+@endpoint
+async def control(request: Request, app: AppContext) -> Response:
+    """llama-server's ``POST /v1/chat/completions/control``: ``{"id": <a running chat completion's id>,
+    "action": "reasoning_end"}`` ends that completion's reasoning now (it was sent with
+    ``reasoning_control: true``). ``{"success": false, "message": ...}`` when there is nothing to end."""
+    body = parse(ControlRequest, await read_body(request, app.max_body_bytes))
+    if not body.id:
+        raise BadRequest("missing completion id", param="id")
+    if body.action != "reasoning_end":
+        raise BadRequest("unknown control action", param="action")
+    reply = app.running_chats.get(body.id)
+    running = [s for s in reply.streams if s.finish_reason is None] if reply is not None else []
+    if not running:
+        return JSONResponse({"success": False, "message": "no active completion for this id"})
+    _, server = app.router.server(reply.model_id)
+    ended = [await anyio.to_thread.run_sync(server.end_reasoning, s) for s in running]
+    if not any(ended):
+        return JSONResponse({"success": False, "message": "no reasoning to end for this completion (reasoning "
+                                                          "control not enabled, or its reasoning is over)"})
+    return JSONResponse({"success": True})
 
 
 @endpoint

@@ -16,6 +16,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ....features.embeddings import EmbedUsage
 from ....features.openai.shapes import input_usage
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest
@@ -23,14 +24,15 @@ from ..limits import RequestLimits, over_limit
 from ..schemas import EmbeddingRequest, RerankRequest, parse
 
 
-def _embed(manager: Any, model_id: str, texts: list[str], limits: RequestLimits) -> tuple[list[np.ndarray], int]:
+def _embed(manager: Any, model_id: str, texts: list[str], limits: RequestLimits,
+           usage: EmbedUsage) -> tuple[list[np.ndarray], int]:
     """The vectors (a matrix per text when the pooling is "none") and the number of input tokens (a
-    worker thread)."""
+    worker thread); what the work cost goes to ``usage``."""
     vocab = manager.model(model_id).vocab
     n_tokens = sum(len(vocab.tokenize(t, add_special=True, parse_special=False)) for t in texts)
     if n_tokens > limits.max_input_tokens:  # (tokenizing is linear and cheap; embedding is not)
         raise over_limit("input tokens", n_tokens, limits.max_input_tokens, "--max-input-tokens", param="input")
-    return [np.asarray(v, dtype=np.float32) for v in manager.embed(model_id, texts)], n_tokens
+    return [np.asarray(v, dtype=np.float32) for v in manager.embed(model_id, texts, usage=usage)], n_tokens
 
 
 @endpoint
@@ -44,8 +46,12 @@ async def embeddings(request: Request, app: AppContext) -> Response:
     if "embed" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} cannot embed (load it with mode='direct'; "
                          f"it can {', '.join(info.capabilities)})", param="model")
-    vectors, n_tokens = await anyio.to_thread.run_sync(
-        functools.partial(_embed, app.router.manager, info.id, texts, app.limits))
+    usage = EmbedUsage()
+    try:
+        vectors, n_tokens = await anyio.to_thread.run_sync(
+            functools.partial(_embed, app.router.manager, info.id, texts, app.limits, usage))
+    finally:  # (the decodes done count even when a later one failed)
+        app.metrics.embedding_done(usage)
     if any(v.ndim != 1 for v in vectors) and request.url.path.endswith("/v1/embeddings"):
         # (one vector per input is OpenAI's shape; /embeddings keeps a matrix per input, as llama-server)
         raise BadRequest("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
@@ -64,14 +70,14 @@ async def embeddings(request: Request, app: AppContext) -> Response:
 
 
 def _rerank(manager: Any, model_id: str, query: str, documents: list[str],
-            limits: RequestLimits) -> tuple[list[float], int]:
+            limits: RequestLimits, usage: EmbedUsage) -> tuple[list[float], int]:
     vocab = manager.model(model_id).vocab
     n_query = len(vocab.tokenize(query, add_special=True, parse_special=False))
     n_tokens = sum(n_query + len(vocab.tokenize(d, add_special=False, parse_special=False)) for d in documents)
     if n_tokens > limits.max_input_tokens:
         raise over_limit("query and document tokens", n_tokens, limits.max_input_tokens, "--max-input-tokens",
                          param="documents")
-    return manager.rerank(model_id, query, documents), n_tokens
+    return manager.rerank(model_id, query, documents, usage=usage), n_tokens
 
 
 @endpoint
@@ -86,8 +92,12 @@ async def rerank(request: Request, app: AppContext) -> Response:
     if "rerank" not in info.capabilities:
         raise BadRequest(f"the model {info.id!r} is not a reranking model (it can {', '.join(info.capabilities)})",
                          param="model")
-    scores, n_tokens = await anyio.to_thread.run_sync(
-        functools.partial(_rerank, app.router.manager, info.id, body.query, documents, app.limits))
+    usage = EmbedUsage()
+    try:
+        scores, n_tokens = await anyio.to_thread.run_sync(
+            functools.partial(_rerank, app.router.manager, info.id, body.query, documents, app.limits, usage))
+    finally:
+        app.metrics.embedding_done(usage)
     ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
     if body.top_n is not None:
         ranked = ranked[:body.top_n]

@@ -108,7 +108,8 @@ async def metrics(request: Request, app: AppContext) -> Response:
     """Prometheus text; 501 unless enabled (``serve --metrics``), as llama-server."""
     if not app.metrics_endpoint:
         raise NotSupported("this server does not support metrics endpoint (start it with --metrics)")
-    text = await anyio.to_thread.run_sync(app.metrics.render)
+    window = app.metrics.take_window()  # (here, on the loop that records the generations)
+    text = await anyio.to_thread.run_sync(app.metrics.render, window)
     # (llama-server's header: when the counters started, for rates across restarts)
     return Response(text, media_type=CONTENT_TYPE, headers={"Process-Start-Time-Unix": str(app.started)})
 
@@ -232,13 +233,27 @@ async def props(request: Request, app: AppContext) -> Response:
         return JSONResponse({"role": "router", "max_instances": catalog.max_loaded or 0,
                              "models_autoload": catalog.autoload,
                              "build_info": info.build_info})
+    cached = app.sleep_props
+    if cached is not None and app.sleep is not None and app.sleep.sleeping \
+            and (name is None or name == cached["model_alias"] or len(app.router.catalog.entries) == 1
+                 or name in app.router.settings_of(cached["model_alias"]).aliases):
+        return JSONResponse(cached)  # (asleep: as it was, without loading the model again)
     await app.router.prepare(name)
+    return JSONResponse(await _current_props(app, name))
+
+
+async def _current_props(app: AppContext, name: str | None) -> dict[str, Any]:
     info = app.router.resolve(name)
     model_id, model = app.router.model(info.id)
     server = None
     if info.mode == "server":
         _, server = app.router.server(info.id)
-    return JSONResponse(await anyio.to_thread.run_sync(_props, app, model_id, model, server))
+    return await anyio.to_thread.run_sync(_props, app, model_id, model, server)
+
+
+async def props_snapshot(app: AppContext) -> dict[str, Any]:
+    """The default model's /props as shown while the server sleeps (``is_sleeping``: true)."""
+    return {**await _current_props(app, None), "is_sleeping": True}
 
 
 def _slot_json(slot: Any) -> dict[str, Any]:
