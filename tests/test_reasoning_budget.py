@@ -20,25 +20,82 @@ def _end_ids(model) -> list[int]:
     return model.vocab.tokenize("</think>", add_special=False, parse_special=True)
 
 
+def _run(state, draws, pieces=None):
+    """What a runner emits when the sampler would draw ``draws`` in turn (a forced token is not drawn)."""
+    out, draws = [], list(draws)
+    while draws:
+        forced = state.forced()
+        if forced is None:
+            tok = draws.pop(0)
+            state.seen(tok)
+            out.append(tok)
+        else:
+            out.append(forced)
+    return out
+
+
+class _Bytes:
+    """A vocabulary stand-in for the UTF-8 wait: token t's piece is ``pieces[t]``."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def check_tokens(self, tokens):
+        return tokens
+
+    def token_bytes(self, t, special=True):
+        return self.pieces.get(t, b"x")
+
+
 def test_the_state_machine_counts_inside_the_block_and_forces_its_end():
     budget = ReasoningBudget(3, (((10, 11), (12, 13)), ((20,), (21,))), message=(5,))
     state = budget.start()
     # idle until a start marker; three tokens inside; then the message and the matching end marker
-    assert [state.next(t) for t in [1, 20, 30, 31, 32, 33, 34, 35]] == [1, 20, 30, 31, 32, 5, 21, 35]
-    assert state.done and state.forced == 2
+    assert _run(state, [1, 20, 30, 31, 32, 33, 34]) == [1, 20, 30, 31, 32, 5, 21, 33, 34]
+    assert not state.in_block and state.n_forced == 2
+    # a later block gets a budget of its own
+    assert _run(state, [20, 40, 41, 42, 43]) == [20, 40, 41, 42, 5, 21, 43]
     ended = ReasoningBudget(5, (((10,), (12,)),)).start()
-    assert [ended.next(t) for t in [10, 1, 12, 3, 4, 5, 6, 7, 8]] == [10, 1, 12, 3, 4, 5, 6, 7, 8]  # ended by itself
-    assert ended.done and ended.forced == 0
+    assert _run(ended, [10, 1, 12, 3, 4, 5, 6, 7, 8]) == [10, 1, 12, 3, 4, 5, 6, 7, 8]  # ended by itself
+    assert not ended.in_block and ended.n_forced == 0
     at_once = ReasoningBudget(0, (((10,), (12, 13)),), open_end=(12, 13)).start()
-    assert [at_once.next(t) for t in [7, 8, 9]] == [12, 13, 9]
+    assert _run(at_once, [7, 8, 9]) == [12, 13, 7, 8, 9]
     control = ReasoningBudget(100, (((10,), (12,)),), open_end=(12,)).start()
-    assert control.next(1) == 1 and control.force_end() and control.next(2) == 12 and not control.force_end()
+    assert _run(control, [1]) == [1] and control.force_end() and _run(control, [2]) == [12, 2]
+    assert not control.force_end()
+    # the end waits for a character to be whole: token 2 starts a 3-byte one, token 3 finishes it
+    vocab = _Bytes({2: "€".encode()[:1], 3: "€".encode()[1:]})
+    utf8 = ReasoningBudget(2, (((10,), (12,)),), open_end=(12,)).start(vocab)
+    assert _run(utf8, [1, 2, 3, 4]) == [1, 2, 3, 12, 4]
     with pytest.raises(lc.InvalidArgumentError):
         ReasoningBudget(-1, (((1,), (2,)),))
     with pytest.raises(lc.InvalidArgumentError):
         ReasoningBudget(1, ())
     with pytest.raises(lc.ArgumentTypeError):
         lc.GenerationParams(reasoning_budget=5)
+
+
+def test_a_budget_with_ids_outside_the_vocabulary_fails_its_request_alone(tiny_model):
+    bad = ReasoningBudget(0, (((1,), (2,)),), open_end=(10**6,))
+    with pytest.raises(lc.TokenizationError):
+        lc.generate(tiny_model, "Hello", max_tokens=2, reasoning_budget=bad)
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=512, n_threads=1) as server:
+        with pytest.raises(lc.TokenizationError):
+            server.generate("Hello", max_tokens=2, reasoning_budget=bad)
+        assert len(server.generate("Hello", max_tokens=2, temp=0).tokens) >= 1  # (the server goes on)
+
+
+def test_forced_tokens_are_what_the_sampler_accepts(tiny_model):
+    """A forced token is given to the sampler as emitted: post-sampling logprobs name it, at probability 1
+    (the entry of a token that was never sampled comes from the forced token, not from a discarded draw)."""
+    end = _end_ids(tiny_model)
+    out = lc.chat(tiny_model, MESSAGES, chat_template=THINKING, reasoning_budget=2, temp=0, max_tokens=8,
+                  ignore_eos=True, logprobs=1, post_sampling=True)
+    assert out.tokens[2:2 + len(end)] == end
+    for entry, tok in zip(out.logprobs, out.tokens):
+        assert entry.token == tok
+    for entry in out.logprobs[2:2 + len(end)]:
+        assert entry.logprob == 0.0  # (probability 1)
 
 
 @pytest.mark.parametrize("where", ["one-call", "server"])

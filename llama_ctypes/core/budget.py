@@ -7,13 +7,17 @@ answers after it. A block that ends by itself before the budget stops the count.
 token sequences, as llama.cpp does (a marker written in other pieces than its tokenization is not seen).
 
 ``ReasoningBudget`` is the immutable description (part of ``GenerationParams``); each generation runs its
-own :class:`BudgetState`, which every runner (the single-sequence loop, the Server's ticks) asks for
-each token with :meth:`BudgetState.next`.
+own :class:`BudgetState`, which every runner (the single-sequence loop, the Server's ticks) asks before
+each token (:meth:`BudgetState.forced`) and tells what it sampled (:meth:`BudgetState.seen`). A forced
+token is not sampled: the runner has the sampler accept it (its history, penalties, a grammar that
+allows it), so the sampler's state follows the text. As in llama.cpp, the end waits for an unfinished
+UTF-8 character to complete, and a later block opens with a fresh budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
 
@@ -53,64 +57,96 @@ class ReasoningBudget:
         if self.open_end is not None:
             object.__setattr__(self, "open_end", _seq(self.open_end, "reasoning end marker"))
 
-    def start(self) -> BudgetState:
-        """A fresh state for one generation."""
-        return BudgetState(self)
+    def start(self, vocab: Any = None) -> BudgetState:
+        """A fresh state for one generation. With ``vocab`` (the model's :class:`~llama_ctypes.core.vocab.Vocab`)
+        the ids are checked against it (TokenizationError) and the end is held back while a character is
+        incomplete."""
+        if vocab is not None:
+            for start, end in self.markers:
+                vocab.check_tokens(start)
+                vocab.check_tokens(end)
+            vocab.check_tokens(self.message)
+            if self.open_end is not None:
+                vocab.check_tokens(self.open_end)
+        return BudgetState(self, None if vocab is None else (lambda t: vocab.token_bytes(t, True)))
 
 
-_IDLE, _COUNTING, _FORCING, _DONE = range(4)
+_IDLE, _COUNTING, _FORCING = range(3)
+
+
+def _unfinished(data: bytes) -> bytes:
+    """The bytes at the end of ``data`` that begin a UTF-8 character not complete yet (b"" if none)."""
+    for k in range(1, min(4, len(data)) + 1):
+        b = data[-k]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back
+            continue
+        need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+        return data[-k:] if need > k else b""
+    return b""
 
 
 class BudgetState:
-    """One generation's progress through its budget. Not thread-safe: one per generation, used by the
-    thread that samples it."""
+    """One generation's progress through its budget, asked by the runner for every token:
+    :meth:`forced` first (a token to emit without sampling, which the runner then gives the sampler to
+    accept), else the runner samples and reports the token with :meth:`seen`. Not thread-safe: one per
+    generation, used by the thread that samples it (a Server's control goes through its scheduler thread).
+    """
 
-    __slots__ = ("budget", "_state", "_count", "_recent", "_end", "_queue", "forced")
+    __slots__ = ("budget", "_state", "_count", "_recent", "_end", "_queue", "_piece", "_tail", "n_forced")
 
-    def __init__(self, budget: ReasoningBudget):
+    def __init__(self, budget: ReasoningBudget, token_bytes: Callable[[int], bytes] | None = None):
         self.budget = budget
         self._state = _COUNTING if budget.open_end is not None else _IDLE
         self._count = 0
         self._recent: list[int] = []  # the last tokens, for marker matching
         self._end = budget.open_end  # the end marker of the open block
         self._queue: list[int] = []
-        self.forced = 0  # tokens forced so far
+        self._piece = token_bytes
+        self._tail = b""  # an unfinished character at the end of the output: the end waits for it
+        self.n_forced = 0  # tokens forced so far
 
     @property
-    def done(self) -> bool:
-        """The block ended (by itself or forced): every later token passes unchanged."""
-        return self._state == _DONE
+    def in_block(self) -> bool:
+        """Inside a reasoning block (counting), or forcing its end."""
+        return self._state != _IDLE
 
     def force_end(self) -> bool:
-        """End the open block now (llama-server's ``reasoning_end`` control): True when a block was open."""
+        """End the open block at the next token (llama-server's ``reasoning_end`` control): True when a
+        block was open."""
         if self._state != _COUNTING:
             return False
         self._begin_forcing()
         return True
 
-    def next(self, sampled: int) -> int:
-        """The token to emit in place of ``sampled`` (itself, unless the end is being forced)."""
-        state = self._state
-        if state == _DONE:
-            return sampled
-        if state == _FORCING:
-            return self._pop()
-        if state == _COUNTING and self._count >= self.budget.tokens:
+    def forced(self) -> int | None:
+        """The token to emit next without sampling, or None (sample, then :meth:`seen`)."""
+        if self._state == _COUNTING and self._count >= self.budget.tokens and not self._tail:
             self._begin_forcing()
-            return self._pop()
-        self._recent.append(sampled)
-        if len(self._recent) > 64:
-            del self._recent[:-64]
-        if state == _IDLE:
+        if self._state != _FORCING:
+            return None
+        tok = self._queue.pop(0)
+        self.n_forced += 1
+        if not self._queue:  # (the block is over; a later start marker opens a new one, with a new budget)
+            self._state, self._recent, self._tail = _IDLE, [], b""
+        return tok
+
+    def seen(self, token: int) -> None:
+        """A token the sampler drew and the runner emitted."""
+        if self._piece is not None:
+            self._tail = _unfinished(self._tail + self._piece(token))
+        recent = self._recent
+        recent.append(token)
+        if len(recent) > 64:
+            del recent[:-64]
+        if self._state == _IDLE:
             for start, end in self.budget.markers:
                 if self._ends_with(start):
                     self._state, self._end, self._count, self._recent = _COUNTING, end, 0, []
                     break
-            return sampled
+            return
         self._count += 1
         if self._end is not None and self._ends_with(self._end):
-            self._state = _DONE  # (it ended by itself)
-        return sampled
+            self._state, self._recent = _IDLE, []  # (it ended by itself)
 
     def _ends_with(self, seq: tuple[int, ...]) -> bool:
         recent = self._recent
@@ -120,10 +156,3 @@ class BudgetState:
         end = self._end if self._end is not None else self.budget.markers[0][1]
         self._queue = [*self.budget.message, *end]
         self._state = _FORCING
-
-    def _pop(self) -> int:
-        tok = self._queue.pop(0)
-        self.forced += 1
-        if not self._queue:
-            self._state = _DONE
-        return tok

@@ -230,7 +230,8 @@ def read_prompt(lease: ContextLease, prompt: list[int], params: GenerationParams
 
 def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[int], params: GenerationParams,
                run: _Run, cancelled: Callable[[], bool] = lambda: False,
-               post: dict[int, Any] | None = None) -> Iterator[int]:
+               post: dict[int, Any] | None = None,
+               accept_forced: Callable[[int, int], None] | None = None) -> Iterator[int]:
     """Yield generated token ids; the caller holds the context (``lease``) and the sampler.
 
     Each token is yielded before the next decode starts, so a consumer that
@@ -238,6 +239,8 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
     tokens (an abort stops a decode in flight). With ``params.logprobs`` set,
     each token's :class:`TokenLogprob` goes to ``run.logprobs`` before it is yielded
     (with ``params.post_sampling``, from ``post``: the sampler binding's record of each row).
+    With ``params.reasoning_budget``, a token the budget forces is not sampled: ``accept_forced(row,
+    token)`` gives it to the sampler (required then).
     """
     t0 = time.perf_counter()
     timings = run.timings
@@ -255,16 +258,25 @@ def token_loop(lease: ContextLease, sample: Callable[[int], int], prompt: list[i
         if run.logprobs is None:
             run.logprobs = []
     entries = run.logprobs
-    budget = params.reasoning_budget.start() if params.reasoning_budget is not None else None
+    budget = None
+    if params.reasoning_budget is not None:
+        if accept_forced is None:
+            raise InvalidArgumentError("a reasoning budget needs a runner that can give forced tokens to its sampler")
+        budget = params.reasoning_budget.start(lease.ctx.vocab)
     clock = time.perf_counter
     decode_s = sample_s = 0.0
     t_first = None
     try:
         while True:
             ts = clock()
-            tok = sample(-1)
-            if budget is not None:
-                tok = budget.next(tok)
+            forced = budget.forced() if budget is not None else None
+            if forced is None:
+                tok = sample(-1)
+                if budget is not None:
+                    budget.seen(tok)
+            else:
+                tok = forced
+                accept_forced(-1, tok)  # type: ignore[misc]
             te = clock()
             sample_s += te - ts
             if t_first is None:
@@ -430,7 +442,7 @@ class _TextGeneration:
             try:
                 with control.running(self.run):
                     yield from token_loop(lease, binding.sample, self.prompt, self.params, self.run,
-                                          lambda: control.cancelled, binding.post)
+                                          lambda: control.cancelled, binding.post, binding.accept_forced)
             finally:
                 binding.release()
                 lease.release()

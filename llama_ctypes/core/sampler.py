@@ -374,6 +374,20 @@ class SamplerBinding:
             finally:
                 lib.llama_sampler_free(clone)
 
+    def accept_forced(self, row: int, token: int) -> None:
+        """``token`` is emitted at batch row ``row`` without sampling (a reasoning budget forced it): the
+        chain accepts it (history, penalties), the grammar too when it allows it (the forced text lies
+        outside the grammar's language otherwise), and with ``post`` it is recorded as certain."""
+        if not self._held:
+            raise ClosedError("this SamplerBinding was released")
+        sampler = self._sampler
+        lib = sampler._lib
+        lib.llama_sampler_accept(self._clone if self.in_graph else sampler._ptr, token)
+        if sampler._grammar and sampler._grammar_allows(token):
+            lib.llama_sampler_accept(sampler._grammar, token)
+        if self.post is not None:
+            self.post[row] = PostSampling(token, 1.0, np.array([token]), np.array([1.0]))
+
     def release(self) -> None:
         if self._held:
             self._held = False

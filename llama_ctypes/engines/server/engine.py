@@ -497,20 +497,29 @@ class Engine:
             if step.n_draft:
                 row_errors = self._sample_verified(step, outputs, row_errors)
                 continue
-            if best is not None and getattr(step.request.binding, "argmax", False):
-                for _ in step.sample:
-                    outputs.append(best[len(outputs)])
-                continue
+            greedy = best is not None and getattr(step.request.binding, "argmax", False)
+            budget = step.request.budget  # (a budgeted request never drafts: it has one row per step)
             for i in step.sample:
-                try:
-                    outputs.append(sample(step.row + i))
-                except LlamaError as error:  # this request's sampler refused: it fails alone
-                    if row_errors is None:
-                        row_errors = {}
-                    row_errors[len(outputs)] = error
-                    outputs.append(-1)
-        if any(step.request.budget is not None for step in plan.steps):
-            self._apply_budgets(plan, outputs)
+                if budget is not None:
+                    forced = budget.forced()
+                    if forced is not None:  # (not sampled: the sampler accepts it as emitted)
+                        step.request.binding.accept_forced(step.row + i, forced)
+                        outputs.append(forced)
+                        continue
+                if greedy:
+                    tok = best[len(outputs)]  # type: ignore[index]
+                else:
+                    try:
+                        tok = sample(step.row + i)
+                    except LlamaError as error:  # this request's sampler refused: it fails alone
+                        if row_errors is None:
+                            row_errors = {}
+                        row_errors[len(outputs)] = error
+                        outputs.append(-1)
+                        continue
+                if budget is not None:
+                    budget.seen(tok)
+                outputs.append(tok)
         if self._observer is not None:
             try:
                 self._observer.observe(plan, outputs, self.lease, batch.n_tokens)
@@ -533,18 +542,6 @@ class Engine:
                 "prefill_tokens": batch.n_tokens - decode_tokens, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
         return outputs, logprobs, None, row_errors
-
-    @staticmethod
-    def _apply_budgets(plan: TickPlan, outputs: list[int]) -> None:
-        """Tokens forced by a request's reasoning budget in place of the sampled ones (before logprobs,
-        so a forced token's entry is its own). Budgeted requests never draft: one row per step."""
-        k = 0
-        for step in plan.steps:
-            budget = step.request.budget
-            for _ in step.sample:
-                if budget is not None and outputs[k] >= 0:
-                    outputs[k] = budget.next(outputs[k])
-                k += 1
 
     def _argmax_rows(self, plan: TickPlan) -> list[int] | None:
         """The argmax of every sampled row of the plan, in one numpy operation, when at least half of

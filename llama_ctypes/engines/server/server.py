@@ -408,7 +408,7 @@ class Server:
             if start is not None and start >= len(tokens):
                 self._served.unresolve([loras])
                 loras, start = (), None  # (no invocation in the prompt: the activated LoRA stays off)
-            budget = params.reasoning_budget.start() if params.reasoning_budget is not None else None
+            budget = params.reasoning_budget.start(vocab) if params.reasoning_budget is not None else None
             # (no drafts for a budgeted request: a forced token is not the sampler's, so no draft verifies it)
             request = Request(tokens, params, sampler, Channel(loop), session=session, text=text,
                               speculative=speculative and budget is None, pin=pin, progress=progress,

@@ -250,6 +250,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             context.closing = True
             if watcher is not None:
                 watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher  # (not freeing a model while the manager closes)
             if context.close_manager:
                 await anyio.to_thread.run_sync(manager.close)
 

@@ -14,7 +14,7 @@ options) when the catalog has one model or does not load models on demand; in ro
 the request's own model is loaded by the router, as for any unloaded model. A model that cannot be
 loaded again is left ``failed`` in the catalog (503 for its requests, ``/models/load`` tries again); the
 others are served. A model loaded while asleep (``/models/load``, a ``/props?model=`` of an unloaded
-one) ends the sleep: the idle timer runs again.
+one) ends the sleep as a request would, and a model's idle time starts when it becomes ready.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 #: Paths that never wake the server: GETs that read its state, and the model management endpoints.
 _READ_ONLY = frozenset({"/health", "/v1/health", "/metrics", "/props", "/models", "/v1/models"})
-_MANAGING = frozenset({"/models/load", "/models/unload"})
+_MANAGING = frozenset({"/models/load", "/models/unload", "/v1/chat/completions/control"})
 
 
 def wakes(method: str, path: str) -> bool:
@@ -61,6 +61,7 @@ class IdleSleep:
         self._in_flight = 0
         self._last = time.monotonic()
         self._asleep: list[str] = []  # the models freed
+        self._seen: frozenset[str] = frozenset()  # the models loaded at the last look
         self._lock: asyncio.Lock | None = None
 
     def _guard(self) -> asyncio.Lock:
@@ -89,11 +90,15 @@ class IdleSleep:
         poll = min(0.25, self.idle_s / 4)
         while True:
             await asyncio.sleep(poll)
+            loaded = frozenset(self._loaded())
+            if loaded - self._seen:  # (a model just became ready: its idle time starts now)
+                self._last = time.monotonic()
+            self._seen = loaded
             if self.sleeping:
-                if self._loaded():  # (something loaded a model meanwhile: awake again, the timer runs)
+                if loaded:  # (something loaded a model meanwhile, /models/load say: awake again)
                     async with self._guard():
                         if self.sleeping and self._loaded():
-                            self._awake()
+                            await self._wake()
                 continue
             if self._in_flight or time.monotonic() - self._last < self.idle_s:
                 continue

@@ -263,6 +263,8 @@ async def control(request: Request, app: AppContext) -> Response:
     running = [s for s in reply.streams if s.finish_reason is None] if reply is not None else []
     if not running:
         return JSONResponse({"success": False, "message": "no active completion for this id"})
+    if not reply.body.reasoning_control:  # type: ignore[union-attr]
+        return JSONResponse({"success": False, "message": "reasoning control not enabled for this completion"})
     _, server = app.router.server(reply.model_id)
     ended = [await anyio.to_thread.run_sync(server.end_reasoning, s) for s in running]
     if not any(ended):
