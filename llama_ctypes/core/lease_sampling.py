@@ -40,21 +40,22 @@ class InGraphSampling:
 
     def attach_sampler(self, seq: int, chain: int) -> bool:
         """Run the native chain at address ``chain`` inside the graph for sequence ``seq`` (True; again
-        for the chain attached there already). False when llama.cpp cannot (a split mode or backend without it): the
-        sequence then samples as usual. BusyError when another chain is attached there, and
-        InvalidArgumentError for a chain attached elsewhere (llama.cpp sets a chain up for one
-        graph use only). The caller keeps the chain alive until :meth:`detach_sampler` or the
+        for the chain attached there already). False when llama.cpp cannot (a split mode or backend
+        without it): the sequence then samples as usual. BusyError when another chain is attached
+        there, and InvalidArgumentError for a chain attached elsewhere (llama.cpp sets a chain up for
+        one graph use only). The caller keeps the chain alive until :meth:`detach_sampler` or the
         lease's release, and never samples through it outside this sequence's rows."""
         self._check()  # type: ignore[attr-defined]
         seq = self._check_seq(seq)  # type: ignore[attr-defined]
         if not chain:
             raise InvalidArgumentError("attach_sampler needs a live sampler chain")
-        if self._in_graph.get(seq, chain) != chain:
-            raise BusyError(f"sequence {seq} already samples in the graph with another chain")
-        if chain in self._in_graph.values() and self._in_graph.get(seq) != chain:
-            raise InvalidArgumentError("this chain is attached to another sequence")
-        if self._in_graph.get(seq) == chain:
+        current = self._in_graph.get(seq)
+        if current == chain:
             return True
+        if current is not None:
+            raise BusyError(f"sequence {seq} already samples in the graph with another chain")
+        if chain in self._in_graph.values():
+            raise InvalidArgumentError("this chain is attached to another sequence")
         self.ctx._reserve_pending = True
         self._graph_used = True
         self._in_graph[seq] = chain  # (before the call: an interrupt after it must still detach)
