@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import anyio
 
@@ -167,7 +167,3 @@ class IdleSleep:
         self._last = time.monotonic()
         if self._on_wake is not None:
             self._on_wake(freed)
-
-    def describe(self) -> dict[str, Any]:
-        return {"sleeping": self.sleeping, "idle_s": self.idle_s, "models": list(self._asleep)}
-
