@@ -100,8 +100,9 @@ def test_forced_tokens_are_what_the_sampler_accepts(tiny_model):
 
 @pytest.mark.parametrize("where", ["one-call", "server"])
 def test_chat_forces_the_end_of_thinking_after_the_budget(tiny_model, where):
+    # (no prefix cache: every run below is cold, in the same batch shapes, so greedy runs compare exactly)
     target = tiny_model if where == "one-call" else lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024,
-                                                              n_threads=1)
+                                                              n_threads=1, cache_prompt=False)
     try:
         opts = dict(chat_template=THINKING, temp=0, max_tokens=16, ignore_eos=True)
         free = lc.chat(target, MESSAGES, **opts)
@@ -139,8 +140,9 @@ def test_reasoning_budget_over_http(tmp_path, tiny_model_path, tiny_model):
     default, and Anthropic's ``thinking.budget_tokens``, as llama-server."""
     template = tmp_path / "thinking.jinja"
     template.write_text(THINKING)
-    proc = ServeProcess([str(tiny_model_path), "--chat-template", str(template), "--reasoning-budget", "3"],
-                        tmp_path / "serve.log")
+    # (no prefix cache: every request runs cold, in the same shapes, so their texts compare exactly)
+    proc = ServeProcess([str(tiny_model_path), "--chat-template", str(template), "--reasoning-budget", "3",
+                         "--no-cache-prompt"], tmp_path / "serve.log")
     end = _end_ids(tiny_model)
 
     def chat(**fields) -> dict:

@@ -21,7 +21,6 @@ from ..errors import (
     ContextCreationError,
     ContextOverflowError,
     DecodeError,
-    IndexOutOfRangeError,
     InvalidArgumentError,
     LlamaError,
     RPCConnectionError,
@@ -38,6 +37,7 @@ from .hidden_states import HiddenStates
 from .kv_record import KVRecord
 from .lease_adapters import AdapterOps
 from .lease_media import MediaOps
+from .lease_outputs import OutputOps
 from .lease_sampling import InGraphSampling
 from .lora import LoraAdapter, LoraSet
 from .params import ContextParams, split_options
@@ -318,7 +318,7 @@ def _synchronized_check(lib, ptr, watch: ConnectionWatch) -> Callable[[], RPCCon
     return lost
 
 
-class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling):
+class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOps):
     """Sole use of a :class:`Context` until :meth:`release` (idempotent; also ``with``).
 
     Created by :meth:`Context.lease`. While it is held the context cannot be
@@ -606,109 +606,6 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling):
             return False
         record.cut(n)
         return True
-
-    # ---- outputs -------------------------------------------------------------------------------
-    def has_logits(self, i: int) -> bool:
-        """Whether batch row ``i`` of the last decode has logits (not one sampled inside the graph)."""
-        self._check()
-        return not self._sampled_in_graph(i) and bool(self._lib.llama_get_logits_ith(self._ptr, i))
-
-    def logits(self, i: int = -1) -> np.ndarray:
-        """A copy of the logits row ``i`` of the last decode (float32, n_vocab)."""
-        self._check()
-        self._refuse_in_graph_row(i)
-        ptr = self._lib.llama_get_logits_ith(self._ptr, i)
-        if not ptr:
-            raise IndexOutOfRangeError(f"no logits for batch row {i} (was it marked as an output?)")
-        return np.ctypeslib.as_array(ptr, shape=(self.ctx.n_vocab,)).copy()
-
-    def logits_view_fn(self) -> Callable[[int], np.ndarray]:
-        """``idx -> float32 view`` of a logits row, rebuilt only when llama.cpp moves its buffer.
-
-        A view is valid until the next decode; copy what must outlive it.
-        """
-        self._check()
-        n_vocab = self.ctx.n_vocab
-        # The same C function, returning the address as an int instead of a ctypes pointer.
-        logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-            ctypes.cast(self._lib.llama_get_logits_ith, ctypes.c_void_p).value)
-        ctx_addr = ctypes.cast(self._ptr, ctypes.c_void_p).value
-        cached: list = [None, None]  # address, view
-
-        def view(idx: int) -> np.ndarray:
-            if not self._held:
-                raise ClosedError("this ContextLease was released")
-            if self._graph_used:
-                self._refuse_in_graph_row(idx)
-            addr = logits_addr(ctx_addr, idx)
-            if not addr:
-                raise IndexOutOfRangeError(f"no logits for batch row {idx}")
-            if addr != cached[0]:
-                cached[0] = addr
-                cached[1] = np.ctypeslib.as_array((ctypes.c_float * n_vocab).from_address(addr))
-            return cached[1]
-
-        return view
-
-    def logits_rows_fn(self) -> Callable[[Sequence[int]], "np.ndarray | None"]:
-        """``rows -> (len(rows), n_vocab) float32 view`` of the logits of batch rows ``rows`` (ascending,
-        every row of the last batch with logits between the first and the last), for one numpy operation
-        over them all; None when they are not stored as one block (rows sampled inside the graph, or
-        rows missing from the list). A view is valid until the next decode.
-        """
-        self._check()
-        n_vocab = self.ctx.n_vocab
-        stride = n_vocab * ctypes.sizeof(ctypes.c_float)
-        logits_addr = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
-            ctypes.cast(self._lib.llama_get_logits_ith, ctypes.c_void_p).value)
-        ctx_addr = ctypes.cast(self._ptr, ctypes.c_void_p).value
-
-        def rows_view(rows: Sequence[int]) -> np.ndarray | None:
-            if not self._held:
-                raise ClosedError("this ContextLease was released")
-            if self._graph_used or not rows:
-                return None
-            # (reading a row puts llama.cpp's outputs back in batch order: output k is the k-th row with
-            # logits, so the first and the last address bound a packed block exactly when no row is missing)
-            first, last = logits_addr(ctx_addr, rows[0]), logits_addr(ctx_addr, rows[-1])
-            if not first or not last or last - first != (len(rows) - 1) * stride:
-                return None
-            return np.ctypeslib.as_array((ctypes.c_float * (n_vocab * len(rows))).from_address(first)) \
-                .reshape(len(rows), n_vocab)
-
-        return rows_view
-
-    def sample_fn(self, chain) -> Callable[[int], int]:
-        """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context.
-
-        The caller guarantees that row ``idx`` has logits (llama.cpp asserts otherwise).
-        """
-        self._check()
-        sample, ptr = self._lib.llama_sampler_sample, self._ptr
-
-        def fn(idx: int) -> int:
-            if not self._held:
-                raise ClosedError("this ContextLease was released")
-            return sample(chain, ptr, idx)
-
-        return fn
-
-    def embeddings_ith(self, i: int, n: int) -> np.ndarray | None:
-        """A copy of the embedding of batch row ``i`` (``n`` floats), or None."""
-        self._check()
-        ptr = self._lib.llama_get_embeddings_ith(self._ptr, i)
-        return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
-
-    def embeddings_seq(self, seq: int, n: int) -> np.ndarray | None:
-        """A copy of the pooled embedding of sequence ``seq`` (``n`` floats), or None."""
-        self._check()
-        ptr = self._lib.llama_get_embeddings_seq(self._ptr, self._check_seq(seq))
-        return np.ctypeslib.as_array(ptr, shape=(n,)).copy() if ptr else None
-
-    def pooling_type(self) -> int:
-        """The context's pooling type (``LLAMA_POOLING_TYPE_*``)."""
-        self._check()
-        return int(self._lib.llama_pooling_type(self._ptr))
 
     # ---- memory (KV cache) -------------------------------------------------------------------------
     def clear(self) -> None:

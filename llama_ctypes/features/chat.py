@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
+from ..core.budget import ReasoningBudget
 from ..core.generation import FinishReason, GenerationParams, LazyStream, Timings
 from ..core.logprobs import TokenLogprob
 from ..core.media import MediaData, MediaLimits
@@ -25,7 +26,13 @@ from ..native import llama_h as L
 from .chat_media import has_media, split_media
 from .chat_template import ChatTemplate, ChatTemplateError, check_template_kwargs
 from .openai.shapes import CompletionUsage, usage
-from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning, reasoning_budget
+from .reasoning import (
+    ReasoningSplitter,
+    budget_tokens,
+    formats_for_template,
+    opens_inside_reasoning,
+    reasoning_budget,
+)
 from .structured import constrain_to, parse_completion
 
 Message = Mapping[str, Any]
@@ -400,12 +407,10 @@ def stream_chat(model: Model | GenerationTarget, messages: Sequence[Message], **
     splitter = ReasoningSplitter(formats, opens_inside_reasoning(text, formats)) if formats else None
     if formats:
         rest.setdefault("special", True)  # reasoning markers are often special tokens
-    if isinstance(rest.get("reasoning_budget"), int) and not isinstance(rest["reasoning_budget"], bool):
-        n = rest.pop("reasoning_budget")
-        if n < -1:
-            raise InvalidArgumentError(f"reasoning_budget={n!r}: expected -1 (no limit), 0 or a number of tokens")
+    if not isinstance(rest.get("reasoning_budget"), (ReasoningBudget, type(None))):  # (a number of tokens)
+        n = budget_tokens(rest.pop("reasoning_budget"))
         message = rest.pop("reasoning_budget_message", "")
-        if n >= 0:
+        if n is not None:
             rest["reasoning_budget"] = reasoning_budget(model.vocab, formats_for_template(template.source), text, n,
                                                         message)
     tokens = media_prompt_tokens(model, text, media, media_limits) if media else prompt_tokens(model, text)

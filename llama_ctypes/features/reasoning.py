@@ -7,6 +7,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 from ..core.budget import ReasoningBudget
 from ..core.text import partial_suffix
+from ..errors import InvalidArgumentError
 
 Kind = Literal["reasoning", "content"]
 
@@ -46,6 +47,16 @@ def opens_inside_reasoning(prompt: str, formats: Iterable[ReasoningFormat]) -> R
         if start >= 0 and prompt.find(fmt.end, start + len(fmt.start)) < 0:
             return fmt
     return None
+
+
+def budget_tokens(value: Any) -> int | None:
+    """A ``reasoning_budget`` option as tokens: None for None or -1 (no limit), else an integer >= 0
+    (InvalidArgumentError otherwise)."""
+    if value is None or value == -1 and not isinstance(value, bool):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"reasoning_budget={value!r}: expected -1 (no limit), 0 or a number of tokens")
+    return value
 
 
 def reasoning_budget(vocab: Any, formats: Sequence[ReasoningFormat], prompt: str, tokens: int,

@@ -40,7 +40,7 @@ from .chat_media import has_media, split_media
 from .chat_native import ChatFormat, ChatFormatter, OutputParser, ToolCallError
 from .chat_template import check_template_kwargs
 from .openai.shapes import new_call_id
-from .reasoning import ReasoningSplitter, formats_for_template, opens_inside_reasoning
+from .reasoning import ReasoningSplitter, budget_tokens, formats_for_template, opens_inside_reasoning
 from .reasoning import reasoning_budget as reasoning_budget_for
 
 logger = logging.getLogger(__name__)
@@ -304,11 +304,7 @@ def plan_chat(model: Model, messages: Sequence[Mapping[str, Any]], *, tools: Seq
     (after ``reasoning_budget_message``), as llama-server's ``--reasoning-budget``; None or -1: no limit; a
     template that does not think ignores it.
     """
-    if reasoning_budget is not None and (isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int)
-                                         or reasoning_budget < -1):
-        raise InvalidArgumentError(f"reasoning_budget={reasoning_budget!r}: expected -1 (no limit), 0 or a number "
-                                   "of tokens")
-    budget = reasoning_budget if reasoning_budget is not None and reasoning_budget >= 0 else None
+    budget = budget_tokens(reasoning_budget)
     tools, mode, _ = _check_tools(tools, tool_choice, schema_limits)
     media: list = []
     if has_media(messages):

@@ -546,17 +546,16 @@ class Engine:
     def _argmax_rows(self, plan: TickPlan) -> list[int] | None:
         """The argmax of every sampled row of the plan, in one numpy operation, when at least half of
         them are plain greedy (their bindings' ``argmax``); None otherwise (each row samples alone)."""
-        rows: list[int] = []
-        n_greedy = 0
+        n_rows = n_greedy = 0
         for step in plan.steps:
             if step.n_draft:  # (verification samples row by row, up to the first mismatch)
                 return None
-            rows.extend(step.row + i for i in step.sample)
+            n_rows += len(step.sample)
             if getattr(step.request.binding, "argmax", False):
                 n_greedy += len(step.sample)
-        if n_greedy < 2 or 2 * n_greedy < len(rows):
+        if n_greedy < 2 or 2 * n_greedy < n_rows:
             return None
-        block = self._logits_rows(rows)
+        block = self._logits_rows([step.row + i for step in plan.steps for i in step.sample])
         return None if block is None else block.argmax(axis=1).tolist()
 
     def _sample_verified(self, step, outputs: list[int],
