@@ -133,6 +133,39 @@ def test_media_errors_over_http(served):
     assert ok.status_code == 200, ok.text
 
 
+def test_media_path_serves_the_files_of_its_folder_only(served, mm_files, tmp_path):
+    """``--media-path DIR``: ``file://PATH`` media from DIR, as llama-server's test_local_media_file; nothing
+    outside it (``..``, a link out), and none at all without the flag."""
+    folder = tmp_path / "media"
+    (folder / "mtmd").mkdir(parents=True)
+    (folder / "mtmd" / "a.png").write_bytes(png(IMG_A))
+    (tmp_path / "secret.png").write_bytes(png(IMG_B))
+    (folder / "link.png").symlink_to(tmp_path / "secret.png")
+    (folder / "big.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * (1 << 20))
+    off = api_error(httpx.post(served.base_url + "/v1/chat/completions", timeout=60, json={
+        "messages": image_message("file://mtmd/a.png"), "max_tokens": 1}), 400)
+    assert "--media-path" in off["message"]
+    server = ServeProcess([str(mm_files["model"]), "--mmproj", str(mm_files["vision"]), "--chat-template", "chatml",
+                           "-c", "1024", "--media-max-mb", "1", "--media-path", str(folder)], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        post = lambda url: httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={  # noqa: E731
+            "messages": image_message(url), "max_tokens": 1, "temperature": 0})
+        inline = post(data_url(png(IMG_A)))
+        assert inline.status_code == 200, inline.text
+        for url in ("file://mtmd/a.png", "file:////mtmd//a.png"):
+            r = post(url)
+            assert r.status_code == 200, (url, r.text)
+            assert r.json()["usage"]["prompt_tokens"] == inline.json()["usage"]["prompt_tokens"]
+        for url in ("file://mtmd/missing.png", "file://../secret.png", "file://mtmd/../../secret.png",
+                    "file://link.png", "file://mtmd/a.png:x", "file://"):
+            api_error(post(url), 400, "messages[0].content[1]")
+        api_error(post("file://big.png"), 413)
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log()
+
+
 def test_audio_over_http(mm_files):
     server = ServeProcess([str(mm_files["model"]), "--mmproj", str(mm_files["audio"]), "--chat-template", "chatml",
                            "-c", "1024"], mm_files["dir"] / "serve-audio.log")

@@ -48,7 +48,8 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
     take or that cannot be read.
 
     ``allow_paths=False`` (an HTTP request): a URL is a ``data:`` URL or plain base64 (as llama-server
-    takes), never a file of this machine. ``fetch``: reads an http(s) URL (None: such URLs are refused).
+    takes), never a file of this machine. ``fetch``: reads an http(s) URL, and a ``file://`` one when
+    ``allow_paths`` is False (the server's ``--media-path``); None: such URLs are refused.
     """
     limits = limits or MediaLimits()
     out: list[Mapping[str, Any]] = []
@@ -75,10 +76,13 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
                 raise _at(MediaError(f"{where}: unsupported content part type {kind!r}"), where)
             try:
                 source = _part_source(part, kind)
-                if isinstance(source, str) and re.match(r"(?i)https?://", source):
+                if isinstance(source, str) and re.match(r"(?i)https?://|file://", source) \
+                        and not (allow_paths and source.startswith("file://")):
                     if fetch is None:
-                        raise MediaError("http(s) media URLs are not fetched by this server: send the media "
-                                         "as a data: URL (or start it with --media-urls)")
+                        raise MediaError(
+                            "file:// URLs are not allowed unless --media-path is specified"
+                            if source.startswith("file://") else "http(s) media URLs are not fetched by this "
+                            "server: send the media as a data: URL (or start it with --media-urls)")
                     source = fetch(source)
                 elif isinstance(source, str) and not allow_paths and source[:5].lower() != "data:":
                     source = _plain_base64(source)

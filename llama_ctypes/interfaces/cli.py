@@ -185,6 +185,8 @@ def _add_serve_parser(sub) -> None:
                        help="most tokens per image, for projectors with dynamic resolution")
     media.add_argument("--media-urls", action="store_true",
                        help="fetch http(s) image and audio URLs of requests (off: data: URLs and base64 only)")
+    media.add_argument("--media-path", metavar="DIR",
+                       help="chat requests may name files of DIR as file://PATH media (as llama-server; off: refused)")
     media.add_argument("--media-max-mb", type=float, default=20.0,
                        help="largest image or audio file of a request, in MiB (default 20)")
     media.add_argument("--media-max-items", type=int, default=16,
@@ -279,12 +281,32 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"),
                    help="the layers the control vector applies to, inclusive (default: all)")
     webui = p.add_mutually_exclusive_group()
-    webui.add_argument("--no-webui", dest="webui", action="store_false",
+    webui.add_argument("--no-webui", "--no-ui", dest="webui", action="store_false",
                        help="no chat page at / (as llama-server's --no-webui)")
-    webui.add_argument("--webui", dest="webui", action="store_true", help="the chat page at / (the default)")
+    webui.add_argument("--webui", "--ui", dest="webui", action="store_true", help="the chat page at / (the default)")
     p.set_defaults(webui=True)
     p.add_argument("--webui-path", "--path", metavar="DIR",
                    help="serve this folder's index.html and files at / instead of the built-in page")
+    agents = p.add_argument_group("agent helpers of llama-server's web UI (experimental; docs/http_server.md: Tools)")
+    agents.add_argument("--tools", metavar="TOOL1,TOOL2,...",
+                        help="built-in tools served at /tools: 'all', or names among read_file, file_glob_search, "
+                             "grep_search, exec_shell_command, write_file, edit_file, get_info. They read, write "
+                             "and run commands as this process: do not enable where clients are not trusted. "
+                             "With tools or MCP servers, --cors-origins defaults to localhost")
+    agents.add_argument("--tools-runtime", metavar="SPEC",
+                        help="where tools run: 'docker:IMAGE' or 'podman:IMAGE' (a container started now and "
+                             "removed at exit), 'docker-container:ID', 'podman-container:ID', 'ssh:TARGET'")
+    agents.add_argument("--mcp-servers-config", metavar="FILE",
+                        help="a JSON file of MCP servers (Cursor's format) whose tools /tools serves")
+    agents.add_argument("--mcp-servers-json", metavar="JSON", help="the same, inline")
+    proxy = agents.add_mutually_exclusive_group()
+    proxy.add_argument("--ui-mcp-proxy", "--webui-mcp-proxy", dest="ui_mcp_proxy", action="store_true",
+                       default=None, help="serve /cors-proxy, a pass-through to any http(s) URL (off: 403)")
+    proxy.add_argument("--no-ui-mcp-proxy", "--no-webui-mcp-proxy", dest="ui_mcp_proxy", action="store_false")
+    agent = agents.add_mutually_exclusive_group()
+    agent.add_argument("--agent", "-ag", dest="agent", action="store_true", default=None,
+                       help="all built-in tools and the proxy (as llama-server's --agent)")
+    agent.add_argument("--no-agent", "-no-ag", dest="agent", action="store_false")
     p.add_argument("--spm-infill", action="store_true",
                    help="/infill prompts in suffix/prefix/middle order (for models trained that way)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MiB (default 8)")

@@ -31,7 +31,7 @@ from .common import MAX_BODY_BYTES, AppContext
 from .cors import CorsPolicy
 from .errors import APIError
 from .limits import RequestLimits
-from .media_urls import url_fetcher
+from .media_urls import media_reader
 from .metrics import Metrics
 from .middleware import ServiceMiddleware
 from .routes.chat import apply_template, chat_completions, control, input_tokens
@@ -58,8 +58,11 @@ from .routes.service import (
     tokenize,
     unload_model,
 )
+from .routes.tools import cors_proxy as cors_proxy_route
+from .routes.tools import tools as tools_route
 from .routing import ModelSettings, Router
 from .sleep import IdleSleep
+from .tools.box import ToolBox
 from .webui import WebUI
 
 logger = logging.getLogger(__name__)
@@ -94,6 +97,8 @@ _ROUTES = [
     (("/lora-adapters",), ["GET", "POST"], lora_adapters, "lora_adapters"),
     (("/lora-adapters/load",), ["POST"], lora_load, "lora_load"),
     (("/lora-adapters/unload",), ["POST"], lora_unload, "lora_unload"),
+    (("/tools",), ["GET", "POST"], tools_route, "tools"),
+    (("/cors-proxy",), ["GET", "POST"], cors_proxy_route, "cors_proxy"),
 ]
 _LABELS = {path: label for paths, _, _, label in _ROUTES for path in paths}
 
@@ -151,8 +156,10 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                catalog: Catalog | None = None, router_mode: bool = False,
                slot_save_path: str | os.PathLike | None = None,
                webui: bool | str | os.PathLike = True, media_urls: bool = False,
+               media_path: str | os.PathLike | None = None,
                predict_route: str | None = None, health_route: str | None = None,
-               sleep_idle_seconds: float | None = None) -> Starlette:
+               sleep_idle_seconds: float | None = None, tools: ToolBox | None = None,
+               cors_proxy: bool = False) -> Starlette:
     """An OpenAI-compatible ASGI app over the models of ``manager``.
 
     Args:
@@ -195,17 +202,26 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             ``--no-webui``). Its files need no API key; the page asks for one.
         media_urls: fetch http(s) image and audio URLs of chat requests (off: only ``data:`` URLs and
             base64 are taken; a server that fetches what clients name can reach hosts they cannot).
+        media_path: a folder whose files chat requests may name as ``file://PATH`` media (llama-server's
+            ``--media-path``; PATH relative to it, never leaving it). None: ``file://`` URLs are refused.
         predict_route: serve Vertex AI's prediction protocol there (``"/predict"``; routes/predict.py), as
             llama-server does under ``AIP_MODE=PREDICTION``; ``health_route``: ``/health`` there too.
         sleep_idle_seconds: free the catalog's loaded models after that many seconds without a request,
             and load them again on the next request that needs one (llama-server's
             ``--sleep-idle-seconds``; sleep.py). None: never.
+        tools: the tools ``/tools`` lists and calls (:class:`~.tools.box.ToolBox`: llama-server's
+            ``--tools``, ``--tools-runtime``, ``--mcp-servers-json``); the app starts it and closes it
+            with itself. None: ``/tools`` answers 403, as llama-server without them.
+        cors_proxy: serve ``/cors-proxy`` (llama-server's ``--ui-mcp-proxy``; cors_proxy.py), else 403.
+            It reaches any host this server can reach, for whoever holds the API key.
     """
     save_path = None
     if slot_save_path is not None:
         save_path = Path(slot_save_path).expanduser().resolve()
         if not save_path.is_dir():
             raise ValueError(f"slot_save_path={str(slot_save_path)!r}: no such folder")
+    if media_path is not None and not Path(media_path).is_dir():
+        raise ValueError(f"media_path={str(media_path)!r}: not a directory")
     if reasoning_format not in ("auto", "none", "deepseek", "deepseek-legacy"):
         raise ValueError(f"reasoning_format={reasoning_format!r}: expected auto, none, deepseek or deepseek-legacy")
     if isinstance(reasoning_budget, bool) or not isinstance(reasoning_budget, int) or reasoning_budget < -1:
@@ -233,7 +249,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          enable_thinking=enable_thinking, reasoning_budget=reasoning_budget,
                          reasoning_budget_message=reasoning_budget_message,
                          spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
-                         webui=page, fetch_media=url_fetcher(limits.media) if media_urls else None)
+                         webui=page, fetch_media=media_reader(limits.media, urls=media_urls, folder=media_path),
+                         tools=tools, cors_proxy=bool(cors_proxy))
 
     if sleep_idle_seconds is not None:
         if catalog is None:
@@ -243,6 +260,8 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if tools is not None:
+            await tools.start()
         watcher = asyncio.create_task(context.sleep.watch()) if context.sleep is not None else None
         try:
             yield
@@ -252,8 +271,12 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher  # (not freeing a model while the manager closes)
-            if context.close_manager:
-                await anyio.to_thread.run_sync(manager.close)
+            try:
+                if tools is not None:
+                    await tools.close()
+            finally:
+                if context.close_manager:
+                    await anyio.to_thread.run_sync(manager.close)
 
     routes = [Route(path, fn, methods=methods) for paths, methods, fn, _ in _ROUTES for path in paths]
     for extra in (predict_route, health_route):

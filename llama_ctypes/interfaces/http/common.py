@@ -58,6 +58,8 @@ class AppContext:
     slot_save_path: Path | None = None  # where /slots/{id}?action=save|restore files live (--slot-save-path)
     webui: WebUI | None = None  # the page at / (None: --no-webui)
     fetch_media: Callable[[str], bytes] | None = None  # http(s) media URLs (None: refused; --media-urls)
+    tools: Any = None  # the ToolBox of /tools (tools/box.py), None: 403 (--tools, --mcp-servers-*)
+    cors_proxy: bool = False  # /cors-proxy answers (--ui-mcp-proxy), else 403
     sleep: Any = None  # an IdleSleep with --sleep-idle-seconds (sleep.py), else None
     #: the chat completions being answered, by response id (weak: each goes with its response)
     running_chats: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)

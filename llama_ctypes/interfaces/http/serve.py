@@ -476,6 +476,16 @@ def slot_folder(path: str | None) -> Path | None:
     return folder
 
 
+def media_folder(path: str | None) -> Path | None:
+    """``--media-path``: an existing folder (llama-server refuses anything else at start too)."""
+    if path is None:
+        return None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise SystemExit(f"llama-ctypes serve: --media-path {path}: not a directory")
+    return folder
+
+
 def listen_sockets(hosts: list[str], port: int) -> list[Any]:
     """Bound sockets on every address (llama-server's ``--host a,b``); a host that cannot be bound stops
     the server with the reason, as a single host does."""
@@ -510,6 +520,73 @@ def _sleep_seconds(value: float) -> float | None:
     return value
 
 
+def agent_options(args: argparse.Namespace) -> tuple[Any, bool, str]:
+    """The tools (a ``ToolBox`` or None), whether ``/cors-proxy`` is served, and the CORS origins:
+    ``--tools``, ``--tools-runtime``, ``--mcp-servers-*``, ``--ui-mcp-proxy``, ``--agent`` as llama-server
+    (with tools or MCP servers and no ``--cors-origins``, only pages on this machine are let in)."""
+    from .tools.box import ToolBox
+    from .tools.mcp import parse_mcp_config, read_mcp_config_file
+
+    agent = getattr(args, "agent", None)
+    names = getattr(args, "tools", None)
+    proxy = getattr(args, "ui_mcp_proxy", None)
+    if agent is True:
+        names, proxy = names or "all", True if proxy is None else proxy
+    elif agent is False:
+        names, proxy = None, False
+    enabled = [n.strip() for n in (names or "").split(",") if n.strip()]
+    try:
+        servers = []
+        if getattr(args, "mcp_servers_config", None):
+            servers += read_mcp_config_file(args.mcp_servers_config)
+        if getattr(args, "mcp_servers_json", None):
+            servers += parse_mcp_config(args.mcp_servers_json)
+        runtime = getattr(args, "tools_runtime", None) or None
+        box = ToolBox(enabled, runtime=runtime, mcp_servers=servers) if enabled or servers or runtime else None
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"llama-ctypes serve: {exc}") from None
+    cors = getattr(args, "cors_origins", None)
+    if not cors:
+        cors = "*"
+        if box is not None and (box.builtin or box.mcp is not None):
+            logger.warning("server tools or MCP servers are enabled: only pages on this machine may call the "
+                           "server (change it with --cors-origins)")
+            cors = "localhost"
+    features = (box.features if box is not None else []) + (["MCP proxy (experimental)"] if proxy else [])
+    if features:
+        logger.warning("experimental features enabled: %s; do not use them where clients are not trusted",
+                       ", ".join(features))
+    return box, bool(proxy), cors
+
+
+def _uvicorn_server() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also stops the tools at the signal: uvicorn gives requests in flight
+        up to 5 s to finish, and a tool call (a command, an MCP call) would take all of them."""
+
+        def __init__(self, config: Any, tools: Any):
+            super().__init__(config)
+            self.tools = tools
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self.tools is not None:
+                self.tools.stop_soon()
+
+    return Server
+
+
+def _close_tools(tools: Any) -> None:
+    """Close the tools when the app's lifespan did not (uvicorn could not start): a container that
+    ``--tools-runtime`` started must not outlive the server."""
+    if tools is not None and not tools.closed:
+        import asyncio
+
+        asyncio.run(tools.close())
+
+
 def run(args: argparse.Namespace) -> int:
     """Load the models in the background and serve until interrupted."""
     try:
@@ -519,6 +596,7 @@ def run(args: argparse.Namespace) -> int:
         from .app import create_app
         from .catalog import Catalog, CatalogEntry
         from .connections import guarded_protocol
+        server_class = _uvicorn_server()
     except ImportError as exc:
         raise SystemExit(f"llama-ctypes serve needs the server extra: pip install 'llama_ctypes[server]' ({exc})")
 
@@ -537,6 +615,7 @@ def run(args: argparse.Namespace) -> int:
     if verbose:
         logging.getLogger("llama_ctypes").setLevel(logging.DEBUG)
     vertex = vertex_ai_routes(args, os.environ)
+    tools, cors_proxy, cors_origins = agent_options(args)
     manager = ModelManager(memory_budget=budget)
     settings = {}
     try:
@@ -560,22 +639,24 @@ def run(args: argparse.Namespace) -> int:
                          reasoning_budget=getattr(args, "reasoning_budget", -1),
                          reasoning_budget_message=getattr(args, "reasoning_budget_message", None) or "",
                          spm_infill=getattr(args, "spm_infill", False),
-                         cors_origins=getattr(args, "cors_origins", None) or "*",
+                         cors_origins=cors_origins, tools=tools, cors_proxy=cors_proxy,
                          api_prefix=(getattr(args, "api_prefix", None) or "").rstrip("/"),
                          catalog=catalog, router_mode=router_mode,
                          slot_save_path=slot_folder(getattr(args, "slot_save_path", None)),
                          webui=webui_option(args), media_urls=getattr(args, "media_urls", False),
+                         media_path=media_folder(getattr(args, "media_path", None)),
                          sleep_idle_seconds=_sleep_seconds(getattr(args, "sleep_idle_seconds", -1)),
                          **vertex)
     except BaseException:
         manager.close()
+        _close_tools(tools)
         raise
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     sockets = listen_sockets(hosts, args.port) if len(hosts) > 1 else None
     config = uvicorn.Config(app, host=hosts[0], port=args.port, log_level=level, access_log=level in ("debug", "info"),
                             lifespan="on", timeout_graceful_shutdown=5, log_config=None,
                             http=guarded_protocol(connections), timeout_keep_alive=connections.keep_alive_timeout)
-    server = uvicorn.Server(config)
+    server = server_class(config, tools)
     failed: list[str] = []
 
     def loaded(model_id: str, future: Any) -> None:
@@ -593,6 +674,7 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=sockets)
     finally:
         manager.close()  # (also when uvicorn could not start: the lifespan never ran)
+        _close_tools(tools)
         for sock in sockets or ():
             sock.close()
     if failed:

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: Paths that never wake the server: GETs that read its state, and the model management endpoints.
 _READ_ONLY = frozenset({"/health", "/v1/health", "/metrics", "/props", "/models", "/v1/models"})
-_MANAGING = frozenset({"/models/load", "/models/unload", "/v1/chat/completions/control"})
+_MANAGING = frozenset({"/models/load", "/models/unload", "/v1/chat/completions/control",
+                       "/tools", "/cors-proxy"})  # (the last two never touch a model)
 
 
 def wakes(method: str, path: str) -> bool:

@@ -1,0 +1,120 @@
+"""``/cors-proxy``: llama-server's ``--ui-mcp-proxy``, a pass-through a browser page uses to reach MCP
+servers that send no CORS headers.
+
+``GET|POST /cors-proxy?url=<http(s) URL>`` sends the request on and streams the answer back: status,
+body as it comes (bytes untouched), headers but those that describe the hop. Only headers the page names
+explicitly go on, as ``x-llama-server-proxy-header-<name>: value``: the page's own ``Authorization``,
+``Cookie`` and API key are for this server and never leave it, and neither do credentials or proxies of
+this process's environment (``~/.netrc``, ``HTTP_PROXY``). Redirects are followed, as llama-server; a
+target that cannot be reached is a 500 whose body says ``proxy error: ...``. Like llama-server's, this
+lets anyone holding the API key reach any host this server can: enable it only where that is acceptable.
+
+It runs on the event loop (an async client): a stalled target holds no worker thread, and a client that
+leaves closes the connection to the target at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .errors import InternalError
+
+logger = logging.getLogger(__name__)
+
+#: the prefix of the headers a page wants sent to the target (stripped on the way)
+HEADER_PREFIX = "x-llama-server-proxy-header-"
+#: seconds to connect, and between two reads or writes (llama-server: 600)
+TIMEOUT_S = 600.0
+#: request headers never sent on (the client sets them for the new hop)
+_HOP_REQUEST = {"host", "content-length", "transfer-encoding", "accept-encoding", "connection", "keep-alive",
+                "te", "upgrade", "proxy-connection", "proxy-authorization"}
+#: answer headers not passed back: this server frames the body and sets its own CORS headers
+_HOP_RESPONSE = {"server", "transfer-encoding", "content-length", "keep-alive", "connection", "date", "te",
+                 "trailer", "upgrade", "proxy-authenticate", "proxy-connection"}
+
+
+def target_url(request: Request) -> str:
+    """The ``url`` parameter, checked as llama-server does (an ``InternalError``, 500, otherwise)."""
+    url = request.query_params.get("url", "")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise InternalError(f"invalid target URL: {exc}") from None
+    if parts.scheme not in ("http", "https") and parts.scheme:  # (first: file:///x has no host either)
+        raise InternalError(f"unsupported URL scheme in target URL: {parts.scheme}")
+    if not parts.hostname:
+        raise InternalError("invalid target URL: missing host")
+    if parts.password:
+        raise InternalError("authentication in target URL is not supported")
+    return url
+
+
+def forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
+    """The headers the page named with :data:`HEADER_PREFIX`, under their own names (bytes as sent)."""
+    out = []
+    prefix = HEADER_PREFIX.encode()
+    for key, value in request.headers.raw:
+        if key.lower().startswith(prefix):
+            name = key[len(prefix):]
+            if name and name.lower().decode("latin-1") not in _HOP_REQUEST:
+                out.append((name, value))
+    out.append((b"accept-encoding", b"identity"))  # (the body goes back as it came: no decoding here)
+    return out
+
+
+def _answer_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
+    named = {n.strip().lower() for v in upstream.headers.get_list("connection") for n in v.split(",")}
+    return [(k.lower(), v) for k, v in upstream.headers.raw
+            if (name := k.decode("latin-1").lower()) not in _HOP_RESPONSE and name not in named
+            and not name.startswith("access-control-")]
+
+
+async def proxy(request: Request, body: bytes) -> Response:
+    """Send ``request`` on to its ``url`` and stream the answer back."""
+    url = target_url(request)
+    logger.info("proxying %s request to %s", request.method, urlsplit(url)._replace(query="").geturl())
+    client = httpx.AsyncClient(trust_env=False, follow_redirects=True, timeout=httpx.Timeout(TIMEOUT_S))
+    try:
+        sent = client.build_request(request.method, url, headers=forwarded_headers(request), content=body or None)
+        upstream = await client.send(sent, stream=True)
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+        await _close(None, client)
+        logger.error("proxy error: %s: %s", type(exc).__name__, exc)
+        return Response(f"proxy error: {type(exc).__name__}: {str(exc)[:300]}", status_code=500,
+                        media_type="text/plain")
+    except BaseException:
+        await _close(None, client)
+        raise
+    headers = _answer_headers(upstream)
+    if upstream.status_code in (204, 304):
+        await _close(upstream, client)
+        response = Response(status_code=upstream.status_code)
+    else:
+        response = StreamingResponse(_relay(upstream, client), status_code=upstream.status_code)
+    response.raw_headers = [h for h in response.raw_headers if h[0] != b"content-type"] + headers
+    return response
+
+
+async def _relay(upstream: httpx.Response, client: httpx.AsyncClient) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:  # (the target broke off: the client sees a cut body)
+        logger.warning("proxy: the target's answer broke off: %s", exc)
+    finally:
+        await _close(upstream, client)
+
+
+async def _close(upstream: httpx.Response | None, client: httpx.AsyncClient) -> None:
+    with anyio.CancelScope(shield=True):  # (also when the client left and this task is cancelled)
+        if upstream is not None:
+            await upstream.aclose()
+        await client.aclose()

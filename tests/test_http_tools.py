@@ -1,0 +1,360 @@
+"""``/tools`` and ``/cors-proxy`` over HTTP: llama-server's agent helpers (``--tools``, ``--mcp-servers-json``,
+``--ui-mcp-proxy``), their 403s when off, the headers that steer a call, streaming, and the proxy's rules.
+The tools themselves are tested in test_http_tools_builtin.py and test_http_tools_mcp.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("starlette")
+from http_helpers import ServeProcess  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+import llama_ctypes as lc  # noqa: E402
+from llama_ctypes.interfaces.http.app import create_app  # noqa: E402
+from llama_ctypes.interfaces.http.tools.box import ToolBox  # noqa: E402
+from llama_ctypes.interfaces.http.tools.builtin import BUILTIN_TOOL_NAMES  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "mcp_fixtures"
+DISABLED = {"error": {"message": "this feature is disabled", "type": "feature_disabled"}}
+
+
+@pytest.fixture
+def manager():
+    with lc.ModelManager() as mm:
+        yield mm
+
+
+def test_tools_and_proxy_answer_403_unless_enabled(manager):
+    with TestClient(create_app(manager)) as http:
+        for method, path in (("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy?url=http://x/"),
+                             ("POST", "/cors-proxy?url=http://x/")):
+            r = http.request(method, path, json={"tool": "read_file", "params": {}} if method == "POST" else None)
+            assert r.status_code == 403 and r.json() == DISABLED, (method, path, r.text)
+
+
+def test_tools_are_listed_and_called_as_llama_server_does(manager, tmp_path):
+    (tmp_path / "note.txt").write_text("hello from a file\n")
+    with TestClient(create_app(manager, tools=ToolBox(["all"]), api_key="k")) as http:
+        assert http.get("/tools").status_code == 401  # (the key guards the tools like every endpoint)
+        auth = {"Authorization": "Bearer k"}
+        listing = http.get("/tools", headers=auth).json()
+        assert sorted(t["tool"] for t in listing) == sorted(BUILTIN_TOOL_NAMES)
+        for tool in listing:
+            assert set(tool) == {"display_name", "tool", "type", "permissions", "uses_cwd", "definition"}
+            assert tool["type"] == "server" and tool["definition"]["function"]["name"] == tool["tool"]
+        writes = {t["tool"] for t in listing if t["permissions"]["write"]}
+        assert {"write_file", "edit_file", "exec_shell_command"} <= writes and "read_file" not in writes
+
+        # the cwd comes from the header only: one the model wrote into the parameters is dropped
+        r = http.post("/tools", headers={**auth, "x-tool-cwd": str(tmp_path)},
+                      json={"tool": "read_file", "params": {"path": "note.txt", "cwd": "/nonexistent"}})
+        assert r.status_code == 200 and "hello from a file" in r.json()["plain_text_response"]
+        r = http.post("/tools", headers=auth, json={"tool": "read_file", "params": {"path": "note.txt",
+                                                                                   "cwd": str(tmp_path)}})
+        assert r.status_code == 200 and "error" in r.json()  # (relative to the server's own cwd: not there)
+
+        cafe = tmp_path / "café"
+        cafe.mkdir()
+        (cafe / "menu.txt").write_text("croissant")
+        r = http.post("/tools", headers={**auth, "x-tool-cwd": str(cafe).encode()},  # (UTF-8 bytes, as sent)
+                      json={"tool": "read_file", "params": {"path": "menu.txt"}})
+        assert r.status_code == 200 and r.json().get("plain_text_response") == "croissant\n", r.text
+        r = http.post("/tools", headers=auth, json={"tool": "no_such_tool", "params": {}})
+        assert r.status_code == 404 and 'unknown tool "no_such_tool"' in r.json()["error"]["message"]
+        r = http.post("/tools", headers=auth, json={"tool": "read_file", "params": {}, "stream": True})
+        assert r.status_code == 404 and "does not support stream" in r.json()["error"]["message"]
+        for bad in (b"{", b"[]", b'{"tool": 3}', b'{"tool": "read_file", "params": []}',
+                    b'{"tool": "read_file", "stream": "yes"}'):
+            r = http.post("/tools", headers=auth, content=bad)
+            assert r.status_code == 400, bad
+        r = http.post("/tools", headers={**auth, "x-tool-runtime": "fake:does-not-exist"},
+                      json={"tool": "exec_shell_command", "params": {"command": "echo hi"}})
+        assert r.status_code == 500 and "unknown tool runtime" in r.json()["error"]["message"]
+
+        with http.stream("POST", "/tools", headers=auth, json={
+                "tool": "exec_shell_command", "params": {"command": "echo one; echo two 1>&2; exit 3"},
+                "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == {"done": True} and all(set(e) == {"chunk"} for e in events[:-1])
+        output = "".join(e["chunk"] for e in events[:-1])
+        assert "one" in output and "two" in output and "[exit code: 3]" in output
+
+
+def test_pages_of_other_origins_cannot_call_tools_or_the_proxy(manager, tmp_path, target):
+    """A cross-site "simple" POST needs no preflight, so CORS headers alone would not stop a web page
+    from running a command: /tools and /cors-proxy refuse origins --cors-origins does not let in."""
+    marker = tmp_path / "csrf"
+    call = {"tool": "exec_shell_command", "params": {"command": f"touch {marker}"}}
+    app = create_app(manager, tools=ToolBox(["exec_shell_command"]), cors_proxy=True, cors_origins="localhost")
+    with TestClient(app, base_url="http://testserver") as http:
+        for origin in ("https://evil.example", "http://localhost.evil.example", "null"):
+            r = http.post("/tools", content=json.dumps(call), headers={"Origin": origin, "Content-Type": "text/plain"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", origin
+            r = http.get(f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x", headers={"Origin": origin})
+            assert r.status_code == 403
+        assert not marker.exists() and not target.seen
+        for origin in ("http://localhost:5173", "http://testserver", None):  # (a local page, the server's own, none)
+            headers = {"Origin": origin} if origin else {}
+            assert http.post("/tools", json=call, headers=headers).status_code == 200, origin
+            assert marker.exists()
+            marker.unlink()
+
+
+def test_a_proxied_answer_is_cut_at_the_target_when_the_client_leaves(tmp_path, target):
+    proc = ServeProcess(["--ui-mcp-proxy", "--no-webui"], tmp_path / "serve.log", metrics=False)
+    try:
+        proc.wait_ready()
+        with httpx.Client(timeout=30) as http:
+            with http.stream("GET", f"{proc.base_url}/cors-proxy?url=http://127.0.0.1:{target.server_port}/stall") as r:
+                assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+                assert next(r.iter_raw()).startswith(b"data: first")
+        assert target.hung_up.wait(10), "the proxy kept its connection to the target after the client left"
+        assert httpx.get(f"{proc.base_url}/health").status_code == 200
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log()
+
+
+def test_a_streamed_command_dies_with_its_client(tmp_path):
+    pid_file = tmp_path / "pid"
+    proc = ServeProcess(["--tools", "exec_shell_command", "--no-webui"], tmp_path / "serve.log", metrics=False)
+    try:
+        proc.wait_ready()
+        command = f"echo $$ > {pid_file}; echo started; sleep 60; echo never"
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{proc.base_url}/tools", json={
+                    "tool": "exec_shell_command", "params": {"command": command}, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if "started" in line:
+                        break
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        assert not _alive(pid), "the command outlived the client that asked for it"
+        assert httpx.get(f"{proc.base_url}/health").status_code == 200
+    finally:
+        proc.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")  # (a zombie has ended)
+
+
+class _Target(BaseHTTPRequestHandler):
+    """What the proxy reaches: records each request, answers by path."""
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.server.seen.append((self.command, self.path, dict(self.headers), self.rfile.read(length)))
+        if self.path == "/empty":
+            self.send_response(204)
+            self.end_headers()
+            return
+        body = self.server.big if self.path == "/big" else b"ok"
+        self.send_response(201 if self.command == "POST" else 200)
+        self.send_header("Content-Type", "application/x-test")
+        self.send_header("Access-Control-Allow-Origin", "https://elsewhere.example")
+        self.send_header("X-Target", "yes")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _stall(self) -> None:
+        """Headers and one chunk, then nothing until the proxy hangs up (recorded in ``hung_up``)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(b"data: first\n\n")
+        self.wfile.flush()
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            readable, _, _ = select.select([self.connection], [], [], 0.1)
+            if readable and not self.connection.recv(1):
+                self.server.hung_up.set()
+                return
+
+    def do_GET(self) -> None:
+        if self.path == "/stall":
+            return self._stall()
+        return self._answer()
+
+    do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def target():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Target)
+    server.seen, server.big, server.hung_up = [], os.urandom(3 << 20), threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_cors_proxy_passes_requests_through_with_only_the_named_headers(manager, target, tmp_path, monkeypatch):
+    base = f"http://127.0.0.1:{target.server_port}"
+    # the environment's credentials and proxies are this process's, never the page's to use
+    (tmp_path / "netrc").write_text("machine 127.0.0.1 login svc password s3cret\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:1")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:1")
+    with TestClient(create_app(manager, cors_proxy=True, api_key="k")) as http:
+        auth = {"Authorization": "Bearer k"}
+        assert http.get(f"/cors-proxy?url={base}/x").status_code == 401
+        r = http.get(f"/cors-proxy?url={base}/capture", headers={
+            **auth, "Cookie": "session=secret", "X-Api-Key": "k", "Proxy-Authorization": "Basic s",
+            "x-llama-server-proxy-header-accept": "application/json",
+            "x-llama-server-proxy-header-authorization": "Bearer for-the-target",
+            "x-llama-server-proxy-header-host": "spoofed.example"})
+        assert r.status_code == 200 and r.content == b"ok"
+        assert r.headers["content-type"] == "application/x-test" and r.headers["x-target"] == "yes"
+        assert "access-control-allow-origin" not in r.headers  # (the target's CORS headers are not ours)
+        _, path, headers, _ = target.seen[-1]
+        headers = {k.lower(): v for k, v in headers.items()}
+        assert path == "/capture" and headers["accept"] == "application/json"
+        assert headers["authorization"] == "Bearer for-the-target"
+        assert headers["host"] == f"127.0.0.1:{target.server_port}"
+        assert not {"cookie", "x-api-key", "proxy-authorization"} & set(headers)
+        r = http.get(f"/cors-proxy?url={base}/plain", headers=auth)
+        assert r.status_code == 200 and "authorization" not in {k.lower() for k in target.seen[-1][2]}
+        assert http.head(f"/cors-proxy?url={base}/plain", headers=auth).status_code == 405
+
+        r = http.post(f"/cors-proxy?url={base}/post", headers=auth, content=b'{"jsonrpc": "2.0"}')
+        assert r.status_code == 201 and target.seen[-1][3] == b'{"jsonrpc": "2.0"}'
+        r = http.post(f"/cors-proxy?url={base}/empty", headers=auth, content=b"{}")
+        assert r.status_code == 204 and r.content == b""
+        r = http.get(f"/cors-proxy?url={base}/big", headers=auth)
+        assert r.status_code == 200 and r.content == target.big  # (streamed through, byte for byte)
+
+        for url, message in (("file:///etc/passwd", "unsupported URL scheme"), ("", "missing host"),
+                             ("http://user:pw@127.0.0.1/", "authentication in target URL")):
+            r = http.get("/cors-proxy", params={"url": url}, headers=auth)
+            assert r.status_code == 500 and message in r.json()["error"]["message"], url
+        with socket_closed() as port:
+            r = http.get(f"/cors-proxy?url=http://127.0.0.1:{port}/", headers=auth)
+        assert r.status_code == 500 and r.text.startswith("proxy error")
+
+
+class socket_closed:
+    """A local port nothing listens on."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _serve_exits(args: list[str], tmp_path: Path) -> str:
+    r = subprocess.run([sys.executable, "-m", "llama_ctypes", "serve", *args, "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stderr
+    return r.stderr
+
+
+def test_serve_refuses_bad_tool_options(tmp_path):
+    assert "unknown tool" in _serve_exits(["--tools", "read_file,bogus"], tmp_path)
+    assert "unknown tool runtime" in _serve_exits(["--tools", "all", "--tools-runtime", "fake:x"], tmp_path)
+    err = _serve_exits(["--mcp-servers-json", "not valid json"], tmp_path)
+    assert "json" in err.lower()
+    assert "path.json" in _serve_exits(["--mcp-servers-config", str(tmp_path / "path.json")], tmp_path)
+
+
+def test_serve_with_tools_and_mcp_lets_in_only_local_pages(tmp_path):
+    servers = json.dumps({"mcpServers": {"echo": {"command": sys.executable,
+                                                  "args": [str(FIXTURES / "fake_server.py")]}}})
+    proc = ServeProcess(["--agent", "--mcp-servers-json", servers, "--no-webui"], tmp_path / "serve.log",
+                        metrics=False)
+    try:
+        proc.wait_ready()
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "Authorization"}
+        for origin, allowed in (("http://localhost:8080", True), ("http://evil.example", False)):
+            r = httpx.options(f"{proc.base_url}/completions", headers={"Origin": origin, **preflight})
+            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (
+                origin if allowed else None)
+        names = {t["tool"] for t in httpx.get(f"{proc.base_url}/tools").json()}
+        assert set(BUILTIN_TOOL_NAMES) <= names and {"echo_echo", "echo_add"} <= names
+        r = httpx.post(f"{proc.base_url}/tools", json={"tool": "echo_add", "params": {"a": 3, "b": 5}}, timeout=30)
+        assert r.status_code == 200 and "8" in json.dumps(r.json()) and "error" not in r.json()
+        assert httpx.get(f"{proc.base_url}/cors-proxy?url={proc.base_url}/health").status_code == 200
+    finally:
+        proc.stop()
+    assert "experimental" in proc.log() and "Traceback" not in proc.log()
+
+
+def test_stopping_the_server_ends_its_running_tool_calls(tmp_path):
+    """SIGTERM while an MCP call and a command run: both end at once (llama-server's
+    test_mcp_slow_tool_call_slot_release asks under 3 s), and neither the MCP server nor the command
+    outlives the server."""
+    servers = json.dumps({"mcpServers": {"slow": {"command": sys.executable,
+                                                  "args": [str(FIXTURES / "fake_server.py")]}}})
+    proc = ServeProcess(["--tools", "exec_shell_command", "--mcp-servers-json", servers, "--no-webui"],
+                        tmp_path / "serve.log", metrics=False)
+    pid_file = tmp_path / "pid"
+    try:
+        proc.wait_ready()
+        url = f"{proc.base_url}/tools"
+        mcp_pid = int(httpx.post(url, json={"tool": "slow_pid", "params": {}}, timeout=30).json()[
+            "plain_text_response"])
+        calls = [{"tool": "slow_sleep", "params": {"seconds": 30}},
+                 {"tool": "exec_shell_command", "params": {"command": f"echo $$ > {pid_file}; sleep 50",
+                                                           "timeout": 60}}]
+        answers: list = []
+        threads = [threading.Thread(target=lambda c=c: answers.append(_post_or_error(url, c))) for c in calls]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.proc.terminate()
+        proc.proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        for t in threads:
+            t.join(timeout=30)
+        assert elapsed < 3, f"the server took {elapsed:.1f} s to stop"
+        command_pid = int(pid_file.read_text())
+        for pid in (mcp_pid, command_pid):
+            end = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < end:
+                time.sleep(0.05)
+            assert not _alive(pid), pid
+        assert len(answers) == 2  # (each caller got an answer or a closed connection, none hangs)
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.log()
+
+
+def _post_or_error(url: str, body: dict) -> object:
+    try:
+        return httpx.post(url, json=body, timeout=60).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return exc
