@@ -549,8 +549,8 @@ def agent_options(args: argparse.Namespace) -> tuple[Any, bool, str]:
     if not cors:
         cors = "*"
         if box is not None and (box.builtin or box.mcp is not None):
-            logger.warning("server tools or MCP servers are enabled: only pages on this machine may call the "
-                           "server (change it with --cors-origins)")
+            logger.warning("server tools or MCP servers are enabled: browser pages are let in only from this "
+                           "machine (change it with --cors-origins)")
             cors = "localhost"
     features = (box.features if box is not None else []) + (["MCP proxy (experimental)"] if proxy else [])
     if features:
