@@ -99,29 +99,49 @@ def test_pages_of_other_origins_cannot_call_tools_or_the_proxy(manager, tmp_path
     marker = tmp_path / "csrf"
     call = {"tool": "exec_shell_command", "params": {"command": f"touch {marker}"}}
     app = create_app(manager, tools=ToolBox(["exec_shell_command"]), cors_proxy=True, cors_origins="localhost")
-    with TestClient(app, base_url="http://testserver") as http:
-        for origin in ("https://evil.example", "http://localhost.evil.example", "null"):
-            r = http.post("/tools", content=json.dumps(call), headers={"Origin": origin, "Content-Type": "text/plain"})
+    with TestClient(app, base_url="http://192.168.7.7:8080") as http:
+        for origin, host in (("https://evil.example", None), ("http://localhost.evil.example", None), ("null", None),
+                             # (DNS rebinding: a page of a domain that now resolves to this server)
+                             ("http://evil.example:8080", "evil.example:8080")):
+            headers = {"Origin": origin, "Content-Type": "text/plain", **({"Host": host} if host else {})}
+            r = http.post("/tools", content=json.dumps(call), headers=headers)
             assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", origin
-            r = http.get(f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x", headers={"Origin": origin})
+            assert "--cors-origins" in r.json()["error"]["message"]
+            r = http.get(f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x", headers=headers)
             assert r.status_code == 403
         assert not marker.exists() and not target.seen
-        for origin in ("http://localhost:5173", "http://testserver", None):  # (a local page, the server's own, none)
+        # a local page, the server's own page reached by its address, a client that is no page
+        for origin in ("http://localhost:5173", "http://192.168.7.7:8080", None):
             headers = {"Origin": origin} if origin else {}
             assert http.post("/tools", json=call, headers=headers).status_code == 200, origin
             assert marker.exists()
             marker.unlink()
 
 
-def test_a_proxied_answer_is_cut_at_the_target_when_the_client_leaves(tmp_path, target):
+def test_the_proxy_hangs_up_cuts_and_loops_as_it_should(tmp_path, target):
     proc = ServeProcess(["--ui-mcp-proxy", "--no-webui"], tmp_path / "serve.log", metrics=False)
+    base = f"http://127.0.0.1:{target.server_port}"
     try:
         proc.wait_ready()
+        proxy = f"{proc.base_url}/cors-proxy?url="
         with httpx.Client(timeout=30) as http:
-            with http.stream("GET", f"{proc.base_url}/cors-proxy?url=http://127.0.0.1:{target.server_port}/stall") as r:
+            with http.stream("GET", f"{proxy}{base}/stall") as r:
                 assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
                 assert next(r.iter_raw()).startswith(b"data: first")
         assert target.hung_up.wait(10), "the proxy kept its connection to the target after the client left"
+        target.hung_up.clear()
+        with pytest.raises(httpx.TimeoutException):  # (left before the target's headers came)
+            httpx.get(f"{proxy}{base}/silent", timeout=1)
+        assert target.hung_up.wait(10), "the proxy kept waiting on the target after the client left"
+        with pytest.raises(httpx.RemoteProtocolError):  # (a cut answer is cut here too, not a short 200)
+            httpx.get(f"{proxy}{base}/trunc", timeout=30)
+        target.proxy_url = proxy + base
+        r = httpx.get(f"{proxy}{base}/back", timeout=30)
+        assert r.status_code == 508 and r.json()["error"]["code"] == "loop_detected"
+        assert sum(1 for seen in target.seen if seen[1] == "/back") == 1
+        # the proxy alone narrows CORS to this machine: no other web page may read through it
+        r = httpx.get(f"{proxy}{base}/x", headers={"Origin": "https://evil.example"})
+        assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         assert httpx.get(f"{proc.base_url}/health").status_code == 200
     finally:
         proc.stop()
@@ -192,9 +212,34 @@ class _Target(BaseHTTPRequestHandler):
                 self.server.hung_up.set()
                 return
 
+    def _hold(self) -> None:
+        """No answer at all, until the proxy hangs up."""
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            readable, _, _ = select.select([self.connection], [], [], 0.1)
+            if readable and not self.connection.recv(1):
+                self.server.hung_up.set()
+                return
+
     def do_GET(self) -> None:
         if self.path == "/stall":
             return self._stall()
+        if self.path == "/silent":
+            return self._hold()
+        if self.path == "/trunc":  # (100 bytes promised, 10 sent)
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b"0123456789")
+            self.wfile.flush()
+            self.connection.shutdown(2)
+            return
+        if self.path.startswith("/back"):  # (a redirect to the proxy that asked)
+            self.server.seen.append((self.command, self.path, dict(self.headers), b""))
+            self.send_response(302)
+            self.send_header("Location", self.server.proxy_url + self.path)
+            self.end_headers()
+            return
         return self._answer()
 
     do_POST = _answer

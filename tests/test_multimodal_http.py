@@ -4,6 +4,7 @@ limits and errors, and llama-server with the same files as the reference."""
 from __future__ import annotations
 
 import base64
+import os
 
 import anthropic
 import httpx
@@ -142,6 +143,7 @@ def test_media_path_serves_the_files_of_its_folder_only(served, mm_files, tmp_pa
     (tmp_path / "secret.png").write_bytes(png(IMG_B))
     (folder / "link.png").symlink_to(tmp_path / "secret.png")
     (folder / "big.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * (1 << 20))
+    os.mkfifo(folder / "fifo.png")  # (opened, it would wait for a writer forever)
     off = api_error(httpx.post(served.base_url + "/v1/chat/completions", timeout=60, json={
         "messages": image_message("file://mtmd/a.png"), "max_tokens": 1}), 400)
     assert "--media-path" in off["message"]
@@ -153,12 +155,13 @@ def test_media_path_serves_the_files_of_its_folder_only(served, mm_files, tmp_pa
             "messages": image_message(url), "max_tokens": 1, "temperature": 0})
         inline = post(data_url(png(IMG_A)))
         assert inline.status_code == 200, inline.text
-        for url in ("file://mtmd/a.png", "file:////mtmd//a.png"):
+        for url in ("file://mtmd/a.png", "file:////mtmd//a.png", "FILE://mtmd/a.png"):
             r = post(url)
             assert r.status_code == 200, (url, r.text)
             assert r.json()["usage"]["prompt_tokens"] == inline.json()["usage"]["prompt_tokens"]
         for url in ("file://mtmd/missing.png", "file://../secret.png", "file://mtmd/../../secret.png",
-                    "file://link.png", "file://mtmd/a.png:x", "file://"):
+                    "file://link.png", "file://mtmd/a.png:x", "file://", "file://fifo.png", "file://mtmd",
+                    "file://" + "日" * 100):  # (255 bytes at most, as llama-server: this is 300)
             api_error(post(url), 400, "messages[0].content[1]")
         api_error(post("file://big.png"), 413)
     finally:

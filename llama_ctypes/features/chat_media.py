@@ -77,11 +77,11 @@ def split_media(messages: Sequence[Mapping[str, Any]], projector: Projector | No
             try:
                 source = _part_source(part, kind)
                 if isinstance(source, str) and re.match(r"(?i)https?://|file://", source) \
-                        and not (allow_paths and source.startswith("file://")):
+                        and not (allow_paths and source[:7].lower() == "file://"):
                     if fetch is None:
                         raise MediaError(
                             "file:// URLs are not allowed unless --media-path is specified"
-                            if source.startswith("file://") else "http(s) media URLs are not fetched by this "
+                            if source[:7].lower() == "file://" else "http(s) media URLs are not fetched by this "
                             "server: send the media as a data: URL (or start it with --media-urls)")
                     source = fetch(source)
                 elif isinstance(source, str) and not allow_paths and source[:5].lower() != "data:":

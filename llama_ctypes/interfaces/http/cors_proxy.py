@@ -24,7 +24,8 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from .errors import InternalError
+from .errors import APIError, InternalError
+from .streaming import until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,15 @@ logger = logging.getLogger(__name__)
 HEADER_PREFIX = "x-llama-server-proxy-header-"
 #: seconds to connect, and between two reads or writes (llama-server: 600)
 TIMEOUT_S = 600.0
+#: set on every request the proxy sends: one that comes back to a proxy (directly or by a redirect) is
+#: refused, or a target redirecting to the proxy would make it call itself without end
+LOOP_HEADER = "x-llama-ctypes-proxied"
+
+
+class ProxyLoop(APIError):
+    status, type, code = 508, "invalid_request_error", "loop_detected"
+
+
 #: request headers never sent on (the client sets them for the new hop)
 _HOP_REQUEST = {"host", "content-length", "transfer-encoding", "accept-encoding", "connection", "keep-alive",
                 "te", "upgrade", "proxy-connection", "proxy-authorization"}
@@ -67,6 +77,7 @@ def forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
             if name and name.lower().decode("latin-1") not in _HOP_REQUEST:
                 out.append((name, value))
     out.append((b"accept-encoding", b"identity"))  # (the body goes back as it came: no decoding here)
+    out.append((LOOP_HEADER.encode(), b"1"))
     return out
 
 
@@ -80,11 +91,14 @@ def _answer_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
 async def proxy(request: Request, body: bytes) -> Response:
     """Send ``request`` on to its ``url`` and stream the answer back."""
     url = target_url(request)
+    if LOOP_HEADER in request.headers:
+        raise ProxyLoop("this request came through a proxy of this kind already: a redirect loop?")
     logger.info("proxying %s request to %s", request.method, urlsplit(url)._replace(query="").geturl())
     client = httpx.AsyncClient(trust_env=False, follow_redirects=True, timeout=httpx.Timeout(TIMEOUT_S))
     try:
         sent = client.build_request(request.method, url, headers=forwarded_headers(request), content=body or None)
-        upstream = await client.send(sent, stream=True)
+        # (a client that leaves before the target answers hangs up on the target too)
+        upstream = await until_disconnect(request.receive, client.send(sent, stream=True), lambda: None)
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
         await _close(None, client)
         logger.error("proxy error: %s: %s", type(exc).__name__, exc)
@@ -107,10 +121,28 @@ async def _relay(upstream: httpx.Response, client: httpx.AsyncClient) -> AsyncIt
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
-    except httpx.HTTPError as exc:  # (the target broke off: the client sees a cut body)
+    except httpx.HTTPError as exc:
+        # (raised on: the server cuts the connection, so the client sees an incomplete answer, not a short one)
         logger.warning("proxy: the target's answer broke off: %s", exc)
+        raise TargetBrokeOff(str(exc)) from None
     finally:
         await _close(upstream, client)
+
+
+class TargetBrokeOff(Exception):
+    """The target's answer ended early: raised out of the response so that the server cuts the client's
+    connection too (an ASGI app has no other way to say that a body is incomplete)."""
+
+
+def _one_line(record: logging.LogRecord) -> bool:
+    """uvicorn logs an app's exception with its traceback; for :class:`TargetBrokeOff` (already logged,
+    and no fault of this server) one line is enough."""
+    if record.exc_info and isinstance(record.exc_info[1], TargetBrokeOff):
+        record.msg, record.args, record.exc_info = "proxy: the client's connection was cut with the target's", (), None
+    return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_one_line)  # (the same function: added once however often imported)
 
 
 async def _close(upstream: httpx.Response | None, client: httpx.AsyncClient) -> None:

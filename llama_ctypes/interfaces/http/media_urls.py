@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Callable
@@ -73,14 +74,19 @@ def file_reader(folder: str | os.PathLike, limits: MediaLimits) -> Callable[[str
 
     def read(url: str) -> bytes:
         path = url[len("file://"):]
-        if (not path or len(path) > 255 or ".." in path or _BAD_PATH_CHARS.search(path)
+        if (not path or len(path.encode("utf-8", "surrogatepass")) > 255 or ".." in path or _BAD_PATH_CHARS.search(path)
                 or path[0] == " " or path[-1] in " ." or path == "."):
             raise MediaError(f"file path is not allowed: {path}")
         target = (root / path.lstrip("/")).resolve()
         if not target.is_relative_to(root):
             raise MediaError(f"file path is not allowed: {path}")
-        try:
-            with open(target, "rb") as fh:
+        try:  # (a FIFO or a device would block the thread or never end: regular files only)
+            if not stat.S_ISREG(os.stat(target).st_mode):
+                raise OSError("not a regular file")
+            fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # (swapped since the check)
+                    raise OSError("not a regular file")
                 data = fh.read(limits.max_bytes + 1)
         except OSError:
             raise MediaError(f"file does not exist or cannot be opened: {path}") from None
@@ -101,7 +107,7 @@ def media_reader(limits: MediaLimits, *, urls: bool = False,
         return None
 
     def read(url: str) -> bytes:
-        if url.startswith("file://"):
+        if url[:7].lower() == "file://":
             if local is None:
                 raise MediaError("file:// URLs are not allowed unless --media-path is specified")
             return local(url)

@@ -548,9 +548,11 @@ def agent_options(args: argparse.Namespace) -> tuple[Any, bool, str]:
     cors = getattr(args, "cors_origins", None)
     if not cors:
         cors = "*"
-        if box is not None and (box.builtin or box.mcp is not None):
-            logger.warning("server tools or MCP servers are enabled: browser pages are let in only from this "
-                           "machine (change it with --cors-origins)")
+        if box is not None and (box.builtin or box.mcp is not None) or proxy:
+            # (llama-server narrows it for tools and MCP servers; the proxy too here: with "*" any web page
+            # could read any URL this server can reach, through the user's browser)
+            logger.warning("server tools, MCP servers or the CORS proxy are enabled: browser pages are let in "
+                           "only from this machine (change it with --cors-origins)")
             cors = "localhost"
     features = (box.features if box is not None else []) + (["MCP proxy (experimental)"] if proxy else [])
     if features:

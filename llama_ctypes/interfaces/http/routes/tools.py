@@ -4,10 +4,12 @@ MCP servers, and a CORS pass-through), each off unless enabled, answering 403 th
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 from starlette.requests import Request
@@ -50,14 +52,28 @@ def _check_origin(request: Request, app: AppContext) -> None:
 
     CORS only hides an answer from such a page; a "simple" cross-site POST (``text/plain``, no preflight)
     still runs. For generation that costs compute; here it would run commands or reach hosts for any
-    web page the user visits, so these endpoints refuse it outright (llama-server does not)."""
+    web page the user visits, so these endpoints refuse it outright (llama-server does not).
+
+    The server's own page is let in when it was reached by an IP address: a page reached by a host name
+    sends that name as both ``Origin`` and ``Host``, which is also what a page of an attacker's domain
+    sends once the domain resolves to this server (DNS rebinding). Such names go in ``--cors-origins``."""
     origin = request.headers.get("origin")
     if origin is None or app.cors.allows(origin):
         return
-    host = request.headers.get("host")
-    if host is not None and origin in (f"http://{host}", f"https://{host}"):
+    host = request.headers.get("host", "")
+    if _ip_host(host) and origin in (f"http://{host}", f"https://{host}"):
         return
-    raise OriginRefused(f"requests from pages of {origin} are not allowed here (see --cors-origins)")
+    raise OriginRefused(f"requests from pages of {origin} are not allowed here: add the origin to "
+                        "--cors-origins to let its pages use the tools and the proxy")
+
+
+def _ip_host(host: str) -> bool:
+    """Whether a ``Host`` header names an IP address (with or without a port), not a host name."""
+    try:
+        ipaddress.ip_address(urlsplit("//" + host).hostname or "")
+    except ValueError:
+        return False
+    return True
 
 
 #: the headers that steer a call, decoded as the UTF-8 clients send (Starlette reads headers as latin-1)
@@ -139,6 +155,8 @@ def _streamed(tool: Any, params: dict[str, Any], stopping: Any) -> Response:
         done: dict[str, Any] = {"done": True}
         try:
             await tool.ainvoke(params, push, should_stop=lambda: gone.is_set() or stopping())
+            if stopping():
+                done["error"] = "cancelled: the server is stopping"
         except Exception as exc:  # noqa: BLE001 - the stream's last event carries it
             logger.warning("tool %s failed: %s", tool.name, exc)
             done["error"] = str(exc) or type(exc).__name__
