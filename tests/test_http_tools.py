@@ -165,6 +165,15 @@ def test_a_streamed_command_dies_with_its_client(tmp_path):
         while time.monotonic() < deadline and _alive(pid):
             time.sleep(0.1)
         assert not _alive(pid), "the command outlived the client that asked for it"
+        pid_file.unlink()
+        with pytest.raises(httpx.TimeoutException):  # (not streamed: the same when its client leaves)
+            httpx.post(f"{proc.base_url}/tools", timeout=2, json={
+                "tool": "exec_shell_command", "params": {"command": command, "timeout": 60}})
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        assert not _alive(pid), "the command outlived the client that asked for it (not streamed)"
         assert httpx.get(f"{proc.base_url}/health").status_code == 200
     finally:
         proc.stop()

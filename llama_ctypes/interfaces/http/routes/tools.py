@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from ..common import AppContext, endpoint, read_body
 from ..cors_proxy import proxy
 from ..errors import APIError, BadRequest, InternalError
-from ..streaming import EventStream
+from ..streaming import EventStream, until_disconnect
 from ..tools.base import ToolCallError, ToolNotFound, ToolParamError, tool_limiter
 
 logger = logging.getLogger(__name__)
@@ -121,8 +121,10 @@ async def tools(request: Request, app: AppContext) -> Response:
                                                 limiter=tool_limiter())
     except ToolCallError as exc:
         raise InternalError(str(exc)) from None
-    if not stream:
-        return JSONResponse(await _call(tool, params, stop=box.should_stop))
+    if not stream:  # (a client that leaves stops the call: its command is killed)
+        gone = threading.Event()
+        stop = lambda: gone.is_set() or box.should_stop()  # noqa: E731
+        return JSONResponse(await until_disconnect(request.receive, _call(tool, params, stop=stop), gone.set))
     return _streamed(tool, params, box.should_stop)
 
 
