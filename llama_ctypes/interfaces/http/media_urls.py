@@ -67,7 +67,7 @@ _BAD_PATH_CHARS = re.compile("[\x00-\x1f\x7f-\x9f:*?\"<>|\uff0e\u2215\u2216\ufff
 
 def file_reader(folder: str | os.PathLike, limits: MediaLimits) -> Callable[[str], bytes]:
     """``read(url) -> bytes`` for ``file://PATH`` URLs, PATH relative to ``folder`` (llama-server's
-    ``--media-path``): a path with ``..``, a forbidden character or over 255 characters is refused, as
+    ``--media-path``): a path with ``..``, a forbidden character or over 255 bytes (UTF-8) is refused, as
     llama-server does, and so is one that resolves outside the folder through a symbolic link (llama-server
     follows those). At most ``limits.max_bytes`` are read."""
     root = Path(folder).resolve()
