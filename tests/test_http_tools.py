@@ -214,15 +214,10 @@ class _Target(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b"data: first\n\n")
         self.wfile.flush()
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            readable, _, _ = select.select([self.connection], [], [], 0.1)
-            if readable and not self.connection.recv(1):
-                self.server.hung_up.set()
-                return
+        self._hold()
 
     def _hold(self) -> None:
-        """No answer at all, until the proxy hangs up."""
+        """Nothing more, until the proxy hangs up (recorded in ``hung_up``)."""
         end = time.monotonic() + 60
         while time.monotonic() < end:
             readable, _, _ = select.select([self.connection], [], [], 0.1)

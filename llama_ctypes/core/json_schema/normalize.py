@@ -276,7 +276,7 @@ class Normalizer:
         if self.placeholder_type(node):
             return {self.placeholder_type(node)}
         if "const" in node or "enum" in node:
-            return {_json_type(v) for v in ([node["const"]] if "const" in node else node["enum"])}
+            return {json_type(v) for v in ([node["const"]] if "const" in node else node["enum"])}
         if "type" in node:
             return {"number" if node["type"] == "integer" else node["type"]}
         return {"null", "boolean", "number", "string", "array", "object"}
@@ -292,9 +292,9 @@ class Normalizer:
             named = [node["type"]] if isinstance(node["type"], str) else node["type"]
             types &= {"number" if t == "integer" else t for t in named}
         if "const" in node:
-            types &= {_json_type(node["const"])}
+            types &= {json_type(node["const"])}
         if "enum" in node:
-            types &= {_json_type(v) for v in node["enum"]}
+            types &= {json_type(v) for v in node["enum"]}
         if "$ref" in node and node["$ref"] not in refs:
             types &= self.raw_types(self.resolve(node["$ref"], "#"), (*refs, node["$ref"]))
         for sub in node.get("allOf", ()):
@@ -564,7 +564,8 @@ def _objects(schema: Any) -> Iterator[dict]:
                 yield from _objects(value)
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """The JSON type name of a decoded JSON value (``"null"``, ``"boolean"``, ``"number"``, ...)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ....core.json_schema.normalize import json_type
 from .base import StopFn, StreamFn, Tool, ToolParamError
 from .edits import EditError, apply_edits
 from .files import ListKind, path_glob_match, printable
@@ -39,21 +40,9 @@ _INT_MIN, _INT_MAX = -(2 ** 31), 2 ** 31 - 1
 
 # --- params, as llama-server's json layer reads them ---------------------------------------------------------
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
 def _at(obj: Any, key: str) -> Any:
     if not isinstance(obj, dict):
-        raise ToolParamError(f"[json.exception.type_error.304] cannot use at() with {_json_type(obj)}")
+        raise ToolParamError(f"[json.exception.type_error.304] cannot use at() with {json_type(obj)}")
     if key not in obj:
         raise ToolParamError(f"[json.exception.out_of_range.403] key '{key}' not found")
     return obj[key]
@@ -69,7 +58,7 @@ def _utf8(text: str) -> bytes:
 def _require_str(obj: Any, key: str) -> str:
     value = _at(obj, key)
     if not isinstance(value, str):
-        raise ToolParamError(f"[json.exception.type_error.302] type must be string, but is {_json_type(value)}")
+        raise ToolParamError(f"[json.exception.type_error.302] type must be string, but is {json_type(value)}")
     _utf8(value)
     return value
 
@@ -107,7 +96,7 @@ def _opt_int(params: dict[str, Any], key: str, default: int) -> int:
 
 def _check_params(params: Any) -> dict[str, Any]:
     if not isinstance(params, dict):
-        raise ToolParamError(f"[json.exception.type_error.304] cannot use at() with {_json_type(params)}")
+        raise ToolParamError(f"[json.exception.type_error.304] cannot use at() with {json_type(params)}")
     return params
 
 
