@@ -64,9 +64,6 @@ while i < len(args):
         model = args[i + 1]
         i += 2
         continue
-    if a == "--offline":
-        i += 1
-        continue
     out.append(a)
     i += 1
 if model is not None:
@@ -144,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     # (``../../../models/templates/...``) resolve, as they do in llama.cpp's checkout.
     workdir = root / "tools" / "server" / "tests"
     shutil.copytree(source, workdir)
+    (workdir / "tmp").mkdir(exist_ok=True)  # (the suite's TMP_DIR, which its downloads make: they are replaced here)
     (root / "models").symlink_to(source.parent.parent.parent / "models")
     launcher = workdir / "launch.py"
     mmproj = args.mmproj

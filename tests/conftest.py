@@ -71,6 +71,37 @@ def pytest_unconfigure(config):
     faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True, file=sys.__stderr__)
 
 
+def pytest_collection_finish(session):
+    """Build llama.cpp's tools (llama-server, llama-mtmd-cli) before the tests that compare with them run,
+    when any was selected and they are not built yet: the README's test command must pass as written,
+    and a build inside a test would count against its timeout. Once per cache key (then found at once)."""
+    if session.config.option.collectonly:
+        return
+    if not any(item.get_closest_marker("needs_tools") for item in session.items):
+        return
+    from llama_server import BUILD_LOG, build_tools, find_tool, tools_build_blocker
+
+    if (find_tool("llama-server") and find_tool("llama-mtmd-cli")) or tools_build_blocker():
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"llama_ctypes: building llama.cpp's tools for the parity tests (a few minutes, once; "
+                            f"log {BUILD_LOG})")
+    why = build_tools()
+    if reporter is not None:
+        reporter.write_line("llama_ctypes: tools " + ("built" if why is None else f"NOT built: {why}"))
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_tools"):
+        from llama_server import tools_build_blocker
+
+        blocker = tools_build_blocker()
+        if blocker:
+            # (only under --cpu-variant or foreign libraries: CI's and the README's run build the tools)
+            pytest.skip(blocker)
+
+
 def pytest_report_header(config):
     variant = getattr(config, "cpu_variant", None)
     if variant:

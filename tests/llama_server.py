@@ -23,9 +23,13 @@ import llama_ctypes as lc
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: How the parity tests say why they skipped.
-NOT_BUILT = ("llama-server is not built for this build of the libraries; build it with "
+#: Why a tool is missing (the suite builds the tools before the first test that needs them: conftest.py).
+NOT_BUILT = ("llama-server is not built for this build of the libraries; the suite builds it before the tests "
+             "marked `needs_tools` (see the build's log above), or build it with "
              "`LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py` (or set LLAMA_CTYPES_LLAMA_SERVER)")
+
+#: Where the suite's own build of the tools writes its log.
+BUILD_LOG = Path(tempfile.gettempdir()) / "llama_ctypes-tools-build.log"
 
 
 def find_llama_server() -> Path | None:
@@ -50,6 +54,45 @@ def find_tool(name: str) -> Path | None:
     for exe in (name, f"{name}.exe"):
         if (bin_dir / exe).is_file():
             return bin_dir / exe
+    return None
+
+
+def tools_build_blocker() -> str | None:
+    """Why the tools cannot be built for the loaded libraries here, or None."""
+    info = lc.init().build_info
+    if not info.get("cache_key"):
+        return "the loaded libraries were not built by build_scripts/build_llama.py (no cache key)"
+    if info.get("backend_dl"):
+        return ("the loaded libraries are the run-time-dispatched build (--cpu-variant, a wheel): llama.cpp's "
+                "tools are compared with the native build; run these tests without --cpu-variant")
+    return None
+
+
+def build_tools() -> str | None:
+    """Build llama-server, llama-mtmd-cli and llama-bench beside the loaded libraries (into the build
+    cache, keyed as the libraries are), unless they are there; None when done, else why not.
+
+    Incremental after the libraries' own build (a few minutes on 2 cores: the server's sources), and
+    waits for a concurrent build of the same key. Its output goes to :data:`BUILD_LOG`.
+    """
+    if find_tool("llama-server") and find_tool("llama-mtmd-cli"):
+        return None
+    blocker = tools_build_blocker()
+    if blocker:
+        return blocker
+    info = lc.init().build_info
+    env = dict(os.environ, LLAMA_CTYPES_TOOLS="1")
+    env.pop("LLAMA_CTYPES_PORTABLE", None)
+    cmd = [sys.executable, str(ROOT / "build_scripts" / "build_llama.py"), "--no-install", "--tools",
+           "--backend", info.get("backend") or "cpu"]
+    with open(BUILD_LOG, "wb") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+    if rc != 0:
+        tail = BUILD_LOG.read_text(errors="replace")[-2000:]
+        return f"the tools build failed (exit {rc}; log {BUILD_LOG}):\n{tail}"
+    if not (find_tool("llama-server") and find_tool("llama-mtmd-cli")):
+        return (f"the tools were built, but not for the loaded libraries' key {info.get('cache_key')} (were the "
+                f"libraries built with other LLAMA_CMAKE_ARGS or LLAMA_BACKEND? log {BUILD_LOG})")
     return None
 
 

@@ -133,6 +133,68 @@ def test_hostile_templates_are_refused_or_bounded(kind):
     assert ChatTemplate("{{ messages[0]['content'] }}").render(CONVERSATION) == CONVERSATION[0]["content"]
 
 
+
+_DOUBLED = "{% set ns = namespace(d=[], e=[]) %}{% for i in range(30) %}{% set ns.d = [ns.d, ns.d] %}" \
+           "{% set ns.e = [ns.e, ns.e] %}{% endfor %}"
+#: Single operations that run long in C (holding the GIL, so the time budget checked between lines cannot stop them)
+HOSTILE_C_CALLS = {
+    "string doubling with ~": "{% set ns = namespace(s='a') %}{% for i in range(31) %}{% set ns.s = ns.s ~ ns.s %}"
+                              "{% endfor %}{{ ns.s|length }}",
+    "string doubling with +": "{% set ns = namespace(s='a') %}{% for i in range(31) %}{% set ns.s = ns.s + ns.s %}"
+                              "{% endfor %}{{ ns.s|length }}",
+    "list doubling with +": "{% set ns = namespace(s=[1]) %}{% for i in range(31) %}{% set ns.s = ns.s + ns.s %}"
+                            "{% endfor %}{{ ns.s|length }}",
+    "shared lists printed": _DOUBLED + "{{ ns.d }}",
+    "shared lists as json": _DOUBLED + "{{ ns.d|tojson|length }}",
+    "shared lists as a string": _DOUBLED + "{{ ns.d|string|length }}",
+    "shared lists joined": _DOUBLED + "{{ ns.d|join(',')|length }}",
+    "shared lists concatenated": _DOUBLED + "{{ ('' ~ ns.d)|length }}",
+    "shared lists formatted": _DOUBLED + "{{ ('%s' % [ns.d])|length }}",
+    "shared lists compared": _DOUBLED + "{{ ns.d == ns.e }}",
+    "shared lists searched": _DOUBLED + "{{ ns.d in [ns.e] }}",
+    "shared dicts as json": "{% set ns = namespace(d={}) %}{% for i in range(30) %}{% set ns.d = dict(a=ns.d, b=ns.d) %}"
+                            "{% endfor %}{{ ns.d|tojson|length }}",
+    "nested repetition": "{{ ([[[0] * 1000] * 1000] * 1000)|string|length }}",
+    "sum of lists": "{% set row = range(300)|list %}{{ ([row] * 3000)|sum(start=[])|length }}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_C_CALLS))
+def test_hostile_templates_never_hold_the_gil_for_long(kind):
+    """Each of these was one C call of seconds to minutes (6 GB for the doubled strings): every thread of a
+    server waited for it. They are refused before the call now, and other threads run meanwhile."""
+    import threading
+    import time
+
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not done.wait(0.01):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ChatTemplateError):
+            ChatTemplate(HOSTILE_C_CALLS[kind]).render(CONVERSATION, timeout=1.0)
+    finally:
+        done.set()
+        ticker.join()
+    assert time.monotonic() - t0 < 5.0
+    assert max(gaps, default=0) < 0.5, f"another thread waited {max(gaps):.2f} s for the GIL"
+
+
+def test_checked_operators_keep_their_meaning():
+    template = ChatTemplate("{{ 1 < 2 < 3 }} {{ 3 > 2 > 2 }} {{ 'a' ~ 1 ~ none }} {{ [1] == [1] }} {{ 'b' in 'abc' }} "
+                            "{{ [1] not in [[2]] }} {{ (1, 2) in {(1, 2): 0} }} {{ [[1], [2]]|sum(start=[]) }} "
+                            "{{ 'x' + 'y' }} {{ [1] + [2] }} {{ {'k': [1, 2]} }} {{ ns }}")
+    assert template.render(CONVERSATION) == "True False a1None True True True True [1, 2] xy [1, 2] {'k': [1, 2]} "
+
 def test_template_errors_are_clear():
     with pytest.raises(ChatTemplateError, match="line"):
         ChatTemplate("{% for %}")

@@ -713,6 +713,9 @@ def test_shutdown_with_requests_in_flight(tmp_path, tiny_model_path):
 class _UnloadingManager(_FakeManager):
     """Lists a ready model that is unloaded by the time the request looks it up."""
 
+    def loaded(self, model_id):
+        return False
+
     def server(self, model_id):
         raise KeyError(model_id)
 
@@ -720,12 +723,14 @@ class _UnloadingManager(_FakeManager):
         raise KeyError(model_id)
 
 
-def test_a_model_unloaded_during_routing_is_a_404_not_a_500():
+def test_a_model_unloaded_during_routing_is_a_503_not_a_500():
+    """The name was right and the model is only gone for now (a router loads it again): 503, as for a model
+    not loaded (issue 42; a 404 before)."""
     from starlette.testclient import TestClient
 
     from llama_ctypes.interfaces.http import create_app
 
     with TestClient(create_app(_UnloadingManager(_info("m", "ready")))) as http:
-        e = _error(http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT}), 404, "model")
-        assert "unloaded" in e["message"]
-        _error(http.post("/tokenize", json={"model": "m", "content": "x"}), 404, "model")
+        e = _error(http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT}), 503)
+        assert "unloaded" in e["message"] and e["code"] == "model_not_loaded"
+        _error(http.post("/tokenize", json={"model": "m", "content": "x"}), 503)

@@ -184,8 +184,27 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")  # (a zombie has ended)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # (it ended between two looks)
+        return False
+    return state != "Z"  # (a zombie has ended)
+
+
+#: headers a target may send that act on the origin serving them (or would undo the proxy's confinement)
+_ORIGIN_ACTING = [
+    ("Set-Cookie", "sid=evil; Path=/"), ("Set-Cookie2", "old=1"), ("Clear-Site-Data", '"*"'),
+    ("Refresh", "0; url=http://evil.example/"), ("Link", "<http://evil.example/x.css>; rel=stylesheet"),
+    ("Location", "http://evil.example/"), ("Content-Location", "/elsewhere"),
+    ("Strict-Transport-Security", "max-age=31536000"), ("Alt-Svc", 'h2=":9"'),
+    ("Content-Security-Policy", "script-src *"), ("Content-Security-Policy-Report-Only", "default-src *"),
+    ("X-Frame-Options", "ALLOWALL"), ("Content-Disposition", "inline"), ("X-Content-Type-Options", "none"),
+    ("Access-Control-Allow-Origin", "*"), ("Access-Control-Allow-Credentials", "true"),
+    ("Access-Control-Expose-Headers", "*"), ("Cross-Origin-Opener-Policy", "unsafe-none"),
+    ("Cross-Origin-Resource-Policy", "cross-origin"), ("Service-Worker-Allowed", "/"),
+    ("Timing-Allow-Origin", "*"), ("Permissions-Policy", "camera=*"), ("Origin-Agent-Cluster", "?0"),
+    ("Accept-CH", "Sec-CH-UA-Model"), ("Report-To", '{"max_age": 1}'), ("NEL", '{"max_age": 1}'),
+    ("Speculation-Rules", '"/rules.json"'), ("Sec-Anything", "1")]
 
 
 class _Target(BaseHTTPRequestHandler):
@@ -225,7 +244,26 @@ class _Target(BaseHTTPRequestHandler):
                 self.server.hung_up.set()
                 return
 
+    def _page(self) -> None:
+        """An attacker's page: a script, and every header that would act on the origin serving it."""
+        self.server.seen.append((self.command, self.path, dict(self.headers), b""))
+        status = 401 if self.path.startswith("/auth-") else 200
+        body = b"<!doctype html><script>fetch('/tools')</script>"
+        self.send_response(status)
+        headers = [*_ORIGIN_ACTING, ("Content-Type", "text/html"), ("Mcp-Session-Id", "s-1"), ("X-Target", "yes")]
+        if self.path == "/auth-basic":
+            headers.append(("WWW-Authenticate", 'Basic realm="x"'))
+        elif self.path == "/auth-bearer":
+            headers.append(("WWW-Authenticate", 'Bearer resource_metadata="http://127.0.0.1/.well-known/x"'))
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self) -> None:
+        if self.path in ("/page", "/auth-basic", "/auth-bearer"):
+            return self._page()
         if self.path == "/stall":
             return self._stall()
         if self.path == "/silent":
@@ -298,13 +336,88 @@ def test_cors_proxy_passes_requests_through_with_only_the_named_headers(manager,
         r = http.get(f"/cors-proxy?url={base}/big", headers=auth)
         assert r.status_code == 200 and r.content == target.big  # (streamed through, byte for byte)
 
-        for url, message in (("file:///etc/passwd", "unsupported URL scheme"), ("", "missing host"),
-                             ("http://user:pw@127.0.0.1/", "authentication in target URL")):
+        for url, message in (("file:///etc/passwd", "unsupported URL scheme"), ("", "missing host")):
             r = http.get("/cors-proxy", params={"url": url}, headers=auth)
             assert r.status_code == 500 and message in r.json()["error"]["message"], url
         with socket_closed() as port:
             r = http.get(f"/cors-proxy?url=http://127.0.0.1:{port}/", headers=auth)
         assert r.status_code == 500 and r.text.startswith("proxy error")
+
+
+def test_proxied_answers_never_act_as_pages_of_this_server(manager, target):
+    """The answer comes back under this server's origin: it is confined (no script, no rendering, a
+    download), and the target's headers that act on the origin (cookies, site data, redirects, HSTS, its
+    own CORS and security policies) are dropped; what MCP needs (the type, the session id) passes."""
+    base = f"http://127.0.0.1:{target.server_port}"
+    with TestClient(create_app(manager, cors_proxy=True)) as http:
+        r = http.get(f"/cors-proxy?url={base}/page")
+        assert r.status_code == 200 and r.content.startswith(b"<!doctype html>")
+        names = {k.lower() for k in r.headers} - {"content-length", "transfer-encoding"}
+        assert names == {"content-type", "mcp-session-id", "x-target", "content-security-policy",
+                         "content-disposition", "x-content-type-options", "cross-origin-resource-policy"}
+        assert r.headers["content-type"] == "text/html" and r.headers["mcp-session-id"] == "s-1"
+        assert r.headers["content-security-policy"] == "sandbox; default-src 'none'; frame-ancestors 'none'"
+        assert r.headers["content-disposition"] == "attachment"
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["cross-origin-resource-policy"] == "same-origin"
+        assert not http.cookies  # (the client kept no cookie for this server)
+        # a challenge that makes a browser ask for a password (in a dialog of this server) is dropped,
+        # MCP's Bearer challenge passes
+        r = http.get(f"/cors-proxy?url={base}/auth-basic")
+        assert r.status_code == 401 and "www-authenticate" not in r.headers and "set-cookie" not in r.headers
+        r = http.get(f"/cors-proxy?url={base}/auth-bearer")
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer resource_metadata=")
+        with socket_closed() as port:  # (this server's own error answer is confined too)
+            r = http.get(f"/cors-proxy?url=http://127.0.0.1:{port}/")
+        assert r.status_code == 500 and r.headers["content-disposition"] == "attachment"
+
+
+def test_the_proxy_refuses_what_a_browser_sends_to_open_or_embed_its_answer(manager, target, tmp_path):
+    """A link, a frame, a script or image tag of another site: the Sec-Fetch-* headers a browser sets (and
+    no page can) tell them from a page's fetch(), which passes; none of them reaches the target."""
+    base = f"http://127.0.0.1:{target.server_port}"
+    marker = tmp_path / "ran"
+    app = create_app(manager, tools=ToolBox(["exec_shell_command"]), cors_proxy=True, cors_origins="localhost")
+    with TestClient(app, base_url="http://127.0.0.1:8080") as http:
+        refused = [  # (mode, dest, site)
+            ("navigate", "document", "none"),  # typed in, or a bookmark
+            ("navigate", "document", "cross-site"),  # a link on another site
+            ("navigate", "iframe", "same-origin"), ("no-cors", "script", "same-origin"),
+            ("no-cors", "style", "same-origin"), ("same-origin", "worker", "same-origin"),
+            ("no-cors", "image", "cross-site"), ("no-cors", "empty", "same-site")]
+        for mode, dest, site in refused:
+            headers = {"Sec-Fetch-Mode": mode, "Sec-Fetch-Dest": dest, "Sec-Fetch-Site": site}
+            r = http.get(f"/cors-proxy?url={base}/page", headers=headers)
+            assert r.status_code == 403, (mode, dest, site, r.text)
+            assert r.json()["error"]["code"] in ("navigation_not_allowed", "origin_not_allowed")
+        assert not target.seen
+        # /tools: another site's link or image carries no Origin, but its Sec-Fetch-Site gives it away
+        call = json.dumps({"tool": "exec_shell_command", "params": {"command": f"touch {marker}"}})
+        for site in ("cross-site", "same-site"):
+            headers = {"Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document", "Sec-Fetch-Site": site}
+            assert http.get("/tools", headers=headers).status_code == 403
+            assert http.post("/tools", content=call, headers=headers).status_code == 403
+        assert not marker.exists()
+        # this server's page calling fetch(), and a client that is no browser, pass
+        page = {"Origin": "http://127.0.0.1:8080", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty",
+                "Sec-Fetch-Site": "same-origin"}
+        assert http.get(f"/cors-proxy?url={base}/x", headers=page).status_code == 200
+        assert http.get(f"/cors-proxy?url={base}/x").status_code == 200
+        assert http.post("/tools", content=call, headers=page).status_code == 200 and marker.exists()
+
+
+def test_the_proxy_refuses_credentials_in_the_url(manager, target):
+    """``user@host`` would go out as ``Authorization: Basic``: a 400, and the target never sees it."""
+    port = target.server_port
+    with TestClient(create_app(manager, cors_proxy=True)) as http:
+        for url in (f"http://user@127.0.0.1:{port}/x", f"http://user:pw@127.0.0.1:{port}/x",
+                    f"http://:pw@127.0.0.1:{port}/x", f"http://@127.0.0.1:{port}/x",
+                    f"http://127.0.0.1:{port}@127.0.0.1:{port}/x"):
+            r = http.get("/cors-proxy", params={"url": url})
+            assert r.status_code == 400, (url, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "url" and "authentication in target URL" in error["message"]
+    assert not target.seen
 
 
 class socket_closed:

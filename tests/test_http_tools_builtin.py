@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from llama_ctypes.interfaces.http.tools import builtin
 from llama_ctypes.interfaces.http.tools import runtime as rt
 from llama_ctypes.interfaces.http.tools.base import ToolCallError, ToolParamError
 from llama_ctypes.interfaces.http.tools.builtin import (
@@ -491,6 +492,126 @@ def test_grep_search_limit(tmp_path):
     assert text.endswith("Total matches: 100\n[100 matches limit reached. Narrow the path/pattern/include to see "
                          "more.]\n")
 
+
+
+def _regex_children() -> list[int]:
+    """Pids of this process's regex workers (core/regex_worker.py) still alive."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"-I" in cmdline and b"-S" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_for_none(pids_of, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not pids_of():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _gil_ticker() -> tuple[list[float], threading.Event, threading.Thread]:
+    """A thread that wakes every 10 ms and records how long each wait really took: a call holding the GIL
+    (Python's ``re`` backtracking) shows as one long gap."""
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        last = time.monotonic()
+        while not done.wait(0.01):
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    return gaps, done, thread
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
+def test_grep_search_backtracking_pattern_stops_at_its_deadline(tmp_path, monkeypatch):
+    """(a+)+$ over 28 a's and a '!' backtracks for minutes in Python's re, holding the GIL: it used to freeze
+    every thread of the server. It runs in a child process now, killed at the deadline, and the caller's
+    process keeps running meanwhile."""
+    monkeypatch.setattr(builtin, "GREP_SEARCH_TIMEOUT", 1.0)
+    (tmp_path / "evil.txt").write_text("fine\n" + "a" * 28 + "!\n")
+    gaps, done, ticker = _gil_ticker()
+    start = time.monotonic()
+    try:
+        error = call_error("grep_search", {"path": str(tmp_path), "pattern": "(a+)+$"})
+    finally:
+        done.set()
+        ticker.join()
+    elapsed = time.monotonic() - start
+    assert error.startswith("grep_search stopped: matching the pattern took longer than 1 s"), error
+    assert "literal: true" in error
+    assert elapsed < 3, elapsed
+    assert max(gaps) < 0.5, f"another thread waited {max(gaps):.2f} s for the GIL"
+    assert wait_for_none(_regex_children), "the regex worker outlived its search"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
+def test_grep_search_stops_when_its_client_leaves(tmp_path):
+    (tmp_path / "evil.txt").write_text("a" * 40 + "!\n")
+    gone = threading.Event()
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(TOOLS["grep_search"].invoke(
+        {"path": str(tmp_path), "pattern": "(a+)+$"}, should_stop=gone.is_set)))
+    worker.start()
+    deadline = time.monotonic() + 5
+    while not _regex_children() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _regex_children(), "no regex worker started"
+    time.sleep(0.3)
+    gone.set()
+    left = time.monotonic()
+    worker.join(5)
+    assert not worker.is_alive() and time.monotonic() - left < 1
+    assert result == {"error": "grep_search stopped: the client has gone"}
+    assert wait_for_none(_regex_children)
+
+
+def test_grep_search_keeps_ecmascript_features(tmp_path):
+    """Backreferences and lookahead (std::regex's ECMAScript grammar, which llama-server uses): a linear-time
+    engine such as RE2 would refuse them."""
+    (tmp_path / "f.txt").write_text("abab\nabba\nfoobar\nfoobaz\n")
+    text = call("grep_search", {"path": str(tmp_path / "f.txt"), "pattern": r"(ab)\1"})["plain_text_response"]
+    assert text.startswith("%s:abab\n\n---\nTotal matches: 1" % (tmp_path / "f.txt"))
+    text = call("grep_search", {"path": str(tmp_path), "pattern": "foo(?=bar)"})["plain_text_response"]
+    assert text.startswith("f.txt:foobar\n\n---\nTotal matches: 1\n")
+    text = call("grep_search", {"path": str(tmp_path), "pattern": "(?!ab)b.a", "return_line_numbers": True})
+    assert text["plain_text_response"].startswith("f.txt:2:abba\n")
+
+
+def test_grep_search_context_lines_and_output_are_capped(tmp_path):
+    """A 40 KB file with context_lines 2**31-1 gave 63 MB (each of 100 matches printed the whole file)."""
+    lines = [f"line {i:05d} " + "x" * 380 for i in range(100)]
+    (tmp_path / "big.txt").write_text("\n".join(lines) + "\n")
+    text = call("grep_search", {"path": str(tmp_path), "pattern": "line", "context_lines": 2**31 - 1})[
+        "plain_text_response"]
+    assert len(text.encode()) < builtin.GREP_SEARCH_MAX_OUTPUT + 1024
+    assert text.endswith(f"[output truncated at {builtin.GREP_SEARCH_MAX_OUTPUT} bytes. Narrow the path/pattern/"
+                         "include or lower context_lines to see more.]\n")
+    # the context is clamped: 50 lines each side of a match, no more
+    (tmp_path / "one.txt").write_text("".join(f"{'hit' if i == 100 else 'l'}{i}\n" for i in range(201)))
+    text = call("grep_search", {"path": str(tmp_path / "one.txt"), "pattern": "hit", "context_lines": 10**9})[
+        "plain_text_response"]
+    shown = [line for line in text.splitlines() if line.startswith(str(tmp_path))]
+    assert len(shown) == 2 * builtin.GREP_SEARCH_MAX_CONTEXT_LINES + 1 == 101
+    assert shown[0].endswith("-51-l50") and shown[-1].endswith("-151-l150")
+    # a single line longer than the cap is cut at a character boundary
+    (tmp_path / "wide.txt").write_text("hit " + "é" * 200_000 + "\n")
+    text = call("grep_search", {"path": str(tmp_path / "wide.txt"), "pattern": "hit"})["plain_text_response"]
+    assert "[output truncated at" in text and len(text.encode()) < builtin.GREP_SEARCH_MAX_OUTPUT + 1024
 
 # --- exec_shell_command / get_info ------------------------------------------------------------------------------
 

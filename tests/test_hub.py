@@ -217,3 +217,29 @@ def test_the_repository_projector_is_found_as_llama_server_finds_it(hub, tmp_pat
         assert "multimodal" in info.capabilities
         # the projector's weights count in the budget (on this CPU machine: in RAM), besides the model's
         assert manager.used()["ram"] == 2 * text_only["ram"] + len(mmproj)
+
+
+def test_find_model_chooses_as_llama_servers_hf(hub, monkeypatch):
+    """``-hf owner/name[:quant]``'s choice of file: the tag (any case), else Q4_K_M, then Q8_0, then the first
+    model file; never a projector, an imatrix or a later part of a split model. Offline: among the cached
+    files only, with no request."""
+    hub.state.repos["acme/quants-GGUF"] = Repo(files={
+        "mmproj-m-Q4_K_M.gguf": b"p", "m-Q2_K.gguf": b"a", "m-Q8_0.gguf": b"b", "m-Q4_K_M.gguf": b"c",
+        "sub/n-F16-00002-of-00002.gguf": b"e", "sub/n-F16-00001-of-00002.gguf": b"d"})
+    find = lc.hub.find_model
+    assert find("acme/quants-GGUF") == ("acme/quants-GGUF", "m-Q4_K_M.gguf")
+    assert find("acme/quants-GGUF:q8_0") == ("acme/quants-GGUF", "m-Q8_0.gguf")
+    assert find("acme/quants-GGUF:F16") == ("acme/quants-GGUF", "sub/n-F16-00001-of-00002.gguf")
+    assert find("acme/other-gguf") == ("acme/other-gguf", "x.gguf")  # (no usual tag: the first model file)
+    with pytest.raises(lc.HubNotFoundError, match="'Q5_K'"):
+        find("acme/quants-GGUF:Q5_K")
+    with pytest.raises(ValueError):
+        find("acme/quants-GGUF:bad tag")
+    lc.hub.download("acme/quants-GGUF", "m-Q2_K.gguf")
+    monkeypatch.setenv("LLAMA_OFFLINE", "1")
+    before = len(hub.state.requests)
+    assert find("acme/quants-GGUF") == ("acme/quants-GGUF", "m-Q2_K.gguf")  # (the one cached)
+    with pytest.raises(lc.HubNotFoundError, match="offline"):
+        find("acme/quants-GGUF:Q8_0")
+    assert lc.hub.find_mmproj("acme/quants-GGUF", "m-Q2_K.gguf", required=False) is None  # (not cached)
+    assert len(hub.state.requests) == before

@@ -19,6 +19,8 @@ from tiny_models import write_tiny_llama
 import llama_ctypes as lc
 from llama_ctypes.features.infill import InfillError, infill_prompt
 
+pytestmark = pytest.mark.needs_tools  # (conftest.py builds llama-server first)
+
 FIM = (31990, 31991, 31992, 31993, 31994, 31995)  # pre, suf, mid, pad, rep, sep: ids of the spm vocab
 SETTINGS = ["--parallel", "1", "--ctx-size", "1024", "--batch-size", "64"]
 CODE = {"input_prefix": "#include <cstdio>\n#include \"llama.h\"\n\nint main() {\n", "prompt": "    int n = llama_",

@@ -24,6 +24,8 @@ import llama_ctypes as lc
 from llama_ctypes.core.batch import Batch
 from llama_server import NOT_BUILT, LlamaServer, find_llama_server
 
+pytestmark = pytest.mark.needs_tools  # (conftest.py builds llama-server first)
+
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "The capital of France is",
@@ -53,7 +55,7 @@ SAME_SETTINGS = ["-c", "4096", "-b", "2048", "-ub", "512", "-np", "1", "-fa", "a
 def llama_server_exe():
     exe = find_llama_server()
     if exe is None:
-        pytest.skip(NOT_BUILT)
+        pytest.fail(NOT_BUILT)
     return exe
 
 

@@ -599,12 +599,13 @@ def test_bad_adapter_files_and_scales_are_clear_errors(model, lora_path, tmp_pat
     assert model.loras == [adapter] and _greedy(model).finish_reason == "length"
 
 
+@pytest.mark.needs_tools
 def test_the_same_greedy_tokens_as_llama_server_with_the_same_adapter(tiny_model_path, lora_path):
     from llama_server import NOT_BUILT, LlamaServer, find_llama_server
 
     exe = find_llama_server()
     if exe is None:
-        pytest.skip(NOT_BUILT)
+        pytest.fail(NOT_BUILT)
     with lc.load_model(tiny_model_path) as model:
         adapter = model.load_lora(lora_path)
         refs = {scale: _greedy(model, lora={adapter: scale}, logprobs=2) for scale in (1.0, 0.5, 0.0)}

@@ -233,6 +233,48 @@ def test_unload_while_loading_frees_what_the_load_made(tiny_model_path, track_mo
     assert all(m.freed for m in track_models if m.params.vocab_only is False)
 
 
+def test_an_unload_stops_a_load_as_cancelled_and_the_id_loads_again(tiny_model_path, track_models, gate):
+    """An unload during a load is not a failure of the model: the load raises LoadCancelledError (a
+    ClosedError), the id is free at once and a new load under it succeeds (issue 42)."""
+    from llama_ctypes.engines.manager import LoadCancelledError
+
+    gate.install()
+    with lc.ModelManager() as mm:
+        future = mm.load("x", tiny_model_path, wait=False, n_parallel=1, n_ctx=256)
+        assert gate.entered.wait(30)
+        mm.unload("x")
+        assert mm.list() == []
+        gate.release.set()
+        with pytest.raises(LoadCancelledError, match="unloaded while it loaded"):
+            future.result(30)
+        assert isinstance(future.exception(), lc.ClosedError)
+        assert mm.load("x", tiny_model_path, n_parallel=1, n_ctx=256).status == "ready"
+        assert mm.generate("x", "Hi", max_tokens=2, temp=0).tokens
+    assert all(m.freed for m in track_models)
+
+
+def test_a_cancelled_queued_load_leaves_no_entry_loading(tiny_model_path, gate):
+    """A queued load whose Future is cancelled (a client that stopped waiting) never runs: its id leaves the
+    registry instead of staying ``loading`` for ever, its waiters wake, and the id loads again."""
+    from llama_ctypes.engines.manager import LoadCancelledError
+
+    gate.install()
+    with lc.ModelManager(workers=1) as mm:
+        first = mm.load("a", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+        assert gate.entered.wait(30)
+        queued = mm.load("b", tiny_model_path, wait=False, n_parallel=1, n_ctx=128)
+        entry = mm._entries["b"]
+        assert queued.cancel()
+        assert [i.id for i in mm.list()] == ["a"] and entry.done.is_set()
+        assert isinstance(entry.error, LoadCancelledError)
+        with pytest.raises(KeyError):
+            mm.info("b")
+        gate.release.set()
+        assert first.result(30).status == "ready"
+        gate.uninstall()
+        assert mm.load("b", tiny_model_path, n_parallel=1, n_ctx=128).status == "ready"
+
+
 def test_many_threads_load_unload_and_route(tiny_model_path, track_models):
     ids = ["m0", "m1", "m2"]
     errors: list[BaseException] = []
@@ -421,8 +463,13 @@ def test_hub_source(tiny_model_path, tmp_path, monkeypatch):
             assert info.source == "hub:acme/tiny-GGUF/tiny-Q8_0.gguf" and info.status == "ready"
             assert mm.generate("hubbed", "Hi", max_tokens=3, temp=0).tokens == \
                 lc.generate(mm.model("hubbed"), "Hi", max_tokens=3, temp=0).tokens
+            # (no file: chosen by the tag, as llama-server's -hf owner/name:quant)
+            chosen = mm.load("tagged", ("hub", "acme/tiny-GGUF:Q8_0", None), n_parallel=1, n_ctx=128)
+            assert chosen.source == "hub:acme/tiny-GGUF:Q8_0" and chosen.status == "ready"
             with pytest.raises(lc.HubNotFoundError):
                 mm.load("nope", ("hub", "acme/tiny-GGUF", "missing.gguf"))
+            with pytest.raises(lc.HubNotFoundError):
+                mm.load("nope", ("hub", "acme/tiny-GGUF:Q5_K", None))
             with pytest.raises(ValueError):
                 mm.load("badrepo", ("hub", "not a repo", "x.gguf"))
 

@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 import pytest
-from llama_server import find_tool
+from llama_server import NOT_BUILT, find_tool
 from margins import NEAR_TIE, assert_greedy_equivalent
 from media_files import png, wav
 from PIL import Image
@@ -196,11 +196,11 @@ def assert_matches_text(ours, theirs: str, what: str = "") -> None:
         assert len(top) >= 2 and top[0].logprob - top[1].logprob < NEAR_TIE, (what, theirs, str(ours))
 
 
+@pytest.mark.needs_tools
 def test_against_llama_mtmd_cli(vlm, alm, gemma3ish, files, tmp_path):
     exe = find_tool("llama-mtmd-cli")
     if exe is None:
-        pytest.fail("llama-mtmd-cli is not built; build the tools: "
-                    "LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py")
+        pytest.fail(NOT_BUILT.replace("llama-server", "llama-mtmd-cli"))
     cases = [(vlm, files["vision"], "--image", files["a.png"], IMG_A),
              (gemma3ish, files["gemma3"], "--image", files["b.png"], IMG_B),
              (alm, files["audio"], "--audio", files["tone.wav"], files["tone.wav"])]
@@ -475,13 +475,13 @@ def test_mrope_image_takes_its_grid_positions(qwen2vl):
         assert lease.seq_rm(0, span.start, -1) and len(ctx.tokens) == span.start
 
 
+@pytest.mark.needs_tools
 def test_mrope_against_llama_mtmd_cli_and_cache(qwen2vl, tmp_path):
     """lc.chat equals llama-mtmd-cli on an M-RoPE model (margin-checked), and a second turn that keeps the
     image reuses it and equals a cold run."""
     exe = find_tool("llama-mtmd-cli")
     if exe is None:
-        pytest.fail("llama-mtmd-cli is not built; build the tools: "
-                    "LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py")
+        pytest.fail(NOT_BUILT.replace("llama-server", "llama-mtmd-cli"))
     image = tmp_path / "grid.png"
     image.write_bytes(png(IMG_GRID))
     cmd = [str(exe), "-m", str(qwen2vl.path), "--mmproj", str(qwen2vl.projector.path), "--image", str(image),

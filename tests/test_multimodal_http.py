@@ -184,6 +184,7 @@ def test_audio_over_http(mm_files):
         server.stop()
 
 
+@pytest.mark.needs_tools
 def test_same_tokens_as_llama_server(served, mm_files):
     exe = find_llama_server()
     if exe is None:
@@ -212,6 +213,7 @@ def assert_same_greedy(ours: dict, theirs: dict) -> None:
         assert top[0]["logprob"] - top[1]["logprob"] < NEAR_TIE, (ours, theirs)
 
 
+@pytest.mark.needs_tools
 def test_mrope_model_as_llama_server(tmp_path, vocab_dir):
     """An M-RoPE (Qwen2-VL-style) model over HTTP: the same tokens as llama-server, for a first turn and
     a second one that keeps the image (each server serves it from its slot's cache)."""

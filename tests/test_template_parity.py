@@ -82,7 +82,7 @@ def llama_server_prompts(tiny_model_path):
     """{(template name, case): prompt text or 'ERROR: ...'} from llama-server."""
     exe = find_llama_server()
     if exe is None:
-        pytest.skip(NOT_BUILT)
+        pytest.fail(NOT_BUILT)
 
     def render_all(path):
         server = LlamaServer(exe, tiny_model_path, ["--jinja", "--chat-template-file", str(path), "-c", "256",
@@ -149,6 +149,7 @@ def test_the_llama_cpp_tree_has_its_templates():
     assert len(TEMPLATES) >= 70
 
 
+@pytest.mark.needs_tools
 @pytest.mark.parametrize("path", TEMPLATES, ids=[p.stem for p in TEMPLATES])
 def test_prompt_matches_llama_server(path, llama_server_prompts, tiny_model):
     differences = _differences(tiny_model, path, llama_server_prompts)

@@ -1,6 +1,10 @@
 """The text pipeline shared by the plain, speculative and server paths (core/text.py), without a model."""
 
+import time
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llama_ctypes.core.text import RunControl, StopFilter, TextAssembler, assemble, partial_suffix
 from llama_ctypes.errors import CancelledError, DecodeError
@@ -38,6 +42,51 @@ def test_partial_suffix_and_stop_filter():
     assert f.feed("<en") == ""
     assert f.feed("d>tail") == "" and f.stopped
 
+
+
+class _RescanStopFilter:
+    """The former StopFilter (str.find and partial_suffix over the held-back text at every piece): the reference
+    the linear one must agree with."""
+
+    def __init__(self, stops):
+        self.stops, self.pending, self.stopped, self.matched = tuple(stops), "", False, None
+
+    def feed(self, piece):
+        self.pending += piece
+        hit, word = min(((i, s) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0),
+                        default=(-1, None))
+        if word is not None:
+            out, self.pending, self.stopped, self.matched = self.pending[:hit], "", True, word
+            return out
+        keep = partial_suffix(self.pending, self.stops)
+        out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
+        return out
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(stops=st.lists(st.text("abc", min_size=1, max_size=6), min_size=1, max_size=4),
+       pieces=st.lists(st.text("abc", max_size=5), max_size=30))
+def test_stop_filter_agrees_with_rescanning(stops, pieces):
+    new, old = StopFilter(stops), _RescanStopFilter(stops)
+    for piece in pieces:
+        assert new.feed(piece) == old.feed(piece)
+        assert (new.stopped, new.matched, new.pending) == (old.stopped, old.matched, old.pending)
+        if new.stopped:
+            break
+
+
+def test_a_long_stop_string_costs_no_more_per_piece():
+    """Rescanning the held-back text at every piece cost the square of a stop string's length: a 400,000-character
+    stop whose first 399,999 characters were generated, then one other character, took about 20 s in the
+    scheduler thread (which every request of a model shares). Each piece now costs its own length."""
+    stop = "ab" * 200_000 + "!"
+    f = StopFilter([stop, "zzz"])
+    start = time.monotonic()
+    emitted = [f.feed(stop[i:i + 4]) for i in range(0, len(stop) - 1, 4)]
+    assert "".join(emitted) == "" and len(f.pending) == len(stop) - 1  # all held back: it may be the stop
+    assert f.feed("?") == stop[:-1] + "?" and not f.stopped
+    assert f.feed("zz") == "" and f.feed("z.") == "" and f.stopped and f.matched == "zzz"
+    assert time.monotonic() - start < 3
 
 def test_assemble_stops_at_the_token_that_completes_a_stop_string():
     run, pieces = Run(), []

@@ -139,6 +139,13 @@ class Context(NativeHandle):
         """The model's vocabulary, usable for as long as this context lives."""
         # Rows of logits one decode may ask for (llama.cpp asserts on more; encoders get n_batch).
         self.n_outputs_max = self.n_batch if model.has_encoder else (self.params.n_outputs_max or self.n_batch)
+        # An embeddings context outputs a row for every token, asked for or not.
+        self.outputs_all = self.params.embeddings
+        # Non-causal attention (and an encoder) computes a batch in one micro-batch: llama.cpp asserts
+        # n_tokens <= n_ubatch there instead of splitting.
+        attention = self.params.attention.lower()
+        causal = model.causal_attention if attention == "unspecified" else attention == "causal"
+        self.max_batch = self.n_ubatch if (not causal or model.has_encoder) else self.n_batch
         self.encoder_only = model.has_encoder and not model.has_decoder
         # Recurrent-state rollback snapshots per sequence (ContextParams.n_rs_seq; llama.cpp sets 0
         # for models that cannot roll back).
@@ -292,6 +299,13 @@ class Context(NativeHandle):
         return TextStream(self, sampler, self.vocab.check_tokens(tokens).tolist(), GenerationParams(**gen))
 
 
+def _position(value: Any, name: str) -> int:
+    """A KV position argument (-1: open end) as the C ``llama_pos`` (int32) it becomes."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not -1 <= int(value) <= 2 ** 31 - 1:
+        raise InvalidArgumentError(f"{name}={value!r}: expected a position (an integer >= 0, or -1)")
+    return int(value)
+
+
 def _abort_callback(lib):
     """The adapter's flag-reading abort callback as a ggml_abort_callback (None if the library lacks it)."""
     fn = getattr(lib, "lcx_abort_requested", None)
@@ -390,13 +404,15 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
     # ---- decoding ------------------------------------------------------------------------------
     def _check_batch(self, batch: Batch) -> None:
         self._check()
-        n = batch.n_tokens
-        if not 0 < n <= self.ctx.n_batch:
-            raise InvalidArgumentError(f"a batch of {n} tokens: expected 1..n_batch={self.ctx.n_batch}")
-        outputs = int(np.count_nonzero(batch.logits[:n]))
+        n, ctx = batch.n_tokens, self.ctx
+        if not 0 < n <= ctx.max_batch:
+            what = "n_batch" if ctx.max_batch == ctx.n_batch else "n_ubatch (non-causal attention: one micro-batch)"
+            raise InvalidArgumentError(f"a batch of {n} tokens: expected 1..{what}={ctx.max_batch}")
+        outputs = n if ctx.outputs_all else int(np.count_nonzero(batch.logits[:n]))
         if outputs > self._max_outputs:
-            raise InvalidArgumentError(f"a batch asking for {outputs} output rows; this context reserves "
-                                       f"{self._max_outputs} (ContextParams.n_outputs_max)")
+            raise InvalidArgumentError(f"a batch asking for {outputs} output rows"
+                                       + (" (an embeddings context outputs every token)" if ctx.outputs_all else "")
+                                       + f"; this context reserves {self._max_outputs} (ContextParams.n_outputs_max)")
 
     def decode(self, batch: Batch) -> None:
         """``llama_decode`` of ``batch``; DecodeError on failure (the caller fixes its token bookkeeping)."""
@@ -487,7 +503,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
         batch = ctx._batch
         try:
             while pos < len(prompt):
-                chunk = prompt[pos:pos + ctx.n_batch]
+                chunk = prompt[pos:pos + ctx.max_batch]
                 batch.clear()
                 at = record.next_pos  # (the entry's index, unless an M-RoPE image before it took fewer positions)
                 batch.add_sequence(chunk, at, 0, output_last=pos + len(chunk) == len(prompt))
@@ -565,8 +581,8 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
         # (checked here: llama.cpp refuses a bad id only inside the decode, and the sequence is lost then)
         run = ctx.vocab.check_tokens(tokens).tolist()
         n = len(run)
-        if not 0 < n <= min(ctx.n_batch, self._max_outputs):
-            raise InvalidArgumentError(f"a run of {n} tokens: expected 1..{min(ctx.n_batch, self._max_outputs)} "
+        if not 0 < n <= min(ctx.max_batch, self._max_outputs):
+            raise InvalidArgumentError(f"a run of {n} tokens: expected 1..{min(ctx.max_batch, self._max_outputs)} "
                                        "(n_batch, and ContextParams.n_outputs_max rows)")
         held = ctx._record.tokens
         if len(held) + n > ctx.n_ctx_seq:
@@ -618,6 +634,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
         """Remove positions [p0, p1) of a sequence (-1: every sequence; -1 bounds: open end)."""
         self._check()
         seq_id = self._check_seq(seq_id, allow_all=True)
+        p0, p1 = _position(p0, "p0"), _position(p1, "p1")
         record = self.ctx._record
         # (the tokens a tail cut keeps: those before position p0, which M-RoPE images make differ)
         keep = min(record.positions.entries_before(int(p0)), len(record)) if p0 > 0 and p1 < 0 else 0
@@ -636,7 +653,13 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
         """Share positions [p0, p1) of sequence ``src`` with sequence ``dst`` (metadata only)."""
         self._check()
         src, dst = self._check_seq(src), self._check_seq(dst)
-        self._lib.llama_memory_seq_cp(self._mem, src, dst, int(p0), int(p1))
+        p0, p1 = _position(p0, "p0"), _position(p1, "p1")
+        if src != dst and not self.ctx.params.kv_unified and (p0 > 0 or p1 > 0):
+            # each sequence has a KV stream of its own then, and llama.cpp copies streams only whole
+            # (GGML_ASSERT in llama_kv_cache::seq_cp)
+            raise InvalidArgumentError(f"seq_cp({src}, {dst}, {p0}, {p1}): a context without kv_unified=True copies "
+                                       "a sequence into another only whole (p0 = p1 = -1)")
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
         if dst == 0:
             self.ctx._record.reset()  # sequence 0 now holds something this lease did not decode
 

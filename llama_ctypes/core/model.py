@@ -321,6 +321,13 @@ class Model(NativeHandle):
         return bool(self._int(self._lib.llama_model_has_decoder))
 
     @property
+    def causal_attention(self) -> bool:
+        """Whether the model attends causally by default (``<arch>.attention.causal``; False for
+        BERT-like embedding models, whose batches llama.cpp computes in one micro-batch)."""
+        value = self.meta(f"{self.architecture}.attention.causal")
+        return value is None or value.strip().lower() not in ("false", "0")
+
+    @property
     def is_recurrent(self) -> bool:
         """True for recurrent models (Mamba, RWKV)."""
         return bool(self._int(self._lib.llama_model_is_recurrent))

@@ -39,9 +39,16 @@ def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[Media
         gen_opts["lora"] = {}
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
+    if ctx_opts.get("embeddings"):
+        # (an embeddings context outputs a row for every prompt token: n_batch rows of n_vocab logits)
+        raise InvalidArgumentError("embeddings=True: generate and stream compute no embeddings; use lc.embed, or "
+                                   "Context.create(model, embeddings=True) to read them beside the logits")
     # One logits row per decode is all a single sequence needs; llama.cpp's default reserves
     # n_batch rows (for Gemma's 262k vocabulary a 514 MiB compute buffer instead of 26 MiB).
-    ctx_opts.setdefault("n_outputs_max", 1)
+    # It also reserves one row per sequence at creation, so never fewer than n_seq_max.
+    n_seq = ctx_opts.get("n_seq_max", 1)
+    ctx_opts.setdefault("n_outputs_max", n_seq if isinstance(n_seq, int) and not isinstance(n_seq, bool)
+                        and n_seq > 1 else 1)
     cparams = ContextParams(**ctx_opts)
     if media is not None or isinstance(prompt, MediaPrompt):
         tokens = media_prompt(model, prompt, media or (), gparams)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Literal, Mapping, Sequence
@@ -37,17 +38,40 @@ _ATTN = {"unspecified": L.LLAMA_ATTENTION_TYPE_UNSPECIFIED, "causal": L.LLAMA_AT
          "non_causal": L.LLAMA_ATTENTION_TYPE_NON_CAUSAL}
 
 
+#: The largest value of a C ``int32_t``/``uint32_t`` field we pass (ctypes would wrap a larger one silently:
+#: ``n_ctx=2**32`` would reach llama.cpp as 0).
+INT32_MAX = 2 ** 31 - 1
+#: Sequences one context may hold (``LLAMA_MAX_SEQ`` in llama-cparams.h).
+LLAMA_MAX_SEQ = 256
+#: Threads ggml's CPU backend can run (``GGML_MAX_N_THREADS`` in ggml.h).
+GGML_MAX_N_THREADS = 512
+
+
 def _choice(name: str, value: Any, table: Mapping[str, int]) -> int:
     if isinstance(value, str) and value.lower() in table:
         return table[value.lower()]
     raise InvalidArgumentError(f"{name}={value!r}: expected one of {', '.join(table)}")
 
 
-def _non_negative(obj: Any, *names: str) -> None:
+def _non_negative(obj: Any, *names: str, most: int = INT32_MAX) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 0")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most):
+            raise InvalidArgumentError(f"{name}={value!r}: expected an integer in [0, {most}]")
+
+
+def _finite(obj: Any, *names: str, non_negative: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or (non_negative and value < 0)):
+            raise InvalidArgumentError(f"{name}={value!r}: expected a finite number" + (" >= 0" if non_negative else ""))
+
+
+def _flags(obj: Any, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(obj, name), bool):
+            raise ArgumentTypeError(f"{name}={getattr(obj, name)!r}: expected True or False")
 
 
 def check_positive(obj: Any, *names: str, integer: bool = True) -> None:
@@ -100,14 +124,15 @@ class ModelParams:
     """Called with load progress in [0, 1]; returning False aborts the load."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_gpu_layers, int) or self.n_gpu_layers < -1:
+        if isinstance(self.n_gpu_layers, bool) or not isinstance(self.n_gpu_layers, int) \
+                or not -1 <= self.n_gpu_layers <= INT32_MAX:
             raise InvalidArgumentError(f"n_gpu_layers={self.n_gpu_layers!r}: expected -1 (all) or an integer >= 0")
         _choice("split_mode", self.split_mode, _SPLIT)
         _non_negative(self, "main_gpu")
         if self.tensor_split is not None:
             split = list(self.tensor_split)
-            if any((not isinstance(x, (int, float))) or x < 0 for x in split):
-                raise InvalidArgumentError(f"tensor_split={self.tensor_split!r}: expected non-negative numbers")
+            if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < math.inf for x in split):
+                raise InvalidArgumentError(f"tensor_split={self.tensor_split!r}: expected finite non-negative numbers")
             object.__setattr__(self, "tensor_split", tuple(float(x) for x in split))
         if self.kv_overrides is not None:
             for key, value in self.kv_overrides.items():
@@ -252,22 +277,39 @@ class ContextParams:
     compute buffer: ``generate``/``stream`` use 1, a Server one per slot."""
 
     def __post_init__(self) -> None:
-        _non_negative(self, "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "yarn_orig_ctx", "n_rs_seq", "n_outputs_max")
+        # Every check below stands for a llama.cpp assert (which aborts the process) or a value that
+        # would reach it wrapped or meaningless; Context and ContextLease check what depends on the model.
+        _non_negative(self, "n_ctx", "n_batch", "n_ubatch", "yarn_orig_ctx", "n_rs_seq", "n_outputs_max")
+        _non_negative(self, "n_seq_max", most=LLAMA_MAX_SEQ)
         for name in ("n_batch", "n_ubatch", "n_seq_max"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name}={getattr(self, name)}: expected >= 1")
         if self.n_ubatch > self.n_batch:
             raise InvalidArgumentError(f"n_ubatch={self.n_ubatch} must not exceed n_batch={self.n_batch}")
+        if self.n_outputs_max and self.n_outputs_max < self.n_seq_max:
+            # llama.cpp reserves an output row per sequence at creation (GGML_ASSERT in output_reserve)
+            raise InvalidArgumentError(f"n_outputs_max={self.n_outputs_max} must be 0 (= n_batch) or at least "
+                                       f"n_seq_max={self.n_seq_max}: every sequence needs an output row")
         for name in ("n_threads", "n_threads_batch"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InvalidArgumentError(f"{name}={value!r}: expected an integer >= 1 or None")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= GGML_MAX_N_THREADS):
+                raise InvalidArgumentError(f"{name}={value!r}: expected an integer in [1, {GGML_MAX_N_THREADS}] "
+                                           "or None")
+        # 0 (and for YaRN a negative value) means "from the model"; anything else must be a usable number.
+        _finite(self, "rope_freq_base", "rope_freq_scale", non_negative=True)
+        _finite(self, "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast", "yarn_beta_slow")
+        _flags(self, "offload_kqv", "op_offload", "swa_full", "kv_unified", "embeddings")
         for name in ("type_k", "type_v"):
             _choice(name, getattr(self, name), ggml_h.GGML_TYPES)
         _choice("flash_attn", self.flash_attn, _FLASH)
         _choice("rope_scaling", self.rope_scaling, _ROPE)
         _choice("pooling", self.pooling, POOLING)
         _choice("attention", self.attention, _ATTN)
+        if _choice("attention", self.attention, _ATTN) == L.LLAMA_ATTENTION_TYPE_NON_CAUSAL and self.n_ubatch < self.n_batch:
+            # llama.cpp cannot split a non-causal batch into micro-batches (GGML_ASSERT in decode)
+            raise InvalidArgumentError(f"attention='non_causal' needs each batch in one micro-batch: n_ubatch="
+                                       f"{self.n_ubatch} must equal n_batch={self.n_batch}")
 
     def to_native(self) -> L.llama_context_params:
         """A ``llama_context_params`` struct, starting from llama.cpp's defaults."""

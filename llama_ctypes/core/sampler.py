@@ -17,7 +17,7 @@ from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .grammar_check import check_gbnf
 from .handle import NativeHandle
-from .params import split_options
+from .params import INT32_MAX, split_options
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,10 @@ class SamplingParams:
                   name, "a finite number")
         check(isinstance(self.backend_sampling, bool), "backend_sampling", "True or False")
         for name in ("top_k", "mirostat", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "min_keep"):
-            check(isinstance(getattr(self, name), int), name, "an integer")
+            value = getattr(self, name)
+            # (C int32_t parameters: a larger value would not even reach llama.cpp)
+            check(isinstance(value, int) and not isinstance(value, bool) and -INT32_MAX <= value <= INT32_MAX, name,
+                  "an integer in the int32 range")
         check(0.0 <= self.top_p <= 1.0, "top_p", "a value in [0, 1]")
         check(0.0 <= self.min_p <= 1.0, "min_p", "a value in [0, 1]")
         check(0.0 < self.typical_p <= 1.0, "typical_p", "a value in (0, 1]")
@@ -454,8 +457,10 @@ class Sampler(NativeHandle):
         lib, p, vocab = self._lib, self.params, self.model.vocab.native()
         n_vocab = lib.llama_vocab_n_tokens(vocab)
         # llama.cpp clamps negative windows to 0, which turns the sampler off: -1 means the whole context.
-        penalty_last_n = self.n_ctx if p.penalty_last_n == -1 else p.penalty_last_n
-        dry_last_n = self.n_ctx if p.dry_penalty_last_n == -1 else p.dry_penalty_last_n
+        # No window is longer than the context: llama.cpp allocates a ring buffer of the window's
+        # size, so 2**31 - 1 would cost seconds per token (llama-server clamps the same way).
+        penalty_last_n = self.n_ctx if p.penalty_last_n == -1 else min(p.penalty_last_n, self.n_ctx)
+        dry_last_n = self.n_ctx if p.dry_penalty_last_n == -1 else min(p.dry_penalty_last_n, self.n_ctx)
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)

@@ -37,32 +37,72 @@ def partial_suffix(text: str, markers: Sequence[str]) -> int:
     return best
 
 
+def _borders(word: str) -> list[int]:
+    """KMP's failure function: ``out[i]`` is the length of the longest proper prefix of ``word[:i + 1]`` that
+    is also its suffix."""
+    out = [0] * len(word)
+    k = 0
+    for i in range(1, len(word)):
+        while k and word[i] != word[k]:
+            k = out[k - 1]
+        if word[i] == word[k]:
+            k += 1
+        out[i] = k
+    return out
+
+
 class StopFilter:
-    """Applies stop strings to streamed text: emits what is safe, holds back a possible stop prefix."""
+    """Applies stop strings to streamed text: emits what is safe, holds back a possible stop prefix.
+
+    Each stop string is followed by a Knuth-Morris-Pratt automaton, so a piece costs time in proportion to its
+    own length whatever the stop strings' length: rescanning the held-back text for every token (as
+    ``str.find`` plus :func:`partial_suffix` did) cost the square of a long stop string per token, in the
+    scheduler thread that every request of the model shares.
+    """
 
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(stops)
         self.pending = ""
         self.stopped = False
         self.matched: str | None = None  # the stop string that appeared
+        self._borders = [_borders(s) for s in self.stops]
+        # per stop: the longest prefix of it the text ends with (never more than the held-back text)
+        self._states = [0] * len(self.stops)
 
     def feed(self, piece: str) -> str:
         """Text that can be emitted now; sets ``stopped`` when a stop string appears (it is dropped)."""
         if not self.stops:
             return piece
-        # Only the held-back text and the new piece are searched: what was emitted held no stop.
+        base = len(self.pending)
         self.pending += piece
-        hit, word = min(((i, s) for s, i in ((s, self.pending.find(s)) for s in self.stops) if i >= 0),
-                        default=(-1, None))
-        if word is not None:
-            out, self.pending, self.stopped, self.matched = self.pending[:hit], "", True, word
+        hit: tuple[int, str] | None = None  # (where in pending the earliest stop string starts, which one)
+        states = self._states
+        for k, stop in enumerate(self.stops):
+            n, state, borders = len(stop), states[k], self._borders[k]
+            if n == 0:  # (an empty stop string matches at once, as str.find says)
+                candidate = (0, stop)
+                hit = candidate if hit is None or candidate < hit else hit
+                continue
+            for pos, c in enumerate(piece):
+                while state and stop[state] != c:
+                    state = borders[state - 1]
+                if stop[state] == c:
+                    state += 1
+                    if state == n:  # its first occurrence ends here; the earliest start wins, then the shortest
+                        candidate = (base + pos + 1 - n, stop)
+                        hit = candidate if hit is None or candidate < hit else hit
+                        break
+            states[k] = state
+        if hit is not None:
+            out, self.pending, self.stopped, self.matched = self.pending[:hit[0]], "", True, hit[1]
             return out
-        keep = partial_suffix(self.pending, self.stops)
+        keep = max(states)
         out, self.pending = (self.pending[:-keep], self.pending[-keep:]) if keep else (self.pending, "")
         return out
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
+        self._states = [0] * len(self.stops)
         return out
 
 

@@ -7,12 +7,22 @@ template may build and append to its own lists, as several real ones do, but
 never touches the caller's), and three budgets: output size, total
 ``range()`` length and ``*`` results, and wall time. A template that exceeds
 one raises :class:`ChatTemplateError`.
+
+The wall time is checked between the template's lines, so no single operation
+may run long: one C call (``str()``, ``json.dumps``, ``==``, a string ``+``)
+holds the GIL, and with it every thread of a server, until it returns. Strings
+joined with ``~`` or ``+`` are therefore bounded by the output budget before
+they are built (doubling one 30 times took 6 GB and 17 s), and a container is
+walked, shared references counted at each use, before anything serializes,
+prints or compares it: ``[d, d]`` thirty levels deep is thirty lists but
+2**30 leaves, which ``tojson``, ``string`` or ``==`` would visit one by one.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import re
 import sys
@@ -25,10 +35,12 @@ from typing import Any, Mapping, Sequence
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.nodes import EvalContext
 from jinja2.runtime import Context
 from jinja2.ext import Extension
 from jinja2.sandbox import SandboxedEnvironment
+from jinja2.utils import Namespace
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 
@@ -77,6 +89,116 @@ class _GenerationTag(Extension):
 # The budget of the render running in this thread (a template may render in several threads at once).
 _state = threading.local()
 
+_CONTAINERS = (list, tuple, dict, set, frozenset, Namespace)
+
+
+def _children(value: Any) -> Any:
+    if isinstance(value, dict):
+        return itertools.chain(value, value.values())
+    if isinstance(value, Namespace):
+        return (object.__getattribute__(value, "_Namespace__attrs"),)
+    return value
+
+
+def _walk_size(value: Any, what: str) -> int:
+    """Items in ``value`` counting every use of a shared object, as ``str()``, ``json.dumps`` and ``==`` visit
+    them; ChatTemplateError beyond :data:`MAX_ITEMS` items or :data:`MAX_OUTPUT_CHARS` characters of strings,
+    or for a container that holds itself. Each distinct container is visited once (its size is remembered),
+    so counting a structure thirty levels of sharing deep costs thirty steps, not 2**30."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, _CONTAINERS):
+        return 1
+    sizes: dict[int, tuple[int, int]] = {}  # id -> (items, characters), of the containers counted
+    open_: set[int] = set()  # the containers whose children are being counted (the path to the current one)
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        item, counted = stack.pop()
+        key = id(item)
+        if counted:
+            items, chars = 1, 0
+            for child in _children(item):
+                if isinstance(child, str):
+                    items, chars = items + 1, chars + len(child)
+                elif isinstance(child, _CONTAINERS):
+                    child_items, child_chars = sizes[id(child)]
+                    items, chars = items + child_items, chars + child_chars
+                else:
+                    items += 1
+            if items > MAX_ITEMS or chars > MAX_OUTPUT_CHARS:
+                raise ChatTemplateError(f"chat template would {what} a value of more than {MAX_ITEMS} items or "
+                                        f"{MAX_OUTPUT_CHARS} characters (shared references count at each use)")
+            sizes[key] = (items, chars)
+            open_.discard(key)
+        elif key not in sizes:
+            if key in open_:
+                raise ChatTemplateError(f"chat template would {what} a value that contains itself")
+            open_.add(key)
+            stack.append((item, True))
+            stack.extend((child, False) for child in _children(item)
+                         if isinstance(child, _CONTAINERS) and id(child) not in sizes)
+    return sizes[id(value)][0]
+
+
+def _check_walk(values: Any, what: str) -> None:
+    for value in values:
+        if isinstance(value, _CONTAINERS):
+            _walk_size(value, what)
+
+
+_COMPARE = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "gt": lambda a, b: a > b,
+            "gteq": lambda a, b: a >= b, "lt": lambda a, b: a < b, "lteq": lambda a, b: a <= b,
+            "in": lambda a, b: a in b, "notin": lambda a, b: a not in b}
+
+
+def _compare(left: Any, *ops: Any) -> Any:
+    """A comparison chain (``a < b < c``), each container walked first: ``==`` on two nested structures is one C
+    call as long as their walk."""
+    result: Any = True
+    for i in range(0, len(ops), 2):
+        op, right = ops[i], ops[i + 1]
+        if isinstance(left, _CONTAINERS) and (op in ("in", "notin") or isinstance(right, _CONTAINERS)):
+            _check_walk((left, right), "compare")  # (`t in d` hashes a tuple: as deep a walk)
+        result = _COMPARE[op](left, right)
+        if not result:
+            return result
+        left = right
+    return result
+
+
+def _concat(values: tuple) -> str:
+    """``a ~ b ~ ...``: bounded by the output budget before the string is built."""
+    _check_walk(values, "print")
+    parts = [v if isinstance(v, str) else str(v) for v in values]
+    _check_size(sum(map(len, parts)))
+    return "".join(parts)
+
+
+def _finalize(value: Any) -> Any:
+    """Every ``{{ ... }}`` value before ``str()``."""
+    if isinstance(value, _CONTAINERS):
+        _walk_size(value, "print")
+    return value
+
+
+class _CodeGenerator(CodeGenerator):
+    """jinja2's compiler, with ``~`` and comparisons routed through the checks above."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+    def visit_Compare(self, node: nodes.Compare, frame: Frame) -> None:
+        self.write("environment.checked_compare(")
+        self.visit(node.expr, frame)
+        for op in node.ops:
+            self.write(f", {op.op!r}, ")
+            self.visit(op.expr, frame)
+        self.write(")")
+
 
 def _budget() -> _Budget | None:
     return getattr(_state, "budget", None)
@@ -87,12 +209,16 @@ class _Sandbox(SandboxedEnvironment):
 
     # Routed through call_binop at render time (and never constant-folded at compile time).
     intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _CodeGenerator
+    checked_concat = staticmethod(_concat)
+    checked_compare = staticmethod(_compare)
 
     # Every call a template makes (methods, globals, filters) is checked before it runs: no
     # legitimate template passes a size beyond the output budget, and the string operations
     # that multiply sizes (replace, join, indent) are estimated first.
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
         _check_args(args, kwargs)
+        _check_walk((*args, *kwargs.values()), "pass")
         name = getattr(__obj, "__name__", "")
         target = getattr(__obj, "__self__", None)
         if isinstance(target, str) and name in ("replace", "join") and args:
@@ -124,10 +250,18 @@ class _Sandbox(SandboxedEnvironment):
         if operator == "*" and budget is not None:
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
-                    budget.spend(len(seq) * max(n, 0), "sequence repetition")
+                    # ([[0] * 1000] * 1000) * 1000 is a billion items to print: count what is repeated, walked
+                    budget.spend(_walk_size(seq, "repeat") * max(n, 0), "sequence repetition")
+        if operator == "+":
+            if isinstance(left, str) and isinstance(right, str):
+                _check_size(len(left) + len(right))
+            elif isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)) \
+                    and len(left) + len(right) > MAX_ITEMS:
+                raise ChatTemplateError(f"chat template would build a list of more than {MAX_ITEMS} items")
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
             raise ChatTemplateError("chat template used an exponent larger than 64")
         if operator == "%" and isinstance(left, str):
+            _check_walk((right,), "print")
             widths = right if isinstance(right, tuple) else (right,)
             if _HUGE_PERCENT.search(left) or ("*" in left and any(isinstance(w, int) and w > MAX_OUTPUT_CHARS
                                                                   for w in widths)):
@@ -238,16 +372,39 @@ def _estimate(name: str, value, args: tuple) -> int:
     return 0
 
 
+#: Filters that never walk into their arguments (no str(), serialization, comparison or hashing of items):
+#: checked without walking them, as templates call some in loops over every message.
+_SHALLOW_FILTERS = frozenset({"length", "count", "first", "last", "list", "reverse", "select", "reject",
+                              "selectattr", "rejectattr", "map", "batch", "slice", "attr", "default", "d", "items",
+                              "random", "abs", "round", "int", "float", "bool", "safe"})
+
+
 def _checked_filter(name: str, fn):
     @functools.wraps(fn)  # keeps jinja2's pass_context / pass_eval_context marker
     def checked(*args, **kwargs):
         plain = [a for a in args if not isinstance(a, (EvalContext, Context, jinja2.Environment))]
         _check_args(plain[1:], kwargs)
+        if name not in _SHALLOW_FILTERS:
+            _check_walk((*plain, *kwargs.values()), f"apply |{name} to")
+        if name == "sum" and plain and isinstance(plain[0], (list, tuple)):
+            _check_sum(plain[0], kwargs.get("start", plain[3] if len(plain) > 3 else 0))
         if name in ("replace", "join", "indent") and plain and isinstance(plain[0], (str, list, tuple)):
             _check_size(_estimate(name, plain[0], tuple(plain[1:])))
         return fn(*args, **kwargs)
 
     return checked
+
+
+def _check_sum(items: Sequence[Any], start: Any) -> None:
+    # |sum over lists or strings copies the running total at each step: quadratic in their number
+    if not isinstance(start, (list, tuple, str)):
+        return
+    total = copied = len(start)
+    for item in items:
+        total += len(item) if isinstance(item, (list, tuple, str)) else 1
+        copied += total
+        if copied > MAX_ITEMS:
+            raise ChatTemplateError(f"chat template's |sum would copy more than {MAX_ITEMS} items")
 
 
 def _check_size(n: int) -> None:
@@ -271,6 +428,7 @@ def _make_env() -> _Sandbox:
         # No constant folding: a folded expression ('x'|center(10**9)) runs at compile time,
         # before any budget applies.
         optimized=False,
+        finalize=_finalize,
     )
     env.filters["center"] = _center
     env.filters["tojson"] = _tojson

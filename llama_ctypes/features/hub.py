@@ -241,18 +241,73 @@ def _quant_bits(path: str) -> int:
     return int(digits.group(0)) if digits else 0
 
 
+def cached_files(repo: str, *, revision: str = "main", cache_dir: str | os.PathLike | None = None) -> list[str]:
+    """The files of ``repo`` already in the cache (paths in the repository, sorted); no request is made."""
+    validate_repo(repo)
+    validate_revision(revision)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    base = root / repo.replace("/", "--") / revision.replace("/", "--")
+    if not base.is_dir():
+        return []
+    return sorted(p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()
+                  and not p.name.endswith((".incomplete", ".lock", ".meta.json")))
+
+
+def _choice_files(repo: str, revision: str, token: str | None) -> list[str]:
+    """The files a choice (a model by its quantization, a projector) is made among: the repository's, or in
+    offline mode those in the cache, as llama-server's ``-hf`` does with ``--offline``."""
+    if is_offline():
+        return cached_files(repo, revision=revision)
+    return [f["path"] for f in list_files(repo, revision=revision, token=token)]
+
+
+def split_repo_tag(repo_with_tag: str) -> tuple[str, str]:
+    """``"owner/name:Q4_K_M"`` → ``("owner/name", "Q4_K_M")`` (llama-server's ``-hf`` spelling; tag "" when none)."""
+    repo, _, tag = repo_with_tag.partition(":")
+    validate_repo(repo)
+    if tag and not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+        raise InvalidArgumentError(f"invalid quantization tag {tag!r} in {repo_with_tag!r}: expected owner/name[:quant]")
+    return repo, tag
+
+
+def _is_model_file(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".gguf") and not any(k in name for k in ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-",
+                                                                  "dspark-"))
+
+
+def find_model(repo_with_tag: str, *, revision: str = "main", token: str | None = None) -> tuple[str, str]:
+    """(repo, file) for llama-server's ``-hf owner/name[:quant]``, chosen as it chooses: the first model GGUF
+    whose name holds the tag (default: ``Q4_K_M``, then ``Q8_0``, then the first model file), the first part
+    of a split one. In offline mode the choice is among the cached files. HubNotFoundError when none fits."""
+    repo, tag = split_repo_tag(repo_with_tag)
+    files = _choice_files(repo, revision, token)
+    for wanted in ([tag] if tag else ["Q4_K_M", "Q8_0"]):
+        pattern = re.compile(re.escape(wanted) + r"[.-]", re.IGNORECASE)
+        for path in files:
+            split = _SPLIT.match(path.rsplit("/", 1)[-1])
+            if _is_model_file(path) and pattern.search(path) and (split is None or split["index"] == "00001"):
+                return repo, path
+    if not tag:
+        for path in files:
+            split = _SPLIT.match(path.rsplit("/", 1)[-1])
+            if _is_model_file(path) and (split is None or split["index"] == "00001"):
+                return repo, path
+    where = " in the cache (offline mode)" if is_offline() else ""
+    raise HubNotFoundError(f"{repo} has no GGUF model{' for ' + repr(tag) if tag else ''}{where}")
+
+
 def find_mmproj(repo: str, model: str | None = None, *, revision: str = "main", token: str | None = None,
                 required: bool = True) -> str | None:
     """The repository's multimodal projector for ``model`` (a GGUF of the repository), chosen as
     llama-server's ``-hf`` chooses: a ``.gguf`` whose name holds ``mmproj``, in the model's folder or
     above it (the deepest first), then the closest quantization to the model's. None when there is
-    none, or HubNotFoundError when ``required``."""
+    none, or HubNotFoundError when ``required``. In offline mode the choice is among the cached files."""
     model_dir = model.split("/")[:-1] if model else []
     best: tuple[int, int] | None = None
     chosen = None
     bits = _quant_bits(model) if model else 0
-    for f in list_files(repo, revision=revision, token=token):
-        path = f["path"]
+    for path in _choice_files(repo, revision, token):
         if not path.endswith(".gguf") or "mmproj" not in path:
             continue
         folder = path.split("/")[:-1]

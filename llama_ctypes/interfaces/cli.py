@@ -162,9 +162,19 @@ def _add_serve_parser(sub) -> None:
                                    "OpenAI-compatible HTTP API.")
     p.add_argument("model", nargs="?", help="GGUF file")
     p.add_argument("--hub", nargs=2, metavar=("REPO", "FILE"), help="download (or reuse) a GGUF from the Hub")
+    p.add_argument("--hf-repo", "-hf", "-hfr", metavar="OWNER/NAME[:QUANT]",
+                   help="a GGUF of this Hub repository, as llama-server's -hf: --hf-file, else the one whose name "
+                        "holds QUANT (default Q4_K_M, then Q8_0, then the first)")
+    p.add_argument("--hf-file", "-hff", metavar="FILE", help="the file of --hf-repo to use")
+    p.add_argument("--offline", action="store_true",
+                   help="no network for model downloads: Hub models come from the cache (as llama-server; the "
+                        "same as LLAMA_OFFLINE=1)")
     p.add_argument("--config", help="TOML file listing several models (see docs/http_server.md)")
     p.add_argument("--models-dir", help="serve the GGUF files of this folder, each loaded when first used "
                                         "(llama-server's router mode)")
+    p.add_argument("--models-preset", metavar="FILE.ini",
+                   help="llama-server's INI presets: a [section] per model, its keys this command's options "
+                        "without dashes; GET /models?reload=1 reads it again (docs/http_server.md)")
     p.add_argument("--models-max", type=int, help="most models loaded at once; loading another frees the least "
                                                   "recently used idle one (as llama-server)")
     p.add_argument("--no-models-autoload", action="store_true",
@@ -228,6 +238,9 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--no-kv-unified", action="store_true",
                    help="a KV buffer per slot: output independent of batch-mates (no cross-slot prefix reuse)")
     p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
+    p.add_argument("--cache-ram", "-cram", type=int, metavar="MiB",
+                   help="RAM for a cache of prompt prefixes evicted from the slots, per model (as llama-server; "
+                        "default 0 here: off; -1: up to the machine's RAM)")
     # Request defaults, as llama-server's sampling flags (a request's own fields win).
     p.add_argument("--temp", type=float, help="default temperature of a request")
     p.add_argument("--seed", "-s", type=int, help="default sampling seed of a request (-1: random)")
@@ -339,7 +352,7 @@ def _add_serve_parser(sub) -> None:
     spec.add_argument("--spec-mtp", action="store_true",
                       help="speculative decoding with the model's own MTP head (an MTP GGUF, e.g. Qwen 3.6 MTP)")
     p.add_argument("--draft-max", type=int, help="most tokens drafted per step (default 4)")
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, serve_parser=p)  # (--models-preset sections are read with this parser)
 
 
 def cmd_rpc_server(args: argparse.Namespace) -> int:
@@ -510,8 +523,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dashed_options(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``serve``'s options spelled with ``_`` for ``-`` (``--backend_sampling``), as llama-server reads them: an
+    option it would not know otherwise; values, and anything before ``serve``, are left alone."""
+    argv = list(argv)
+    if "serve" not in argv:
+        return argv
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    known = serve._option_string_actions
+    start = argv.index("serve") + 1
+    for i in range(start, len(argv)):
+        name, eq, value = argv[i].partition("=")
+        if name.startswith("--") and "_" in name and name not in known and name.replace("_", "-") in known:
+            argv[i] = name.replace("_", "-") + eq + value
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_dashed_options(parser, sys.argv[1:] if argv is None else argv))
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if logging.getLevelName(level) == logging.WARNING:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
@@ -22,6 +24,7 @@ from urllib.parse import unquote
 import jsonschema
 
 from ...errors import SchemaError, SchemaTooLargeError
+from ..regex_worker import RegexSyntaxError, RegexTimeout, RegexWorker, RegexWorkerError, RegexWorkerUnavailable
 from .numbers import NUMBER_DIGITS, OPEN_INTEGER_DIGITS, decimal_magnitudes, int_range
 from .strings import FORMAT_CHECKER, FORMAT_LENGTHS, FORMAT_RULES, Regex
 
@@ -38,6 +41,54 @@ _CONSTRAINING = frozenset({"type", "const", "enum", *_APPLICATORS, *_STRING_KEYS
                            *_OBJECT_KEYS})
 _MAX_ALTERNATIVES = 64
 _MAX_INLINE_DEPTH = 3
+#: Seconds all of a schema's ``enum``/``const`` values may spend being matched against its ``pattern``\ s.
+PATTERN_CHECK_SECONDS = 2.0
+
+log = logging.getLogger(__name__)
+
+
+class _PatternKeyword:
+    """jsonschema's ``pattern`` keyword, matched in a :class:`~..regex_worker.RegexWorker`.
+
+    jsonschema calls ``re.search``: a request's ``{"pattern": "^(a+)+$", "enum": ["aaaa…a!"]}`` would hold the
+    GIL (every thread of a server with it) for as long as Python's backtracking takes, which doubles with each
+    ``a``. In a child process it ends at :data:`PATTERN_CHECK_SECONDS` with a :class:`SchemaError`.
+    """
+
+    def __init__(self) -> None:
+        self.worker: RegexWorker | None = None
+        self.deadline = 0.0
+        self.in_process = False
+
+    def matches(self, pattern: str, value: str) -> bool:
+        if self.in_process:
+            return re.search(pattern, value) is not None
+        if self.worker is None:
+            self.worker = RegexWorker()
+            self.deadline = time.monotonic() + PATTERN_CHECK_SECONDS
+        try:
+            return bool(self.worker.search(pattern, [value], limit=1, deadline=self.deadline))
+        except RegexTimeout:
+            raise SchemaError(f"JSON schema keyword 'pattern': matching the enum/const values against {pattern!r} "
+                              f"took longer than {PATTERN_CHECK_SECONDS:g} s (a pattern that backtracks "
+                              "catastrophically, such as (a+)+$, can take forever); simplify the pattern") from None
+        except RegexSyntaxError as exc:
+            raise SchemaError(f"JSON schema keyword 'pattern': {pattern!r} is not a regular expression ({exc})") \
+                from None
+        except RegexWorkerUnavailable as exc:  # (an embedded interpreter with no python to start)
+            log.warning("matching JSON schema patterns in this process: %s", exc)
+            self.in_process = True
+            return re.search(pattern, value) is not None
+        except RegexWorkerError as exc:
+            raise SchemaError(f"JSON schema keyword 'pattern': {pattern!r} could not be checked ({exc})") from None
+
+    def __call__(self, validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+        if validator.is_type(instance, "string") and not self.matches(pattern, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 class _Unsatisfiable(Exception):
@@ -86,6 +137,8 @@ class Normalizer:
         cls = jsonschema.validators.validator_for(root if isinstance(root, Mapping) else {})
         self.draft4 = cls is jsonschema.Draft4Validator
         self.legacy_items = cls is not jsonschema.Draft202012Validator  # items: [...] is a tuple
+        self.patterns = _PatternKeyword()
+        cls = jsonschema.validators.extend(cls, {"pattern": self.patterns})
         self.validator = cls(root if isinstance(root, Mapping) else {}, format_checker=FORMAT_CHECKER)
         self.defs: dict[str, Any] = {}
         self.ref_names: dict[str, str] = {}
@@ -101,6 +154,8 @@ class Normalizer:
         except _Unsatisfiable as exc:
             raise SchemaError(f"no JSON value satisfies the schema at {exc.path}"
                               + (f" ({exc.why})" if exc.why else "")) from None
+        finally:
+            self.patterns.close()
         if any(v is None for v in self.defs.values()):
             raise SchemaError("a recursive $ref points to a schema no JSON value satisfies")
         if self.defs:

@@ -8,10 +8,10 @@ check that names the pool a model does not fit in.
 """
 
 from .budget import AUTO_RAM_FRACTION, BudgetPool, Footprint, MemoryBudget, ResolvedBudget, detect_system_memory
-from .manager import ModelInfo, ModelManager, ModelNotReadyError
+from .manager import LoadCancelledError, ModelInfo, ModelManager, ModelNotReadyError
 
 __all__ = ["AUTO_RAM_FRACTION", "BudgetPool", "Footprint", "MemoryBudget", "ResolvedBudget", "detect_system_memory",
-           "ModelInfo", "ModelManager", "ModelNotReadyError"]
+           "LoadCancelledError", "ModelInfo", "ModelManager", "ModelNotReadyError"]
 
 
 def __getattr__(name: str):

@@ -21,7 +21,10 @@ from any thread.
 
 Unloading is deterministic: the server is closed (requests in flight end with
 ``ServerClosedError``), then the model; a caller still holding the
-:class:`Model` gets ``ClosedError`` from it, never a dangling pointer.
+:class:`Model` gets ``ClosedError`` from it, never a dangling pointer. A model
+unloaded while it loads (or whose queued load's Future is cancelled) leaves the
+registry at once, as if never loaded; its load stops and frees what it made, and
+raises :class:`LoadCancelledError` (a ``ClosedError``) to those waiting for it.
 
 A model that lost an RPC worker (a use raised RPCConnectionError) becomes ``failed``
 with that error (``info(id).error``; ``loaded(id)`` is False, routing raises
@@ -75,6 +78,11 @@ _CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(ContextParams))
 
 class ModelNotReadyError(LlamaError, RuntimeError):
     """The model id exists but failed to load, or lost an RPC worker since (``info(id).error`` says why)."""
+
+
+class LoadCancelledError(ClosedError):
+    """A load stopped because its id was unloaded (or its queued Future cancelled) before it finished:
+    not a failure of the model, which is simply not loaded."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +177,8 @@ class ModelManager(Closeable):
              **opts: Any) -> ModelInfo | Future:
         """Load ``source`` as ``id``; returns its :class:`ModelInfo` (or, with ``wait=False``, a Future of it).
 
-        source: a GGUF path, ``("hub", repo, file)``, or a loaded :class:`Model` (the
+        source: a GGUF path, ``("hub", repo, file)`` (file None: chosen in the worker as llama-server's
+            ``-hf repo[:quant]`` chooses, the tag after the repository's name), or a loaded :class:`Model` (the
         manager then uses it but does not close it). Options: model options
         (``n_gpu_layers``, ``tensor_split``, ...), context options (``type_k``, ...), and
         in server mode the :class:`Server` settings (``n_parallel``, ``n_ctx``, ...).
@@ -219,6 +228,8 @@ class ModelManager(Closeable):
             self._abandon(entry)
             raise ClosedError("the ModelManager is closed") from None
         entry.future = future
+        # (a queued load cancelled through its Future never runs: nobody else would drop its entry)
+        future.add_done_callback(lambda f: self._cancelled(entry) if f.cancelled() else None)
         if not wait:
             return future
         try:
@@ -249,6 +260,9 @@ class ModelManager(Closeable):
             return str(Path(source))
         if isinstance(source, tuple) and len(source) == 3 and source[0] == "hub":
             _, repo, filename = source
+            if filename is None:  # (the file is chosen by its quantization tag when the load runs)
+                hub.split_repo_tag(repo)
+                return f"hub:{repo}"
             hub.validate_repo(repo)
             hub.validate_filename(filename)
             return f"hub:{repo}/{filename}"
@@ -262,7 +276,9 @@ class ModelManager(Closeable):
             if isinstance(source, Model):
                 model, path = source, source.path
             elif isinstance(source, tuple):
-                path = hub.download(source[1], source[2])
+                repo, filename = (source[1], source[2]) if source[2] is not None else hub.find_model(source[1])
+                source = ("hub", repo, filename)
+                path = hub.download(repo, filename)
             else:
                 path = Path(source)
             # The capabilities decide the mode, and the mode what to estimate.
@@ -319,15 +335,20 @@ class ModelManager(Closeable):
                     if entry in self._releasing:
                         self._releasing.remove(entry)
                 entry.done.set()
-            logger.warning("loading %r from %s failed: %s", entry.id, entry.source, exc)
+            if isinstance(exc, ClosedError):  # (unloaded meanwhile, or the manager closed: not a failure)
+                logger.info("loading %r stopped: %s", entry.id, exc)
+            else:
+                logger.warning("loading %r from %s failed: %s", entry.id, entry.source, exc)
             raise
         entry.done.set()
         return self._info(entry)
 
     def _check_live(self, entry: _Entry) -> None:
         """Stop a load whose id was unloaded (or whose manager closed) meanwhile."""
-        if self._closed or self._entries.get(entry.id) is not entry:
-            raise ClosedError(f"model {entry.id!r} was unloaded while it loaded")
+        if self._closed:
+            raise ClosedError("the ModelManager was closed")
+        if self._entries.get(entry.id) is not entry:
+            raise LoadCancelledError(f"model {entry.id!r} was unloaded while it loaded")
 
     @staticmethod
     def _holds(entry: _Entry) -> bool:
@@ -642,6 +663,18 @@ class ModelManager(Closeable):
                 # A load that never started (cancelled while queued, or closed out before it was queued;
                 # unloaded or not): nobody else will wake those waiting for it.
                 self._abandon(entry)
+
+    def _cancelled(self, entry: _Entry) -> None:
+        """A queued load whose Future was cancelled: it leaves the registry (the id is free again) and its
+        waiters get LoadCancelledError."""
+        with self._lock:
+            if self._entries.get(entry.id) is entry:
+                del self._entries[entry.id]
+                if self._default == entry.id:
+                    self._default = self._first_usable()
+            if entry.error is None:
+                entry.error = LoadCancelledError(f"the load of model {entry.id!r} was cancelled")
+        self._abandon(entry)
 
     def _abandon(self, entry: _Entry) -> None:
         """End a load that will never run: its waiters get ClosedError."""

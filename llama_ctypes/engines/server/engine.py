@@ -130,7 +130,7 @@ class Engine:
         self.lease = lease
         self.drafter = drafter
         self.ctx = ctx = lease.ctx
-        self.batch = Batch(ctx.n_batch, 1)
+        self.batch = Batch(ctx.max_batch, 1)
         # The decode call, an attribute so that tests can slow it down.
         self._decode: Callable[[Batch], int] = lease.decode_rc
         # Logits rows for logprobs, read through the lease: unusable once the server releases it.
@@ -146,7 +146,7 @@ class Engine:
         self.pool = SlotPool(ctx.n_seq_max, ContextKV(lease, self._observer), unified=ctx.params.kv_unified,
                              partial_reuse=not (model.is_recurrent or model.is_hybrid),
                              ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
-        self.scheduler = Scheduler(self.pool, strategy, ctx.n_batch, n_ctx_seq or ctx.n_ctx_seq,
+        self.scheduler = Scheduler(self.pool, strategy, ctx.max_batch, n_ctx_seq or ctx.n_ctx_seq,
                                    max_outputs=ctx.n_outputs_max,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
                                    bind=self._bind,

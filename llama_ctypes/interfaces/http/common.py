@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
+import pydantic_core
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..._version import __version__
 from .cors import CorsPolicy
-from .errors import BodyTooLarge, Unavailable, from_exception, shape_of
+from .errors import BadRequest, BodyTooLarge, Unavailable, from_exception, shape_of
 from .limits import RequestLimits
 from .metrics import Metrics
 from .routing import Router
@@ -71,7 +72,8 @@ class AppContext:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it exceeds ``limit`` bytes (before any parsing)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    # (isascii: '²'.isdigit() is true, and int('²') raises)
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         await _drain(request, int(declared))
         raise BodyTooLarge(f"the request body is {int(declared)} bytes, over the limit of {limit} bytes")
     chunks, size = [], 0
@@ -82,6 +84,17 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge(f"the request body is over the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body's JSON, read as strictly as llama-server's parser and the schema-checked endpoints
+    (:func:`~.schemas.parse`): a lone surrogate (``"\\ud800"``, which no UTF-8 text holds: it would
+    fail later, when encoded for a file name, a tokenizer or the answer), ``NaN``, ``Infinity`` or a
+    nesting too deep is a 400 ``invalid_json``, never a 500. Python's ``json.loads`` lets all of these in."""
+    try:
+        return pydantic_core.from_json(raw, allow_inf_nan=False)
+    except ValueError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 async def _drain(request: Request, seen: int) -> None:

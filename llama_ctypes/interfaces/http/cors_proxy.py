@@ -9,6 +9,15 @@ this process's environment (``~/.netrc``, ``HTTP_PROXY``). Redirects are followe
 target that cannot be reached is a 500 whose body says ``proxy error: ...``. Like llama-server's, this
 lets anyone holding the API key reach any host this server can: enable it only where that is acceptable.
 
+The answer comes back under this server's origin, so it must never act as one of this server's pages (a
+link to ``/cors-proxy?url=<attacker's page>`` would otherwise run the attacker's script here, where it may
+call ``/tools``). Every answer is confined (:data:`CONFINE`: a sandbox with nothing allowed, a download,
+no MIME sniffing, not embeddable by other sites), the target's headers that act on the origin that
+serves them (cookies, site data, refreshes, HSTS, its own CORS or security policies, ...) are dropped,
+and a browser's navigation or subresource request, which its ``Sec-Fetch-*`` headers show, is refused
+before the target is reached. A URL with credentials (``user@host``) is refused: httpx would send them
+as ``Authorization: Basic``.
+
 It runs on the event loop (an async client): a stalled target holds no worker thread, and a client that
 leaves closes the connection to the target at once.
 """
@@ -16,6 +25,7 @@ leaves closes the connection to the target at once.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -24,7 +34,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from .errors import APIError, InternalError
+from .errors import APIError, BadRequest, InternalError
 from .streaming import until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -40,6 +50,35 @@ LOOP_HEADER = "x-llama-ctypes-proxied"
 
 class ProxyLoop(APIError):
     status, type, code = 508, "invalid_request_error", "loop_detected"
+
+
+class NotAFetch(APIError):
+    status, type, code = 403, "invalid_request_error", "navigation_not_allowed"
+
+
+#: set on every answer, whatever the target sent: a browser that opens it (a link, a frame) neither runs
+#: its scripts nor renders it as a page of this origin, and no other site can embed it
+CONFINE = [(b"content-security-policy", b"sandbox; default-src 'none'; frame-ancestors 'none'"),
+           (b"content-disposition", b"attachment"),
+           (b"x-content-type-options", b"nosniff"),
+           (b"cross-origin-resource-policy", b"same-origin")]
+
+#: the target's answer headers that would act on this server's origin (or stand in for :data:`CONFINE`)
+_ORIGIN_HEADERS = {
+    "set-cookie", "set-cookie2", "clear-site-data", "refresh", "link", "location", "content-location",
+    "strict-transport-security", "alt-svc", "public-key-pins", "public-key-pins-report-only", "expect-ct", "nel",
+    "report-to", "reporting-endpoints", "x-frame-options", "x-xss-protection", "x-content-type-options",
+    "content-disposition", "origin-agent-cluster", "permissions-policy", "feature-policy", "document-policy",
+    "service-worker-allowed", "timing-allow-origin", "accept-ch", "accept-ch-lifetime", "critical-ch",
+    "supports-loading-mode", "speculation-rules", "set-login", "no-vary-search", "referrer-policy",
+    "x-dns-prefetch-control", "x-permitted-cross-domain-policies", "x-download-options", "x-ua-compatible",
+    "sourcemap", "x-sourcemap", "observe-browsing-topics", "activate-storage-access"}
+_ORIGIN_PREFIXES = ("access-control-", "content-security-policy", "cross-origin-", "sec-")
+#: a challenge that makes a browser ask its user for a password, in a dialog shown for this server
+#: (MCP's ``Bearer`` challenges pass)
+_PROMPTING = re.compile(r"(?:^|,)\s*(?:basic|digest|ntlm|negotiate|kerberos)\b", re.IGNORECASE)
+#: ``Sec-Fetch-Dest`` values of requests that cannot run or render what they get (fetch() is "empty")
+_INERT_DESTS = {"empty", "image", "audio", "video", "track", "font"}
 
 
 #: request headers never sent on (the client sets them for the new hop)
@@ -62,9 +101,19 @@ def target_url(request: Request) -> str:
         raise InternalError(f"unsupported URL scheme in target URL: {parts.scheme}")
     if not parts.hostname:
         raise InternalError("invalid target URL: missing host")
-    if parts.password:
-        raise InternalError("authentication in target URL is not supported")
+    if "@" in parts.netloc:  # (llama-server refuses a password only; httpx sends a user name as Basic auth)
+        raise BadRequest("authentication in target URL is not supported", param="url")
     return url
+
+
+def refuse_navigation(request: Request) -> None:
+    """Refuse a request a browser sends to open or embed the answer (a link, a frame, a script tag, a form):
+    what its ``Sec-Fetch-*`` headers (which no page can set) say. Pages call the proxy with fetch()."""
+    mode = request.headers.get("sec-fetch-mode", "")
+    dest = request.headers.get("sec-fetch-dest", "empty")
+    if mode in ("navigate", "nested-navigate") or dest not in _INERT_DESTS:
+        raise NotAFetch(f"/cors-proxy answers requests of pages (fetch), not a browser's {dest or mode} request: "
+                        "its answer would act as a page of this server")
 
 
 def forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
@@ -82,14 +131,22 @@ def forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
 
 
 def _answer_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
+    """The target's answer headers that may pass, then :data:`CONFINE`."""
     named = {n.strip().lower() for v in upstream.headers.get_list("connection") for n in v.split(",")}
-    return [(k.lower(), v) for k, v in upstream.headers.raw
-            if (name := k.decode("latin-1").lower()) not in _HOP_RESPONSE and name not in named
-            and not name.startswith("access-control-")]
+    out = []
+    for key, value in upstream.headers.raw:
+        name = key.decode("latin-1").lower()
+        if name in _HOP_RESPONSE or name in named or name in _ORIGIN_HEADERS or name.startswith(_ORIGIN_PREFIXES):
+            continue
+        if name == "www-authenticate" and _PROMPTING.search(value.decode("latin-1")):
+            continue
+        out.append((key.lower(), value))
+    return out + CONFINE
 
 
 async def proxy(request: Request, body: bytes) -> Response:
     """Send ``request`` on to its ``url`` and stream the answer back."""
+    refuse_navigation(request)
     url = target_url(request)
     if LOOP_HEADER in request.headers:
         raise ProxyLoop("this request came through a proxy of this kind already: a redirect loop?")
@@ -102,8 +159,10 @@ async def proxy(request: Request, body: bytes) -> Response:
     except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
         await _close(None, client)
         logger.error("proxy error: %s: %s", type(exc).__name__, exc)
-        return Response(f"proxy error: {type(exc).__name__}: {str(exc)[:300]}", status_code=500,
-                        media_type="text/plain")
+        response = Response(f"proxy error: {type(exc).__name__}: {str(exc)[:300]}", status_code=500,
+                            media_type="text/plain")
+        response.raw_headers += CONFINE
+        return response
     except BaseException:
         await _close(None, client)
         raise

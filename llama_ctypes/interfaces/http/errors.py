@@ -42,6 +42,7 @@ class APIError(Exception):
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message, param = _utf8(message), _utf8(param)
         super().__init__(message)
         self.message = message
         self.param = param
@@ -61,6 +62,14 @@ class APIError(Exception):
         """The JSON response; ``shape``: ``"openai"`` or ``"anthropic"`` (see :func:`shape_of`)."""
         body = self.anthropic_body() if shape == "anthropic" else self.body()
         return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _utf8(text: str | None) -> str | None:
+    """``text`` as it can be sent: a lone surrogate (from a header read with ``surrogateescape``, a file
+    name, a tool's output) written as its escape, or the JSON answer would fail to encode (a 500)."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 #: Anthropic's error types by HTTP status.

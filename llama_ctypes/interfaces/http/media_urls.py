@@ -43,7 +43,7 @@ def url_fetcher(limits: MediaLimits, timeout: float = FETCH_TIMEOUT,
                 if response.status_code // 100 != 2:
                     raise MediaError(f"{url}: the server answered {response.status_code}")
                 declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > limits.max_bytes:
+                if declared.isascii() and declared.isdigit() and int(declared) > limits.max_bytes:
                     raise MediaTooLargeError(f"{url}: {declared} bytes, over the limit of {limits.max_bytes}")
                 chunks, size = [], 0
                 for chunk in response.iter_content(64 << 10):

@@ -1,7 +1,8 @@
 """Which model serves a request: the request's ``model`` field → a ModelManager id.
 
-With one model, any name routes to it (as llama-server does); with several, the
-name must be a model id (or an alias), and an unknown one is a 404. A missing
+With one model, any name routes to it (as llama-server does); with several (or in
+router mode, several catalog entries, even with one loaded), the name must be a model id
+(or an alias), and an unknown one is a 404. A missing
 ``model`` goes to the manager's default. A model still loading, or one that
 failed to load, answers 503.
 """
@@ -53,6 +54,16 @@ class Router:
         self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
         self._fallback_logged: set[str] = set()
 
+    def reload(self) -> bool:
+        """Read the catalog's models again (``GET /models?reload=1``) and take their settings; False when the
+        catalog has no source to read (nothing changed). Blocking: call it from a worker thread."""
+        settings = self.catalog.reload()
+        if settings is None:
+            return False
+        self.settings = dict(settings)
+        self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
+        return True
+
     async def prepare(self, name: str | None) -> None:
         """Before resolving a request's model: load it when it is a catalog entry not loaded yet (autoload)."""
         await self.catalog.ensure(name)
@@ -68,8 +79,10 @@ class Router:
             info = infos[name]  # type: ignore[index]
         elif name in self._aliases and self._aliases[name] in infos:
             info = infos[self._aliases[name]]
-        elif len(infos) == 1 or (not name and self.manager.default in infos):
-            info = next(iter(infos.values())) if len(infos) == 1 else infos[self.manager.default]  # type: ignore[index]
+        elif (len(infos) == 1 and len(self.catalog.entries) <= 1) or (not name and self.manager.default in infos):
+            # (any name means the one model; but not in router mode, where a name is one of the catalog's)
+            one = len(infos) == 1 and len(self.catalog.entries) <= 1
+            info = next(iter(infos.values())) if one else infos[self.manager.default]  # type: ignore[index]
         else:
             known = ", ".join(sorted(infos)) or "none"
             raise NotFound(f"the model {name!r} does not exist (models: {known})", param="model")
@@ -110,6 +123,8 @@ class Router:
         """The :class:`Model` of the model a request names (for tokenizing)."""
         info = self.resolve(name)
         with _gone(info.id):
+            if not self.manager.loaded(info.id):  # (unloaded since: not waiting for a new load of it)
+                raise KeyError(info.id)
             return info.id, self.manager.model(info.id)
 
     def servers(self) -> dict[str, Server]:
@@ -132,17 +147,21 @@ class Router:
 
 
 def _server_of(manager: ModelManager, model_id: str) -> Server:
-    # Only called for a ready model, so it never waits for a load.
+    # Only called for a model resolved ready; if it was unloaded since, its id is not waited for (a new
+    # load of it may have started: the event loop must not wait for that).
     with _gone(model_id):
+        if not manager.loaded(model_id):
+            raise KeyError(model_id)
         return manager.server(model_id)
 
 
 @contextlib.contextmanager
 def _gone(model_id: str) -> Iterator[None]:
-    """The manager's errors for a model unloaded (or reloading) since it was resolved, as responses."""
+    """The manager's errors for a model unloaded (or reloading) since it was resolved, as responses (503:
+    the name is right, the model is just not there now)."""
     try:
         yield
     except KeyError:
-        raise NotFound(f"the model {model_id!r} was unloaded", param="model") from None
+        raise Unavailable(f"the model {model_id!r} was unloaded", code="model_not_loaded") from None
     except ModelNotReadyError as e:
         raise Unavailable(f"the model {model_id!r} is not available: {e}") from None

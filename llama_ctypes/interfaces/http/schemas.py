@@ -25,6 +25,10 @@ MAX_TOP_LOGPROBS = 20
 #: Most stop strings per request (OpenAI takes 4): every generated token is checked against each of
 #: them in the model's scheduler thread, which serves every request of the model.
 MAX_STOPS = 16
+#: Longest stop string, in characters (llama-server has no bound). Matching costs each token its own length
+#: whatever the stops' length (core/text.py), but every choice builds an automaton per stop string and holds
+#: back from its stream the text that may begin one.
+MAX_STOP_CHARS = 4096
 _INT32_MAX = 2**31 - 1
 
 _UNSUPPORTED_PARTS = {"file": "file", "input_image": "image"}
@@ -184,6 +188,9 @@ class SamplingFields(_Body):
             raise ValueError("stop strings must not be empty")
         if isinstance(stop, list) and len(stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings (got {len(stop)})")
+        longest = max(map(len, [stop] if isinstance(stop, str) else stop or [""]))
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string has {longest} characters, over the limit of {MAX_STOP_CHARS}")
         return stop
 
     @property

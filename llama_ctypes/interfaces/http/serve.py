@@ -70,7 +70,7 @@ def vertex_ai_routes(args: Any, env: Mapping[str, str]) -> dict[str, Any]:
         return value if value is None or value.startswith("/") else "/" + value
 
     port = env.get("AIP_HTTP_PORT") or "8080"
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:  # (int() takes '١' and '²'.isdigit())
         raise ArgumentTypeError(f"AIP_HTTP_PORT={port!r}: expected a port number")
     if int(port) != args.port:
         logger.warning("Vertex AI mode: AIP_HTTP_PORT %s overrides --port %d", port, args.port)
@@ -251,6 +251,15 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         cli_opts["kv_unified"] = False
     if args.no_cache_prompt:
         cli_opts["cache_prompt"] = False
+    cache_ram = getattr(args, "cache_ram", None)
+    if cache_ram is not None:  # (llama-server's --cache-ram MiB; -1: no limit but the machine's RAM)
+        if cache_ram < -1:
+            raise ArgumentTypeError(f"--cache-ram {cache_ram}: expected MiB >= 0, or -1 (no limit)")
+        if cache_ram == -1:
+            from ...engines.manager import detect_system_memory
+
+            cache_ram = (detect_system_memory() or 0) // 2**20
+        cli_opts["prompt_cache_ram_mb"] = cache_ram
     if getattr(args, "model_draft", None):
         cli_opts["speculative"] = str(Path(args.model_draft).expanduser())
     elif getattr(args, "spec_ngram", False):
@@ -302,10 +311,25 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         if model_arg:
             raise ArgumentTypeError("pass the model once: MODEL or --model")
         model_arg = args.model_flag
+    hf_repo, hf_file = getattr(args, "hf_repo", None), getattr(args, "hf_file", None)
+    if hf_file and not hf_repo:
+        raise ArgumentTypeError("--hf-file needs --hf-repo")
+    if sum(map(bool, (model_arg, args.hub, hf_repo))) > 1:
+        raise ArgumentTypeError("pass the model once: MODEL, --model, --hub or --hf-repo")
     models_dir = getattr(args, "models_dir", None)
-    if models_dir and (model_arg or args.hub):
+    if models_dir and (model_arg or args.hub or hf_repo):
         raise ArgumentTypeError("pass either MODEL, --hub or --models-dir")
     dir_specs = models_in_dir(Path(models_dir)) if models_dir else []
+    preset = getattr(args, "models_preset", None)
+    if preset:
+        from .presets import preset_specs
+
+        if args.config or model_arg or args.hub or hf_repo:
+            raise ArgumentTypeError("pass either --models-preset (with or without --models-dir), --config or a model")
+        if getattr(args, "serve_parser", None) is None:
+            raise ArgumentTypeError("--models-preset is read with the serve command line's parser")
+        return None, preset_specs(Path(preset).expanduser(), args, args.serve_parser, model_specs,
+                                  {spec["id"]: spec["source"] for spec in dir_specs})
     if dir_specs and not args.config:
         return None, [_with_cli_options(spec, cli_opts) for spec in dir_specs]
     if args.config:
@@ -322,6 +346,12 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
     if args.hub:
         source: Any = ("hub", args.hub[0], args.hub[1])
         name = Path(args.hub[1]).stem
+    elif hf_repo:  # (llama-server's -hf OWNER/NAME[:QUANT] [-hff FILE]: without a file, chosen at load by QUANT)
+        from ...features import hub
+
+        repo, _ = hub.split_repo_tag(hf_repo)
+        source = ("hub", repo, hf_file) if hf_file else ("hub", hf_repo, None)
+        name = Path(hf_file).stem if hf_file else hf_repo
     elif model_arg:
         source = str(Path(model_arg).expanduser())
         name = Path(model_arg).stem
@@ -352,11 +382,22 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
         if not Path(mmproj).expanduser().is_file():
             raise ArgumentTypeError(f"--mmproj {mmproj}: no such file")
         spec["mmproj"] = str(Path(mmproj).expanduser())
-    elif args.hub and not getattr(args, "no_mmproj", False):
+    elif (args.hub or hf_repo) and not getattr(args, "no_mmproj", False):
         spec["mmproj"] = "auto"  # (the repository's projector when it has one, as llama-server's -hf)
     if "mmproj" not in spec and "mmproj_params" in cli_opts:
         raise ArgumentTypeError("--no-mmproj-offload and --image-*-tokens need a projector (--mmproj)")
     return None, [_with_cli_options(spec, cli_opts)]
+
+
+def catalog_entries(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any]]:
+    """The catalog's entries of model specs, and the HTTP layer's settings of each (by id)."""
+    from .catalog import CatalogEntry
+
+    entries, settings = [], {}
+    for spec in specs:
+        load, settings[spec["id"]] = _split_http(spec)
+        entries.append(CatalogEntry(spec["id"], load, tuple(spec.get("aliases", ())), spec.get("load", True)))
+    return entries, settings
 
 
 def _split_http(spec: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -596,14 +637,16 @@ def run(args: argparse.Namespace) -> int:
 
         from ...engines.manager import ModelManager
         from .app import create_app
-        from .catalog import Catalog, CatalogEntry
+        from .catalog import Catalog
         from .connections import guarded_protocol
         server_class = _uvicorn_server()
     except ImportError as exc:
         raise SystemExit(f"llama-ctypes serve needs the server extra: pip install 'llama_ctypes[server]' ({exc})")
 
+    if getattr(args, "offline", False):
+        os.environ["LLAMA_OFFLINE"] = "1"  # (llama-server's --offline: the Hub client reads only its cache)
     budget, specs = model_specs(args)
-    router_mode = not (args.model or getattr(args, "model_flag", None) or args.hub)
+    router_mode = not (args.model or getattr(args, "model_flag", None) or args.hub or getattr(args, "hf_repo", None))
     limits, connections = limits_from_args(args)
     pin_mmap_threshold()  # (before the models load and the worker threads start)
     api_key = api_keys(args)
@@ -623,9 +666,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         catalog = Catalog(manager, max_loaded=getattr(args, "models_max", None) or None,
                           autoload=not getattr(args, "no_models_autoload", False))
-        for spec in specs:
-            load, settings[spec["id"]] = _split_http(spec)
-            catalog.add(CatalogEntry(spec["id"], load, tuple(spec.get("aliases", ())), spec.get("load", True)))
+        if router_mode and (getattr(args, "models_dir", None) or getattr(args, "models_preset", None)):
+            catalog.source = lambda: catalog_entries(model_specs(args)[1])  # (GET /models?reload=1 reads them again)
+        entries, settings = catalog_entries(specs)
+        for entry in entries:
+            catalog.add(entry)
         # (the ones a config loads at start; a server with --no-models-autoload loads only on request)
         starting = [e for e in catalog.entries.values() if e.autoload and (catalog.autoload or len(specs) == 1)]
         if catalog.max_loaded is not None:

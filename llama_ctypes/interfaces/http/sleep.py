@@ -26,8 +26,9 @@ from typing import Awaitable, Callable
 
 import anyio
 
-from ...errors import AlreadyLoadedError
+from ...errors import AlreadyLoadedError, ClosedError
 from .catalog import Catalog
+from .errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class IdleSleep:
         for model_id in loaded:
             try:
                 await anyio.to_thread.run_sync(self.catalog.unload, model_id)
+            except BadRequest:  # (unloaded meanwhile, /models/unload say: freed all the same)
+                pass
             except Exception:
                 logger.exception("freeing %r for the sleeping state failed", model_id)
                 continue
@@ -152,9 +155,11 @@ class IdleSleep:
         try:
             if catalog.status(model_id) != "loading":
                 future = await anyio.to_thread.run_sync(catalog.load, model_id)
-                await asyncio.wrap_future(future)
+                await asyncio.shield(asyncio.wrap_future(future))  # (a request's cancellation leaves the load)
         except AlreadyLoadedError:  # (loaded or loading meanwhile: wait for it below)
             pass
+        except ClosedError:  # (unloaded meanwhile, or the server is closing: its next request loads it)
+            return
         except Exception:  # noqa: BLE001 - the catalog keeps it failed; its requests hear why (503)
             logger.exception("loading %r again after sleeping failed", model_id)
             return

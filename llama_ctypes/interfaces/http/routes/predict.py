@@ -18,7 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..common import AppContext, endpoint, read_body
+from ..common import AppContext, endpoint, json_body, read_body
 from ..errors import BadRequest
 
 __all__ = ["MAX_INSTANCES", "gcp_alias", "make_predict"]
@@ -90,10 +90,7 @@ def make_predict(handlers: Mapping[str, Callable[[Request], Awaitable[Response]]
 
     @endpoint
     async def predict(request: Request, app: AppContext) -> Response:
-        try:
-            data = json.loads(await read_body(request, app.max_body_bytes))
-        except ValueError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from None
+        data = json_body(await read_body(request, app.max_body_bytes))
         if not isinstance(data, dict):
             raise BadRequest("request body must be a JSON object")
         instances = data.get("instances")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import time
@@ -14,9 +13,9 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError, ModelLoadError
-from ..common import AppContext, endpoint, read_body
-from ..errors import BadRequest, NotSupported, Unavailable
+from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError, LlamaError, ModelLoadError
+from ..common import AppContext, endpoint, json_body, read_body
+from ..errors import APIError, BadRequest, NotSupported, Unavailable
 from ..limits import over_limit
 from ..metrics import CONTENT_TYPE
 from ..schemas import DetokenizeRequest, ModelRequest, TokenizeRequest, parse
@@ -25,7 +24,13 @@ from ..schemas import DetokenizeRequest, ModelRequest, TokenizeRequest, parse
 @endpoint
 async def models(request: Request, app: AppContext) -> Response:
     """Every model: loaded, loading, failed, and (router mode) the catalog's unloaded ones. ``status`` is
-    llama-server's object (``{"value": "loaded" | "loading" | "unloaded" | "failed", "args": [...]}``)."""
+    llama-server's object (``{"value": "loaded" | "loading" | "unloaded" | "failed", "args": [...]}``).
+    ``?reload=1`` (any value) reads ``--models-preset`` and ``--models-dir`` again first, as llama-server."""
+    if request.query_params.get("reload"):
+        try:
+            await anyio.to_thread.run_sync(app.router.reload)
+        except (LlamaError, ValueError, OSError) as exc:  # (the file's fault, not the client's: the list stays)
+            raise APIError(f"reading the models again failed, the list is unchanged: {exc}") from None
     catalog = app.router.catalog
     data, ollama = [], []
     listed = set()
@@ -280,8 +285,11 @@ async def slots(request: Request, app: AppContext) -> Response:
     return JSONResponse([_slot_json(s) for s in infos])
 
 
-#: A slot file's name: one path component, no control or reserved characters (llama-server's check).
-_FILENAME = re.compile(r'^[^/\\\x00-\x1f\x7f<>:"|?*]{1,255}$')
+#: A slot file's name: one path component, no control or reserved characters (llama-server's check), no
+#: lone surrogate (no file system takes one)
+_FILENAME = re.compile(r'^[^/\\\x00-\x1f\x7f<>:"|?*\ud800-\udfff]{1,255}$')
+#: A slot id as a path segment: ASCII digits only (int() also takes '١', '1_0', '+0' and ' 0')
+_SLOT_ID = re.compile(r"[0-9]{1,9}")
 
 
 def _slot_file(app: AppContext, filename: Any) -> Path:
@@ -304,10 +312,10 @@ async def slot_action(request: Request, app: AppContext) -> Response:
     on the model named by ``?model=``; 501 unless started with ``--slot-save-path``."""
     if app.slot_save_path is None:
         raise NotSupported("this server does not support slots actions: start it with --slot-save-path")
-    try:
-        slot_id = int(request.path_params["id_slot"])
-    except ValueError:
-        raise BadRequest("invalid slot id", param="id_slot") from None
+    raw_id = request.path_params["id_slot"]
+    if not _SLOT_ID.fullmatch(raw_id):
+        raise BadRequest("Invalid slot ID", param="id_slot")  # (llama-server's message)
+    slot_id = int(raw_id)
     action = request.query_params.get("action")
     if action not in ("save", "restore", "erase"):
         raise BadRequest(f"invalid action {action!r}: expected save, restore or erase", param="action")
@@ -320,10 +328,7 @@ async def slot_action(request: Request, app: AppContext) -> Response:
         if action == "erase":
             n = await anyio.to_thread.run_sync(server.erase_slot, slot_id)
             return JSONResponse({"id_slot": slot_id, "n_erased": n})
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except ValueError:
-            raise BadRequest("the body is not valid JSON", code="invalid_json") from None
+        body = json_body(raw) if raw.strip() else {}
         path = _slot_file(app, body.get("filename") if isinstance(body, dict) else None)
         if action == "save":
             n = await anyio.to_thread.run_sync(server.save_slot, slot_id, path)
@@ -382,11 +387,7 @@ async def lora_adapters(request: Request, app: AppContext) -> Response:
 
 
 async def _json_body(request: Request, app: AppContext, kind: type, refusal: str) -> Any:
-    raw = await read_body(request, app.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
+    body = json_body(await read_body(request, app.max_body_bytes))
     if not isinstance(body, kind):
         raise BadRequest(refusal)
     return body

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import logging
 import threading
 from typing import Any
@@ -15,7 +14,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..common import AppContext, endpoint, read_body
+from ..common import AppContext, endpoint, json_body, read_body
 from ..cors_proxy import proxy
 from ..errors import APIError, BadRequest, InternalError
 from ..streaming import EventStream, until_disconnect
@@ -56,9 +55,18 @@ def _check_origin(request: Request, app: AppContext) -> None:
 
     The server's own page is let in when it was reached by an IP address: a page reached by a host name
     sends that name as both ``Origin`` and ``Host``, which is also what a page of an attacker's domain
-    sends once the domain resolves to this server (DNS rebinding). Such names go in ``--cors-origins``."""
+    sends once the domain resolves to this server (DNS rebinding). Such names go in ``--cors-origins``.
+
+    A browser sends no ``Origin`` with a link, an image or a ``no-cors`` fetch; its ``Sec-Fetch-Site``
+    (which no page can set) still says whether another site's page sent it: such a request is refused.
+    Clients that are no browser send neither header."""
     origin = request.headers.get("origin")
-    if origin is None or app.cors.allows(origin):
+    if origin is None:
+        if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            raise OriginRefused("a request from a page of another site (a link, an image, a no-cors fetch) "
+                                "is not allowed here")
+        return
+    if app.cors.allows(origin):
         return
     host = request.headers.get("host", "")
     if _ip_host(host) and origin in (f"http://{host}", f"https://{host}"):
@@ -99,11 +107,7 @@ async def tools(request: Request, app: AppContext) -> Response:
     _check_origin(request, app)
     if request.method == "GET":
         return JSONResponse(box.listing())
-    body = await read_body(request, app.max_body_bytes)
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    data = json_body(await read_body(request, app.max_body_bytes))
     if not isinstance(data, dict) or not isinstance(data.get("tool"), str):
         raise BadRequest("expected a JSON object with a 'tool' name", param="tool")
     params = data.get("params", {})

@@ -13,10 +13,13 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ....core.json_schema.normalize import json_type
+from ....core.regex_worker import RegexSyntaxError, RegexTimeout, RegexWorker, RegexWorkerError
+from ....errors import CancelledError
 from .base import StopFn, StreamFn, Tool, ToolParamError
 from .edits import EditError, apply_edits
 from .files import ListKind, path_glob_match, printable
@@ -29,6 +32,12 @@ READ_FILE_MAX_SIZE_BASE64 = 32 * 1024 * 1024  # bytes of a file read_file return
 FILE_SEARCH_MAX_RESULTS = 100
 GREP_SEARCH_MAX_RESULTS = 100
 GREP_SEARCH_MAX_FILE_SIZE = 16 * 1024 * 1024  # bytes; a larger file is skipped (it is read whole)
+#: Seconds one search may spend matching: its pattern runs in a child process (core/regex_worker.py), killed then.
+GREP_SEARCH_TIMEOUT = 10.0
+#: Most context lines before and after a match (llama-server takes any int: 2**31-1 printed whole files per match).
+GREP_SEARCH_MAX_CONTEXT_LINES = 50
+#: Bytes of output (UTF-8) at most; llama-server has no cap, and 100 matches with context gave 63 MB from 40 KB.
+GREP_SEARCH_MAX_OUTPUT = 256 * 1024
 EDIT_FILE_MAX_SIZE = 64 * 1024 * 1024  # bytes; edit_file holds a few copies of the file
 EXEC_MAX_OUTPUT_SIZE = 16 * 1024  # bytes
 EXEC_MAX_TIMEOUT = 60  # seconds
@@ -270,6 +279,28 @@ class FileGlobSearchTool(Tool):
         return {"plain_text_response": text, "entries": entries, "base": printable(base)}
 
 
+class _CappedText:
+    """Text built piece by piece, at most ``cap`` bytes of UTF-8: the piece that crosses it is cut (at a
+    character boundary) and ``truncated`` is set; later pieces are dropped."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.size, self.truncated = cap, 0, False
+        self._parts: list[str] = []
+
+    def add(self, piece: str) -> None:
+        if self.truncated:
+            return
+        data = piece.encode("utf-8", "surrogatepass")
+        if self.size + len(data) > self.cap:
+            piece = data[:self.cap - self.size].decode("utf-8", "ignore")
+            self.truncated = True
+        self._parts.append(piece)
+        self.size += len(data)
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+
 _REGEX_SPECIALS = frozenset("\\^$.|?*+()[]{}")
 
 
@@ -311,15 +342,31 @@ class GrepSearchTool(Tool):
         show_lineno = _opt_bool(params, "return_line_numbers", False)
         literal = _opt_bool(params, "literal", False)
         ignore_case = _opt_bool(params, "ignore_case", False)
-        ctx = max(0, _opt_int(params, "context_lines", 0))
+        ctx = min(GREP_SEARCH_MAX_CONTEXT_LINES, max(0, _opt_int(params, "context_lines", 0)))
 
         if literal:
             pattern_text = "".join("\\" + c if c in _REGEX_SPECIALS else c for c in pattern_text)
-        try:
-            regex = re.compile(pattern_text, re.IGNORECASE if ignore_case else 0)
-        except (re.error, RecursionError, OverflowError) as e:
-            return {"error": f"invalid regex: {e}"}
+        flags = re.IGNORECASE if ignore_case else 0
+        deadline = time.monotonic() + GREP_SEARCH_TIMEOUT
+        with RegexWorker(should_stop) as worker:
+            try:
+                worker.search(pattern_text, (), flags=flags, deadline=deadline)  # (compiles it: errors come first)
+                return self._search(worker, params, path, pattern_text, flags, include, exclude,
+                                    show_lineno or ctx > 0, ctx, deadline, should_stop)
+            except RegexSyntaxError as e:
+                return {"error": f"invalid regex: {e}"}
+            except RegexTimeout:
+                return {"error": "grep_search stopped: matching the pattern took longer than "
+                                 f"{GREP_SEARCH_TIMEOUT:g} s (a pattern that backtracks catastrophically, such as (a+)+$, can take forever); "
+                                 "simplify the pattern or pass literal: true"}
+            except CancelledError:
+                return {"error": "grep_search stopped: the client has gone"}
+            except RegexWorkerError as e:
+                return {"error": f"grep_search failed: {e}"}
 
+    @staticmethod
+    def _search(worker: RegexWorker, params: dict[str, Any], path: str, pattern: str, flags: int, include: str,
+                exclude: str, show_num: bool, ctx: int, deadline: float, should_stop: StopFn) -> dict[str, Any]:
         io = make_tools_io(params)
         files: list[tuple[str, str]] = []  # (path to read, path to show)
         abs_path = io.resolve(path)
@@ -335,12 +382,11 @@ class GrepSearchTool(Tool):
         else:
             return {"error": f"path does not exist: {path}"}
 
-        out: list[str] = []
+        out = _CappedText(GREP_SEARCH_MAX_OUTPUT)
         total = skipped = 0
         limit_reached = False
-        show_num = show_lineno or ctx > 0
         for fpath, shown in files:
-            if limit_reached or should_stop():
+            if limit_reached or out.truncated or should_stop():
                 break
             try:
                 content = io.read_file(fpath, GREP_SEARCH_MAX_FILE_SIZE)
@@ -352,25 +398,32 @@ class GrepSearchTool(Tool):
             lines = content.decode("utf-8", "replace").split("\n")
             if lines[-1] == "":
                 lines.pop()
-            for i, line in enumerate(lines):
-                if total >= GREP_SEARCH_MAX_RESULTS:
-                    limit_reached = True
-                    break
-                if not regex.search(line):
-                    continue
+            if total >= GREP_SEARCH_MAX_RESULTS:  # (llama-server: reached when one more line was to be searched)
+                limit_reached = bool(lines)
+                continue
+            hits = worker.search(pattern, lines, flags=flags, limit=GREP_SEARCH_MAX_RESULTS - total,
+                                 deadline=deadline)
+            for i in hits:
                 for j in range(max(0, i - ctx), min(len(lines) - 1, i + ctx) + 1):
                     sep = ":" if j == i else "-"
-                    out.append(f"{shown}{sep}{f'{j + 1}{sep}' if show_num else ''}{lines[j]}\n")
+                    out.add(f"{shown}{sep}{f'{j + 1}{sep}' if show_num else ''}{lines[j]}\n")
                 if ctx > 0:
-                    out.append("--\n")
+                    out.add("--\n")
                 total += 1
-        out.append(f"\n---\nTotal matches: {total}\n")
+                if out.truncated:
+                    break
+            if total >= GREP_SEARCH_MAX_RESULTS and hits and hits[-1] < len(lines) - 1:
+                limit_reached = True
+        tail = [f"\n---\nTotal matches: {total}\n"]
         if limit_reached:
-            out.append(f"[{GREP_SEARCH_MAX_RESULTS} matches limit reached. "
-                       "Narrow the path/pattern/include to see more.]\n")
+            tail.append(f"[{GREP_SEARCH_MAX_RESULTS} matches limit reached. "
+                        "Narrow the path/pattern/include to see more.]\n")
+        if out.truncated:
+            tail.append(f"[output truncated at {GREP_SEARCH_MAX_OUTPUT} bytes. "
+                        "Narrow the path/pattern/include or lower context_lines to see more.]\n")
         if skipped:
-            out.append(f"[{skipped} file(s) over {GREP_SEARCH_MAX_FILE_SIZE} bytes not searched]\n")
-        return {"plain_text_response": "".join(out)}
+            tail.append(f"[{skipped} file(s) over {GREP_SEARCH_MAX_FILE_SIZE} bytes not searched]\n")
+        return {"plain_text_response": out.text() + "".join(tail)}
 
 
 class ExecShellCommandTool(Tool):

@@ -1,0 +1,103 @@
+"""Input that Python reads too kindly: ``int()`` takes ``'١'``, ``'1_0'``, ``'+0'`` and ``' 0'``, and
+``'²'.isdigit()`` is true while ``int('²')`` raises; ``json.loads`` lets in lone surrogates (which no
+UTF-8 text holds: a file name, a tokenizer or the JSON answer then fails to encode them), ``NaN`` and
+nestings deep enough to raise ``RecursionError``. Each is a 400 in llama-server's shape, never a 500."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+pytest.importorskip("starlette")
+from starlette.requests import Request  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+import llama_ctypes as lc  # noqa: E402
+from llama_ctypes.interfaces.http.app import create_app  # noqa: E402
+from llama_ctypes.interfaces.http.common import read_body  # noqa: E402
+from llama_ctypes.interfaces.http.errors import BadRequest, Unavailable  # noqa: E402
+from llama_ctypes.interfaces.http.serve import vertex_ai_routes  # noqa: E402
+from llama_ctypes.interfaces.http.tools.box import ToolBox  # noqa: E402
+
+LONE = '"\\ud800"'  # (a JSON escape of a lone surrogate)
+
+
+@pytest.fixture
+def http(tiny_model, tmp_path):
+    (tmp_path / "slots").mkdir()
+    with lc.ModelManager() as manager:
+        manager.load("tiny", tiny_model, mode="server", n_parallel=2, n_ctx=256)
+        app = create_app(manager, slot_save_path=tmp_path / "slots", tools=ToolBox(["read_file"]),
+                         predict_route="/predict")
+        with TestClient(app, raise_server_exceptions=False) as client:
+            yield client
+
+
+def _error(r, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_slot_ids_are_ascii_digits_only(http):
+    assert http.post("/slots/1?action=erase").json() == {"id_slot": 1, "n_erased": 0}
+    for slot in ("١", "1_0", "+0", " 0", "0 ", "²", "-1", "0x1", "1" * 10):
+        error = _error(http.post(f"/slots/{slot}?action=erase"))
+        assert error["message"] == "Invalid slot ID" and error["type"] == "invalid_request_error", slot
+        assert error["param"] == "id_slot"
+
+
+def test_lone_surrogates_and_other_json_that_python_lets_in_are_400(http, tmp_path):
+    bodies = {
+        ("/slots/0?action=save", "/slots/0?action=restore"): [
+            '{"filename": %s}' % LONE, '{"filename": "x\\udcff.bin"}', b'{"filename": "\xed\xa0\x80"}'],
+        ("/tools",): ['{"tool": %s, "params": {}}' % LONE, '{"tool": "read_file", "params": {"path": NaN}}',
+                      "[" * 100_000],
+        ("/lora-adapters",): ['[{"id": %s, "scale": 1}]' % LONE],
+        ("/predict",): ['{"instances": [{"@requestFormat": %s}]}' % LONE],
+    }
+    for paths, cases in bodies.items():
+        for path in paths:
+            for body in cases:
+                raw = body if isinstance(body, bytes) else body.encode()
+                r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+                error = _error(r)
+                assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error", (path, body)
+    assert not any((tmp_path / "slots").iterdir())
+    # (the ordinary names still work)
+    r = http.post("/slots/0?action=save", json={"filename": "café.bin"})
+    assert r.status_code == 200 and r.json()["filename"] == "café.bin"
+
+
+def test_an_error_message_that_quotes_undecodable_bytes_is_still_json():
+    """File names come from the file system with surrogate escapes (bytes that are not UTF-8): an error
+    that quotes one (a model id taken from a file name, while it loads) must still encode as JSON."""
+    r = Unavailable("loading model(s): m\udcff", code="loading").response()
+    assert r.status_code == 503
+    assert json.loads(r.body)["error"] == {"message": "loading model(s): m\\udcff", "type": "unavailable_error",
+                                           "param": None, "code": "loading"}
+    assert BadRequest("x", param="p\ud800").body()["error"]["param"] == "p\\ud800"
+
+
+async def _read_with_length(value: bytes) -> bytes:
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", value)]}
+    return await read_body(Request(scope, receive), 1 << 20)
+
+
+@pytest.mark.parametrize("value", ["²".encode("latin-1"), "¹²³".encode("latin-1")])
+def test_a_content_length_that_isdigit_but_is_no_number_is_not_a_crash(value):
+    import asyncio
+
+    assert asyncio.run(_read_with_length(value)) == b"{}"
+
+
+def test_a_vertex_port_that_isdigit_but_is_no_number_is_refused():
+    args = argparse.Namespace(port=8080)
+    for port in ("²", "٨٠٨٠", "8_080", " 8080"):
+        with pytest.raises(lc.ArgumentTypeError, match="AIP_HTTP_PORT"):
+            vertex_ai_routes(args, {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": port})
+    assert args.port == 8080
