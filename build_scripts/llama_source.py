@@ -54,7 +54,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _download_archive(dest_dir: Path) -> Path:
+def download_archive(dest_dir: Path) -> Path:
     """Fetch the pinned sdist into dest_dir with pip, without building it."""
     dest_dir.mkdir(parents=True, exist_ok=True)
     target = dest_dir / PIN_ARCHIVE
@@ -133,7 +133,7 @@ def ensure_source(vendor_dir: Path, download_dir: Path, llama_cpp_dir: str | Non
     marker = vendor_dir / _MARKER
     if marker.exists() and marker.read_text().split() == [PIN_ID, PIN_SHA256]:
         return vendor_dir, PIN_ID
-    archive = _download_archive(download_dir)
+    archive = download_archive(download_dir)
     vendor_dir.parent.mkdir(parents=True, exist_ok=True)
     _extract(archive, vendor_dir)
     return vendor_dir, PIN_ID

@@ -10,6 +10,7 @@ import gc
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import llama_ctypes as lc
@@ -248,6 +249,79 @@ def test_deeply_nested_grammar_is_refused_before_c(tiny_model):
         lc.generate(tiny_model, PROMPT, grammar="  # only a comment\n", max_tokens=2)
     # a string holding parentheses is not nesting
     assert lc.generate(tiny_model, PROMPT, grammar='root ::= "(((" [)(]', max_tokens=6, temp=0).startswith("(((")
+
+
+EMPTY_COPIES = {  # each took seconds to minutes per 20 tokens in llama.cpp's sampler, which nothing interrupts
+    "a nullable rule repeated": 'root ::= x{0,300}\nx ::= "a"?',
+    "a nullable group repeated": 'root ::= ("a"?){0,60}',
+    "nested repetitions": 'root ::= (("a"?){0,8}){0,8}',
+    "written out": "root ::= " + " ".join(['"a"?'] * 60),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EMPTY_COPIES))
+def test_repeating_what_can_match_nothing_is_refused(tiny_model, kind):
+    """llama.cpp expands x{0,n} into nested optional copies: where x may be empty, every way of spreading the
+    text over the copies is a parse stack of its own (x{0,100} with x ::= "a"? took 8 s for 20 tokens, x{0,200}
+    minutes, and every request of a Server's model waited)."""
+    t0 = time.monotonic()
+    with pytest.raises(lc.GrammarError, match="can match nothing"):
+        lc.generate(tiny_model, PROMPT, grammar=EMPTY_COPIES[kind], max_tokens=20, ignore_eos=True)
+    assert time.monotonic() - t0 < 1
+
+
+def test_star_plus_and_a_few_copies_of_the_empty_still_work(tiny_model):
+    """* and + on a nullable item are recursion to llama.cpp, not copies; a few copies are cheap."""
+    for grammar in ('root ::= ("a"?)*', 'root ::= ("a"?)+', 'root ::= ("a"?){0,20}', 'root ::= [a]{0,300}',
+                    'root ::= "[" space space "a"{0,9} "]"\nspace ::= | " "'):
+        t0 = time.monotonic()
+        out = lc.generate(tiny_model, PROMPT, grammar=grammar, max_tokens=20, ignore_eos=True, temp=0)
+        assert time.monotonic() - t0 < 3, grammar
+        assert out.finish_reason in ("length", "stop", "eog"), grammar
+
+
+def test_backtracking_lazy_grammar_triggers_are_refused(tiny_model):
+    """llama.cpp matches triggers with std::regex over the text so far at every token, where nothing interrupts
+    it: (.*.*)*x ran for minutes."""
+    for pattern in ("(.*.*)*x", "(a+)+$", "(a|aa)*b", "a*b*c*d*e*f", "x" * 2000):
+        with pytest.raises(lc.InvalidArgumentError, match="grammar_lazy_triggers"):
+            lc.generate(tiny_model, PROMPT, max_tokens=10, grammar='root ::= "a"', grammar_lazy_triggers=[pattern])
+    # llama.cpp's own kind of trigger still works
+    out = lc.generate(tiny_model, PROMPT, max_tokens=4, grammar='root ::= "a"',
+                      grammar_lazy_triggers=[r"<\|start\|>assistant(<\|channel\|>(?:commentary|analysis)\s+to)"])
+    assert out.finish_reason in ("length", "stop", "eog")
+
+
+def test_a_batch_whose_fields_disagree_with_its_arrays_is_refused(tiny_model):
+    """n_tokens beyond the arrays, or a token in 0 (or more than n_seq_max) sequences, made llama.cpp read past them."""
+    with lc.Context.create(tiny_model, n_ctx=256) as ctx, ctx.lease() as lease:
+        for field, value in (("n_tokens", 2000), ("n_tokens", -1), ("n_seq_id", 0), ("n_seq_id", -5),
+                             ("n_seq_id", 2)):
+            batch = lc.Batch(4)
+            batch.add(1, 0, 0, True)
+            if field == "n_tokens":
+                batch.n_tokens = value
+            else:
+                batch.n_seq_id[0] = value
+            with pytest.raises(lc.InvalidArgumentError, match=field):
+                lease.decode(batch)
+        batch = lc.Batch(4)
+        with pytest.raises(AttributeError):
+            batch.token = np.zeros(4, dtype=np.int32)  # (llama.cpp would read the old buffer)
+        with pytest.raises(lc.InvalidArgumentError):
+            lc.Batch(0)
+        batch.add(1, 0, 0, True)
+        lease.decode(batch)
+        assert np.isfinite(lease.logits(0)).all()
+
+
+def test_backend_top_k_beyond_the_vocabulary_keeps_it_all(tiny_model):
+    """llama.cpp's backend top-k asserts k <= n_vocab (an abort from a documented option, over HTTP too)."""
+    n_vocab = tiny_model.vocab.n_tokens
+    for top_k in (n_vocab, n_vocab + 1, 2**31 - 1):
+        out = lc.generate(tiny_model, PROMPT, max_tokens=3, temp=0.8, seed=1, backend_sampling=True, top_k=top_k,
+                          ignore_eos=True)
+        assert len(out.tokens) == 3
 
 
 # ---- smaller ones ------------------------------------------------------------------------------------------

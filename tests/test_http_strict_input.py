@@ -101,3 +101,16 @@ def test_a_vertex_port_that_isdigit_but_is_no_number_is_refused():
         with pytest.raises(lc.ArgumentTypeError, match="AIP_HTTP_PORT"):
             vertex_ai_routes(args, {"AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": port})
     assert args.port == 8080
+
+
+def test_a_logit_bias_key_of_thousands_of_digits_is_400(http):
+    """int() refuses strings of more than 4300 digits with a ValueError: it was a 500 on /completion."""
+    huge = "9" * 5000
+    for path, body in (("/completion", {"prompt": "Hi", "n_predict": 1, "logit_bias": {huge: 1}}),
+                       ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "logit_bias": {huge: 1}}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                                 "logit_bias": {huge: 1}})):
+        error = _error(http.post(path, json=body))
+        assert "token id" in error["message"] and len(error["message"]) < 300, (path, error)
+    # an ordinary key still works
+    assert http.post("/completion", json={"prompt": "Hi", "n_predict": 1, "logit_bias": {"5": 1}}).status_code == 200

@@ -110,6 +110,10 @@ def test_pages_of_other_origins_cannot_call_tools_or_the_proxy(manager, tmp_path
             r = http.get(f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x", headers=headers)
             assert r.status_code == 403
         assert not marker.exists() and not target.seen
+        # what /cors-proxy sends on (a target may redirect it here): no Origin, no Sec-Fetch-*, only its mark
+        r = http.post("/tools", json=call, headers={"x-llama-ctypes-proxied": "1"})
+        assert r.status_code == 403 and "through /cors-proxy" in r.json()["error"]["message"]
+        assert not marker.exists()
         # a local page, the server's own page reached by its address, a client that is no page
         for origin in ("http://localhost:5173", "http://192.168.7.7:8080", None):
             headers = {"Origin": origin} if origin else {}

@@ -20,31 +20,56 @@ class Batch:
     """
 
     def __init__(self, capacity: int, n_seq_max: int = 1):
-        if capacity < 1 or n_seq_max < 1:
-            raise InvalidArgumentError("Batch capacity and n_seq_max must be >= 1")
-        self.capacity = capacity
-        self.n_seq_max = n_seq_max
-        self.token = np.zeros(capacity, dtype=np.int32)
-        self.pos = np.zeros(capacity, dtype=np.int32)
-        self.n_seq_id = np.ones(capacity, dtype=np.int32)
-        self.seq_ids = np.zeros((capacity, n_seq_max), dtype=np.int32)
-        self.logits = np.zeros(capacity, dtype=np.int8)
+        for name, value in (("capacity", capacity), ("n_seq_max", n_seq_max)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"Batch {name}={value!r}: expected an integer >= 1")
+        self._capacity = capacity
+        self._n_seq_max = n_seq_max
+        # The arrays are read-only attributes (their contents are not): llama.cpp reads the buffers
+        # whose addresses ``native`` holds, so a rebound array would be silently ignored.
+        self._token = np.zeros(capacity, dtype=np.int32)
+        self._pos = np.zeros(capacity, dtype=np.int32)
+        self._n_seq_id = np.ones(capacity, dtype=np.int32)
+        self._seq_ids = np.zeros((capacity, n_seq_max), dtype=np.int32)
+        self._logits = np.zeros(capacity, dtype=np.int8)
         # seq_id is int32 ** : one pointer per token into its row of seq_ids.
-        row_bytes = self.seq_ids.strides[0]
+        row_bytes = self._seq_ids.strides[0]
         self._seq_ptrs = (ctypes.POINTER(L.llama_seq_id) * capacity)(
-            *[ctypes.cast(self.seq_ids.ctypes.data + i * row_bytes, ctypes.POINTER(L.llama_seq_id))
+            *[ctypes.cast(self._seq_ids.ctypes.data + i * row_bytes, ctypes.POINTER(L.llama_seq_id))
               for i in range(capacity)]
         )
         self.n_tokens = 0
         self.native = L.llama_batch(
             n_tokens=0,
-            token=self.token.ctypes.data_as(ctypes.POINTER(L.llama_token)),
+            token=self._token.ctypes.data_as(ctypes.POINTER(L.llama_token)),
             embd=None,
-            pos=self.pos.ctypes.data_as(ctypes.POINTER(L.llama_pos)),
-            n_seq_id=self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            pos=self._pos.ctypes.data_as(ctypes.POINTER(L.llama_pos)),
+            n_seq_id=self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
             seq_id=self._seq_ptrs,
-            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+            logits=self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
+
+    capacity = property(lambda self: self._capacity, doc="Most tokens the batch holds.")
+    n_seq_max = property(lambda self: self._n_seq_max, doc="Most sequences one token may belong to.")
+    token = property(lambda self: self._token, doc="Token ids (int32, ``capacity`` entries).")
+    pos = property(lambda self: self._pos, doc="Positions (int32).")
+    n_seq_id = property(lambda self: self._n_seq_id, doc="Sequences each token belongs to (1..n_seq_max).")
+    seq_ids = property(lambda self: self._seq_ids, doc="Sequence ids, ``(capacity, n_seq_max)`` int32.")
+    logits = property(lambda self: self._logits, doc="Output flags (int8: 1 = compute this token's row).")
+
+    def check(self) -> int:
+        """Raise InvalidArgumentError unless the fields agree with the arrays (C would read past them);
+        return ``n_tokens``."""
+        n = self.n_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._capacity:
+            raise InvalidArgumentError(f"batch n_tokens={n!r}: expected 0..{self._capacity} (its capacity)")
+        n = int(n)
+        if n:
+            counts = self._n_seq_id[:n]
+            if int(counts.min()) < 1 or int(counts.max()) > self._n_seq_max:
+                raise InvalidArgumentError(f"batch n_seq_id: every token belongs to 1..{self._n_seq_max} sequences "
+                                           "(the batch's n_seq_max)")
+        return n
 
     def clear(self) -> None:
         self.n_tokens = 0

@@ -404,7 +404,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
     # ---- decoding ------------------------------------------------------------------------------
     def _check_batch(self, batch: Batch) -> None:
         self._check()
-        n, ctx = batch.n_tokens, self.ctx
+        n, ctx = batch.check(), self.ctx
         if not 0 < n <= ctx.max_batch:
             what = "n_batch" if ctx.max_batch == ctx.n_batch else "n_ubatch (non-causal attention: one micro-batch)"
             raise InvalidArgumentError(f"a batch of {n} tokens: expected 1..{what}={ctx.max_batch}")

@@ -1,15 +1,23 @@
 """Idle contexts kept between one-call API calls (``generate``, ``stream``, ``embed``).
 
 Creating a context allocates its KV cache, so the one-call functions check one
-out of the pool and back in when done. The pool is attached to its model and
-closed with it; a context checked in after that is closed instead of kept, so a
-closed model's weights are never held by an idle context.
+out of the pool and back in when done. An idle context keeps the tokens (and the
+KV) of its last call: :meth:`ContextPool.checkout` hands out the one whose tokens
+share the longest prefix with the new prompt, so that a call extending an earlier
+prompt (a chat loop's growing history) decodes only its new tokens.
+
+The pool is attached to its model and closed with it; a context checked in after
+that is closed instead of kept, so a closed model's weights are never held by an
+idle context.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .prompt import common_prefix
 
 if TYPE_CHECKING:
     from .context import Context
@@ -18,13 +26,24 @@ if TYPE_CHECKING:
 
 _KEY = "llama_ctypes.context_pool"
 
+#: Most idle contexts kept per parameter set (each holds its KV cache).
+MAX_IDLE_PER_PARAMS = 4
+
 
 class ContextPool:
-    """At most one idle Context per parameter set. Thread-safe."""
+    """Idle Contexts by parameter set, each with the history of its last call. Thread-safe.
+
+    Per parameter set it keeps as many idle contexts as were ever in use at once (threads that call
+    concurrently keep one history each; a single-threaded caller keeps one context, as before), at
+    most :data:`MAX_IDLE_PER_PARAMS`; beyond that the least recently used is closed. Keeping them adds
+    no memory beyond that peak: they existed at once already.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[Any, "Context"] = {}
+        self._idle: dict[Any, list["Context"]] = {}  # per params, the most recently used last
+        self._busy: Counter[Any] = Counter()  # checked out now, per params
+        self._peak: Counter[Any] = Counter()  # most ever checked out at once, per params
         self._closed = False
 
     @staticmethod
@@ -32,34 +51,64 @@ class ContextPool:
         """The pool of ``model`` (created on first use; ClosedError once the model is closed)."""
         return model.attachment(_KEY, ContextPool)
 
-    def checkout(self, model: "Model", params: "ContextParams") -> "Context":
-        """An idle context with these params, or a new one. The caller owns it until ``checkin``."""
+    def checkout(self, model: "Model", params: "ContextParams", prompt: Sequence[int] | None = None) -> "Context":
+        """An idle context with these params, or a new one. The caller owns it until ``checkin``.
+
+        With ``prompt`` (token ids, or a MediaPrompt), the idle context whose tokens share the longest
+        prefix with it; ties (and no ``prompt``) go to the most recently used.
+        """
         from .context import Context
 
+        ctx = None
         with self._lock:
-            ctx = None if self._closed else self._idle.pop(params, None)
+            idle = None if self._closed else self._idle.get(params)
+            if idle:
+                best = len(idle) - 1
+                if prompt is not None and len(idle) > 1:
+                    shared = [common_prefix(c.tokens, prompt) if not c.closed else -1 for c in idle]
+                    best = max(range(len(idle)), key=lambda i: (shared[i], i))
+                ctx = idle.pop(best)
+            self._busy[params] += 1
+            self._peak[params] = max(self._peak[params], self._busy[params])
         if ctx is not None and not ctx.closed:
             return ctx
-        return Context(model, params)
+        try:
+            return Context(model, params)
+        except BaseException:
+            with self._lock:
+                self._busy[params] -= 1
+            raise
 
     def checkin(self, ctx: "Context") -> None:
-        """Keep ``ctx`` for the next call, or close it (pool closed, or one already kept)."""
+        """Keep ``ctx`` for a later call, or close it (pool closed, or enough kept for its params)."""
+        params = ctx.params
+        evicted: list["Context"] = []
         with self._lock:
-            if not self._closed and not ctx.closed and ctx.params not in self._idle:
-                self._idle[ctx.params] = ctx
-                return
-        ctx.close()
+            if self._busy[params] > 0:
+                self._busy[params] -= 1
+            if self._closed or ctx.closed:
+                evicted.append(ctx)
+            else:
+                idle = self._idle.setdefault(params, [])
+                if ctx not in idle:
+                    idle.append(ctx)
+                keep = min(MAX_IDLE_PER_PARAMS, max(1, self._peak[params]))
+                while len(idle) > keep:
+                    evicted.append(idle.pop(0))
+        for old in evicted:
+            old.close()
 
     @property
     def n_idle(self) -> int:
         """Idle contexts kept now."""
         with self._lock:
-            return len(self._idle)
+            return sum(map(len, self._idle.values()))
 
     def close_idle(self) -> None:
         """Close the idle contexts (their KV memory) but keep the pool open."""
         with self._lock:
-            idle, self._idle = list(self._idle.values()), {}
+            idle = [c for cs in self._idle.values() for c in cs]
+            self._idle = {}
         for ctx in idle:
             ctx.close()
 
@@ -67,6 +116,7 @@ class ContextPool:
         """Close every idle context; later check-ins close theirs."""
         with self._lock:
             self._closed = True
-            idle, self._idle = list(self._idle.values()), {}
+            idle = [c for cs in self._idle.values() for c in cs]
+            self._idle = {}
         for ctx in idle:
             ctx.close()

@@ -56,7 +56,8 @@ class GenerationParams:
 
     Faster for repeated prefixes, but the reused part was computed in other batch
     shapes, so greedy output may differ from a cold run where the top two tokens
-    are nearly tied. Off by default: the same input gives the same output."""
+    are nearly tied. Off by default here (``Context.generate``: the same input gives the same
+    output); the one-call API (``lc.generate``, ``lc.stream``, chat on a Model) turns it on."""
     logprobs: int | None = None
     """Log-probabilities of the generated tokens (``Completion.logprobs``): None = off, 0 = the
     chosen token's only, 1..20 = also that many most likely alternatives. From the model's raw

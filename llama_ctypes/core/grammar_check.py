@@ -5,6 +5,13 @@ when it builds its parse stacks: a grammar nested some ten thousand levels deep
 (in ( ) groups, or in a chain of rules each referring to the next) overflows the
 C stack and kills the process, and an empty grammar is silently taken as "no
 grammar". Both are refused here with a GrammarError.
+
+So is a repetition of something that can match nothing (``x{0,300}`` where
+``x ::= "a"?``): llama.cpp expands a repetition into nested optional copies, and
+where each copy may also be empty every way of spreading the input over them is a
+parse stack of its own. 20 tokens took 8 s at ``{0,100}`` and minutes beyond, in
+the sampler, where nothing can interrupt it: every request of the model waited.
+``x*`` on a nullable ``x`` says nothing that ``x*`` on its non-empty part does not.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ def check_gbnf(text: str) -> None:
     if not has_content:
         raise GrammarError("the grammar is empty; pass grammar=None for unconstrained output")
     _check_chains(rules)
+    _check_repetitions(text)
 
 
 def _check_chains(rules: dict[str, tuple[int, list[str]]]) -> None:
@@ -116,3 +124,149 @@ def _check_chains(rules: dict[str, tuple[int, list[str]]]) -> None:
             if stack:
                 parent = stack[-1][0]
                 best[parent] = max(best[parent], total)
+
+
+_TOKEN = re.compile(r"""
+    (?P<space>\s+|\#[^\r\n]*)
+  | (?P<string>"(?:[^"\\]|\\.)*")
+  | (?P<cls>\[(?:[^\]\\]|\\.)*\])
+  | (?P<tok>!?<[^>]*>)
+  | (?P<define>::=)
+  | (?P<ident>[A-Za-z0-9_-]+)
+  | (?P<rep>\{\s*\d*\s*(?:,\s*\d*\s*)?\})
+  | (?P<op>[()|*+?.])
+""", re.VERBOSE | re.DOTALL)
+_INF = float("inf")
+#: Most copies of something that can match nothing, side by side (``x{0,n}``, ``(x{0,a}){0,b}`` counts a*b,
+#: ``x? x? x?`` counts 3): 20 tokens took 0.2 s at 24 copies, 3 s at 60, 5 s at 8*8 nested, minutes at 200.
+MAX_EMPTY_COPIES = 24
+
+# An item of a sequence: [kind, key, postfix operators as (min, max) in order]. kind: "empty" (""), "ref" (key:
+# a rule, or a ( ) group made a rule), "char" (key: its text; it consumes a character or a token).
+_Item = tuple[str, str, tuple[tuple[int, float], ...]]
+
+
+def _postfix(op: str) -> tuple[int, float]:
+    if op == "*":
+        return 0, _INF
+    if op == "+":
+        return 1, _INF
+    if op == "?":
+        return 0, 1
+    lo, sep, hi = op.strip("{} \t").partition(",")
+    low = int(lo.strip() or 0)
+    return low, (_INF if not hi.strip() else int(hi)) if sep else low
+
+
+def _parse_rules(text: str) -> dict[str, list[list[_Item]]]:
+    """Rules as alternatives of item sequences; each ( ) group becomes a rule of its own (no recursion here:
+    groups may nest MAX_DEPTH deep)."""
+    tokens = [(m.lastgroup, m.group()) for m in _TOKEN.finditer(text) if m.lastgroup != "space"]
+    rules: dict[str, list[list[list]]] = {}
+    stack: list[list[list[list]]] = []  # the alternatives being read: the rule's, then each open group's
+    n_groups = 0
+    i = 0
+    while i < len(tokens):
+        kind, value = tokens[i]
+        if kind == "ident" and i + 1 < len(tokens) and tokens[i + 1][0] == "define":
+            stack = [rules.setdefault(value, [])]
+            stack[0].append([])
+            i += 2
+            continue
+        i += 1
+        if not stack:
+            continue
+        seq = stack[-1][-1]
+        if kind == "string":
+            seq.append(["empty" if value == '""' else "char", value, ()])
+        elif kind in ("cls", "tok") or value == ".":
+            seq.append(["char", value, ()])
+        elif kind == "ident":
+            seq.append(["ref", value, ()])
+        elif value == "(":
+            n_groups += 1
+            name = f" group {n_groups}"  # (a space: no rule of the grammar can have this name)
+            seq.append(["ref", name, ()])
+            rules[name] = [[]]
+            stack.append(rules[name])
+        elif value == ")":
+            if len(stack) > 1:
+                stack.pop()
+        elif value == "|":
+            stack[-1].append([])
+        elif (kind == "rep" or value in "*+?") and seq:
+            seq[-1][2] += (_postfix(value),)
+    return {name: [[tuple(item) for item in seq] for seq in alts] for name, alts in rules.items()}  # type: ignore
+
+
+def _check_repetitions(text: str) -> None:
+    """Refuse more than MAX_EMPTY_COPIES copies side by side of something that can match nothing.
+
+    ``*`` and ``+`` are not copies (llama.cpp reads them as recursion, which costs nothing here); ``{m,n}`` is
+    n copies (m when unbounded), nested ones multiply, and identical items in a row add up."""
+    rules = _parse_rules(text)
+    nullable: set[str] = set()
+
+    def item_nullable(item: _Item) -> bool:
+        kind, key, ops = item
+        return kind == "empty" or (kind == "ref" and key in nullable) or any(lo == 0 for lo, _ in ops)
+
+    changed = True
+    while changed:
+        changed = False
+        for name, alts in rules.items():
+            if name not in nullable and any(all(map(item_nullable, seq)) for seq in alts):
+                nullable.add(name)
+                changed = True
+
+    copies: dict[str, int] = {}  # per rule: the most empty-able copies side by side in it
+
+    def item_copies(item: _Item) -> int:
+        kind, key, ops = item
+        inner = copies.get(key, 0) if kind == "ref" else 0
+        empty = kind == "empty" or (kind == "ref" and key in nullable)
+        n = max(1, inner) if empty else inner
+        for lo, hi in ops:
+            if empty:  # copies of something empty-able: each way of spreading the text over them is a stack
+                n *= int(hi) if hi != _INF else max(lo, 1)
+            elif lo == 0:  # x? or x{0,k} of an x that consumes: one empty-able item (its copies each consume)
+                empty, n = True, max(1, n)
+        return n
+
+    def rule_copies(name: str) -> int:
+        most = 0
+        for seq in rules[name]:
+            run, previous = 0, None
+            for item in seq:
+                n = item_copies(item)
+                run = run + n if item == previous and item_nullable(item) else n
+                previous = item
+                most = max(most, run)
+        return most
+
+    # rules after the rules they refer to (a reference back up a cycle counts 0: recursion is not copies)
+    done: set[str] = set()
+    for root in rules:
+        if root in done:
+            continue
+        stack = [(root, iter({k for seq in rules[root] for kind, k, _ in seq if kind == "ref" and k in rules}))]
+        on_path = {root}
+        while stack:
+            name, refs = stack[-1]
+            ref = next(refs, None)
+            if ref is not None:
+                if ref not in done and ref not in on_path:
+                    on_path.add(ref)
+                    stack.append((ref, iter({k for seq in rules[ref] for kind, k, _ in seq
+                                             if kind == "ref" and k in rules})))
+                continue
+            stack.pop()
+            on_path.discard(name)
+            done.add(name)
+            copies[name] = n = rule_copies(name)
+            if n > MAX_EMPTY_COPIES:
+                where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
+                raise GrammarError(
+                    f"grammar puts {n} copies of something that can match nothing side by side (in {where}; at most "
+                    f"{MAX_EMPTY_COPIES}): llama.cpp would follow every way of spreading the text over them (minutes "
+                    "per token); repeat its non-empty part, or use * or + (x{0,100} with x ::= \"a\"? is \"a\"*)")

@@ -31,12 +31,20 @@ def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[Media
     generation (:class:`GenerationParams`: max_tokens=256, stop, logprobs, ...) and context
     (:class:`ContextParams`: n_ctx=4096, type_k, flash_attn, ...). Unknown
     options raise TypeError. The stream is lazy; see :class:`TextStream`.
+
+    ``cache_prompt`` is on here (default True): the call runs on the model's pooled context whose
+    tokens share the longest prefix with ``prompt`` and decodes only the rest. The reused part was
+    computed in other batch shapes, so a greedy result may differ from a cold run's where the top two
+    tokens are nearly tied; ``cache_prompt=False`` starts from an empty context.
     """
     gen_opts, sampling_opts, ctx_opts = split_options(
         opts, GenerationParams, SamplingParams, ContextParams, where="unknown")
     # (a pooled context must not carry one call's adapters into the next)
     if gen_opts.get("lora") is None:
         gen_opts["lora"] = {}
+    # A pooled context keeps its last call's tokens: a prompt that extends them (a chat loop's history)
+    # decodes only what is new, as llama-cpp-python's Llama and llama-server do.
+    gen_opts.setdefault("cache_prompt", True)
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
     if ctx_opts.get("embeddings"):
@@ -57,7 +65,7 @@ def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[Media
     pool = ContextPool.of(model)
     sampler = Sampler(model, sparams, n_ctx=cparams.n_ctx or model.n_ctx_train)
     try:
-        ctx = pool.checkout(model, cparams)
+        ctx = pool.checkout(model, cparams, tokens if gparams.cache_prompt else None)
     except BaseException:
         sampler.close()
         raise

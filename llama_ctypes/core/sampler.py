@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import random
+import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -23,6 +24,72 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .model import Model
+
+
+
+#: Longest lazy-grammar trigger pattern, and most unbounded quantifiers in one (characters, count).
+MAX_TRIGGER_CHARS = 1024
+MAX_TRIGGER_UNBOUNDED = 4
+_UNBOUNDED = re.compile(r"\{\d*,\}")
+
+
+def _check_trigger_pattern(pattern: str) -> None:
+    """Refuse a trigger regex that can backtrack catastrophically in llama.cpp's ``std::regex``.
+
+    llama.cpp matches every trigger against the text generated so far at each token, in the sampler (C++:
+    nothing can interrupt it, and a Server's other requests wait): ``(.*.*)*x`` ran for minutes. A quantified
+    group whose content is itself quantified or holds alternatives (``(a+)+``, ``(a|aa)*``) is the classic
+    exponential case; llama.cpp's own triggers (``<tool_call>``, ``<\\|start\\|>assistant(\\s+to)``) have none.
+    """
+    if len(pattern) > MAX_TRIGGER_CHARS:
+        raise InvalidArgumentError(f"a grammar_lazy_triggers pattern of {len(pattern)} characters (at most "
+                                   f"{MAX_TRIGGER_CHARS})")
+    groups: list[bool] = []  # per open group: whether it holds a quantifier or an alternative
+    unbounded, i, n = 0, 0, len(pattern)
+    closed_risky = False  # the item just before i is a group with a quantifier or an alternative inside
+    while i < n:
+        c = pattern[i]
+        quantifier = c in "*+" or (c == "{" and re.match(r"\{\d*(,\d*)?\}", pattern[i:]) is not None)
+        if quantifier:
+            m = _UNBOUNDED.match(pattern, i)
+            bounded_one = c == "{" and re.match(r"\{[01]?(,[01]?)?\}", pattern[i:]) is not None
+            if c in "*+" or m:
+                unbounded += 1
+            if closed_risky and not bounded_one:
+                raise InvalidArgumentError(
+                    f"grammar_lazy_triggers pattern {pattern!r} repeats a group that holds a repetition or "
+                    "alternatives ((a+)+, (a|aa)*): llama.cpp's std::regex can take minutes on it at every token")
+            if groups:
+                groups[-1] = True
+            i = pattern.index("}", i) + 1 if c == "{" else i + 1
+            closed_risky = False
+            continue
+        closed_risky = False
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # a class: skip to its end (a ] first in it is literal)
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "(":
+            groups.append(False)
+        elif c == ")" and groups:
+            closed_risky = groups.pop()
+            if groups:
+                groups[-1] = groups[-1] or closed_risky
+        elif c == "|" and groups:
+            groups[-1] = True
+        i += 1
+    if unbounded > MAX_TRIGGER_UNBOUNDED:
+        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {unbounded} unbounded repetitions "
+                                   f"(at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work per token")
 
 
 @dataclass(frozen=True)
@@ -176,6 +243,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"grammar_lazy_triggers={self.grammar_lazy_triggers!r}: expected regex strings")
         if triggers and self.grammar is None:
             raise InvalidArgumentError("grammar_lazy_triggers need a grammar (or json_schema)")
+        for trigger in triggers:
+            _check_trigger_pattern(trigger)
         object.__setattr__(self, "grammar_lazy_triggers", triggers)
         if not isinstance(self.grammar_prefill, str):
             raise ArgumentTypeError("grammar_prefill must be a str")
@@ -500,7 +569,8 @@ class Sampler(NativeHandle):
                 if p.top_n_sigma > 0:
                     add(lib.llama_sampler_init_top_n_sigma(p.top_n_sigma), "top_n_sigma")
                 if p.top_k > 0:
-                    add(lib.llama_sampler_init_top_k(p.top_k), "top_k")
+                    # (keeping more than the vocabulary keeps it all; the backend's top-k asserts k <= n_vocab)
+                    add(lib.llama_sampler_init_top_k(min(p.top_k, n_vocab)), "top_k")
                 if p.typical_p < 1.0:
                     add(lib.llama_sampler_init_typical(p.typical_p, p.min_keep), "typical_p")
                 if p.top_p < 1.0:

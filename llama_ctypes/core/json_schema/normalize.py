@@ -87,8 +87,9 @@ class _PatternKeyword:
             yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        worker, self.worker = self.worker, None  # (a later use starts a worker, and a deadline, of its own)
+        if worker is not None:
+            worker.close()
 
 
 class _Unsatisfiable(Exception):

@@ -176,7 +176,9 @@ class SamplingFields(_Body):
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
             if not (key.isascii() and key.isdigit()):  # ('²'.isdigit(), and int('١٢') == 12)
-                raise ValueError(f"key {key!r} is not a token id (a decimal integer string)")
+                raise ValueError(f"key {key[:20]!r} is not a token id (a decimal integer string)")
+            if len(key) > 10:  # (int() refuses more than 4300 digits; no token id has more than 10)
+                raise ValueError(f"key {key[:20]!r}... is not a token id (over 10 digits)")
             if not -100 <= value <= 100:
                 raise ValueError(f"the bias of token {key} is {value}, outside [-100, 100]")
         return bias

@@ -149,6 +149,9 @@ def _logit_bias(vocab: Any, bias: Any) -> dict[int, float]:
         elif value <= -100:
             value = float("-inf")
         if isinstance(key, str) and key.isascii() and key.isdigit() and isinstance(bias, dict):
+            if len(key) > 10:  # (int() refuses more than 4300 digits; no token id has more than 10)
+                raise BadRequest(f"logit bias key {key[:20]}... is not a token id (over 10 digits)",
+                                 param="logit_bias")
             key = int(key)
         if isinstance(key, int) and not isinstance(key, bool):
             ids = [int(vocab.check_token(key))]

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..common import AppContext, endpoint, json_body, read_body
-from ..cors_proxy import proxy
+from ..cors_proxy import LOOP_HEADER, proxy
 from ..errors import APIError, BadRequest, InternalError
 from ..streaming import EventStream, until_disconnect
 from ..tools.base import ToolCallError, ToolNotFound, ToolParamError, tool_limiter
@@ -60,6 +60,10 @@ def _check_origin(request: Request, app: AppContext) -> None:
     A browser sends no ``Origin`` with a link, an image or a ``no-cors`` fetch; its ``Sec-Fetch-Site``
     (which no page can set) still says whether another site's page sent it: such a request is refused.
     Clients that are no browser send neither header."""
+    if LOOP_HEADER in request.headers:
+        # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
+        # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells)
+        raise OriginRefused("a request that came through /cors-proxy is not allowed here")
     origin = request.headers.get("origin")
     if origin is None:
         if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
