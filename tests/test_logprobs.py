@@ -271,7 +271,7 @@ def test_stop_strings_keep_entries_aligned(model):
 
 
 def test_server_matches_single_sequence(tiny_model, server):
-    solo = lc.generate(tiny_model, PROMPT, max_tokens=16, temp=0, ignore_eos=True, logprobs=5)
+    solo = lc.generate(tiny_model, PROMPT, max_tokens=16, temp=0, ignore_eos=True, logprobs=5, cache_prompt=False)
     got = server.generate(PROMPT, max_tokens=16, temp=0, ignore_eos=True, logprobs=5, cache_prompt=False)
     check_entries(got, 5)
     n = assert_greedy_equivalent(got, solo, what="server vs solo")
@@ -280,7 +280,7 @@ def test_server_matches_single_sequence(tiny_model, server):
 
 @pytest.mark.gemma
 def test_gemma_server_matches_single_sequence(gemma):
-    solo = lc.generate(gemma, COUNTING, max_tokens=12, temp=0, ignore_eos=True, logprobs=3)
+    solo = lc.generate(gemma, COUNTING, max_tokens=12, temp=0, ignore_eos=True, logprobs=3, cache_prompt=False)
     with lc.Server(model=gemma, n_parallel=2, n_ctx=256, kv_unified=False, cache_prompt=False) as srv:
         streams = [srv.stream(COUNTING, max_tokens=12, temp=0, ignore_eos=True, logprobs=3) for _ in range(2)]
         got = [s.completion() for s in streams]  # two in one batch: batched kernels
@@ -579,7 +579,8 @@ def _check_post(done, top_k: int) -> None:
 
 
 def test_post_sampling_reports_what_the_chain_left_and_draws_the_same_tokens(tiny_model):
-    opts = dict(max_tokens=10, temp=0.9, top_k=4, seed=123, ignore_eos=True)
+    # (both cold: the same logits, not a cached prefix's)
+    opts = dict(max_tokens=10, temp=0.9, top_k=4, seed=123, ignore_eos=True, cache_prompt=False)
     plain = lc.generate(tiny_model, PROMPT, **opts, logprobs=4)
     post = lc.generate(tiny_model, PROMPT, **opts, logprobs=4, post_sampling=True)
     assert post.tokens == plain.tokens  # (the same chain, the same seed, the same logits)

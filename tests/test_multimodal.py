@@ -134,7 +134,7 @@ def test_same_image_in_every_form_gives_the_same_tokens(vlm, files):
 
 
 def test_cached_image_prefix_equals_cold(vlm):
-    cold = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=12, logprobs=2, **GREEDY)
+    cold = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=12, logprobs=2, cache_prompt=False, **GREEDY)
     assert cold.timings.cached_tokens == 0
     warm = lc.generate(vlm, PROMPT, media=[IMG_A], max_tokens=12, cache_prompt=True, **GREEDY)
     assert warm.timings.cached_tokens == cold.prompt_tokens - 1  # the image came from the cache

@@ -122,7 +122,7 @@ def test_a_chat_loop_reuses_its_history(gemma):
     cached = []
     for q in TURNS[:3]:
         messages.append({"role": "user", "content": q})
-        reply = lc.chat(gemma, messages, max_tokens=16, temp=0, n_ctx=4096)
+        reply = lc.chat(gemma, messages, max_tokens=16, temp=0, n_ctx=4096, chat_template="gemma")
         cached.append((reply.timings.cached_tokens, reply.prompt_tokens))
         messages.append({"role": "assistant", "content": reply.content})
     assert cached[0][0] == 0

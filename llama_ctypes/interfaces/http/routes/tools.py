@@ -60,10 +60,6 @@ def _check_origin(request: Request, app: AppContext) -> None:
     A browser sends no ``Origin`` with a link, an image or a ``no-cors`` fetch; its ``Sec-Fetch-Site``
     (which no page can set) still says whether another site's page sent it: such a request is refused.
     Clients that are no browser send neither header."""
-    if LOOP_HEADER in request.headers:
-        # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
-        # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells)
-        raise OriginRefused("a request that came through /cors-proxy is not allowed here")
     origin = request.headers.get("origin")
     if origin is None:
         if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
@@ -108,6 +104,10 @@ async def tools(request: Request, app: AppContext) -> Response:
     box = app.tools
     if box is None:
         raise _disabled()
+    if LOOP_HEADER in request.headers:
+        # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
+        # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells; /cors-proxy answers 508)
+        raise OriginRefused("a request that came through /cors-proxy is not allowed here")
     _check_origin(request, app)
     if request.method == "GET":
         return JSONResponse(box.listing())
