@@ -7,7 +7,9 @@ a new question, streamed, and measures the time to the first generated piece: ``
 against ``Llama.create_completion(text, stream=True)``. A second table repeats one short prompt
 (``--repeat`` times). llama-cpp-python is built from the pinned sdist into a cached venv
 (bench/llama_cpp_python_env.py; about 10 CPU-minutes the first time). Greedy, the same threads and
-context size on both sides. Ratios are theirs / ours: above 1.0 we are faster.
+context size on both sides. The two alternate for ``--rounds`` rounds, each from a cold start (a new
+process for theirs, emptied context pool for ours), and per-turn medians are printed: a shared machine's
+noise moves one short prefill by 2x. Ratios are theirs / ours: above 1.0 we are faster.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 import llama_ctypes as lc
+from llama_ctypes.core.context_pool import ContextPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_python_env  # noqa: E402
@@ -65,6 +68,7 @@ print(json.dumps({"turns": turns, "repeat_ms": repeat}))
 
 
 def ours(model: lc.Model, cfg: dict) -> dict:
+    ContextPool.of(model).close_idle()  # (a cold start, as theirs in a new process)
     opts = dict(max_tokens=cfg["max_tokens"], temp=0, n_ctx=cfg["n_ctx"], n_threads=cfg["threads"])
 
     def ttft(prompt: str) -> tuple[float, str]:
@@ -86,6 +90,12 @@ def ours(model: lc.Model, cfg: dict) -> dict:
     return {"turns": turns, "repeat_ms": repeat}
 
 
+def _medians(runs: list[dict]) -> dict:
+    turns = [{"prompt_tokens": run_turns[0]["prompt_tokens"],
+              "ttft_ms": statistics.median(t["ttft_ms"] for t in run_turns)} for run_turns in zip(*(r["turns"] for r in runs))]
+    return {"turns": turns, "repeat_ms": [statistics.median(x) for x in zip(*(r["repeat_ms"] for r in runs))]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="GGUF (default: Gemma 3 270M Q4_K_M)")
@@ -95,6 +105,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ours-only", action="store_true", help="skip llama-cpp-python")
     args = ap.parse_args()
     if args.model is None:
@@ -104,15 +115,18 @@ def main() -> None:
     cfg = {"model": str(args.model), "n_ctx": args.n_ctx, "threads": args.threads, "max_tokens": args.max_tokens,
            "questions": (QUESTIONS * 4)[:args.turns], "preamble": preamble(model, args.history_tokens),
            "short": "The quick brown fox jumps over the lazy dog. Once upon a time", "repeat": args.repeat}
-    mine = ours(model, cfg)
-    theirs = None
-    if not args.ours_only:
-        py = llama_cpp_python_env.ensure(quiet=True)
-        out = subprocess.run([str(py), "-c", THEIRS], input=json.dumps(cfg), capture_output=True, text=True,
-                             check=True)
-        theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    py = None if args.ours_only else llama_cpp_python_env.ensure(quiet=True)
+    mine_runs, their_runs = [], []
+    for _ in range(args.rounds):
+        mine_runs.append(ours(model, cfg))
+        if py is not None:
+            out = subprocess.run([str(py), "-c", THEIRS], input=json.dumps(cfg), capture_output=True, text=True,
+                                 check=True)
+            their_runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    mine = _medians(mine_runs)
+    theirs = _medians(their_runs) if their_runs else None
     print(f"chat loop, {args.model.name}, {args.threads} threads, {args.max_tokens} tokens per reply: "
-          "time to first token (ms)")
+          f"time to first token (ms, median of {args.rounds} rounds)")
     print(f"{'turn':>4} {'prompt':>7} {'ours':>9} {'llama-cpp-python':>17} {'ratio':>6}")
     for i, turn in enumerate(mine["turns"]):
         row = f"{i + 1:>4} {turn['prompt_tokens']:>7} {turn['ttft_ms']:>9.1f}"
