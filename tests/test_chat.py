@@ -159,6 +159,7 @@ HOSTILE_C_CALLS = {
     "a huge integer power": "{{ (((9**64)**64)**64)**64 > 0 }}",
     "a huge integer product": "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
                               "{% endfor %}{{ ns.x > 0 }}",
+    "tabs expanded": '{% set t = "\t" * 500 %}{{ t.expandtabs(3999999)|length }}',
     "many results kept alive": "{% set l = [] %}{% for i in range(3000) %}{% set _ = l.append(' '.ljust(3999990) ~ i) %}"
                                "{% endfor %}{{ l|length }}",
 }

@@ -362,7 +362,8 @@ def test_hostile_run_reproductions_do_not_abort(worker, api, prompt, opts, expec
 
 @pytest.mark.parametrize("name,value", [("rope_freq_base", math.nan), ("rope_freq_scale", -1.0),
                                         ("yarn_ext_factor", math.inf), ("yarn_attn_factor", -math.inf),
-                                        ("n_ctx", 2 ** 32), ("n_batch", 2 ** 32 + 8), ("n_seq_max", 257)])
+                                        ("n_ctx", 2 ** 32), ("n_batch", 2 ** 32 + 8), ("n_seq_max", 257),
+                                        ("n_ctx", None)])  # (hypothesis found None reaching ctypes)
 def test_context_options_out_of_range_are_refused(tiny_model, name, value):
     with pytest.raises(lc.InvalidArgumentError, match=name):
         lc.generate(tiny_model, "Hi", max_tokens=2, **{name: value})

@@ -184,3 +184,19 @@ def test_threads_keep_their_own_histories(tiny_model):
             if i:
                 # its own previous prompt and reply (all but the reply's last token, never decoded)
                 assert warm.timings.cached_tokens >= len(turns[i - 1][0]), (k, i, warm.timings.cached_tokens)
+
+
+def test_the_pool_keeps_at_most_max_idle_over_all_parameter_sets(monkeypatch):
+    """A caller varying n_ctx from call to call kept one idle context (and its KV) per value until the model closed."""
+    pool = ContextPool()
+    made = []
+
+    def make(model, params):
+        made.append(_FakeContext([1], params=params))
+        return made[-1]
+
+    monkeypatch.setattr("llama_ctypes.core.context.Context", make)
+    for i in range(3 * context_pool.MAX_IDLE):
+        pool.checkin(pool.checkout(None, f"n_ctx={256 + 32 * i}", [1]))
+    assert pool.n_idle == context_pool.MAX_IDLE
+    assert [c.closed for c in made] == [True] * (2 * context_pool.MAX_IDLE) + [False] * context_pool.MAX_IDLE

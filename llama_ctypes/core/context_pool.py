@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 
 _KEY = "llama_ctypes.context_pool"
 
-#: Most idle contexts kept per parameter set (each holds its KV cache).
+#: Most idle contexts kept per parameter set, and in all (each holds its KV cache): a caller that varies its
+#: context options from call to call (n_ctx=256, 288, ...) would otherwise keep one per value until the model
+#: closes.
 MAX_IDLE_PER_PARAMS = 4
+MAX_IDLE = 8
 
 
 class ContextPool:
@@ -35,8 +38,8 @@ class ContextPool:
 
     Per parameter set it keeps as many idle contexts as were ever in use at once (threads that call
     concurrently keep one history each; a single-threaded caller keeps one context, as before), at
-    most :data:`MAX_IDLE_PER_PARAMS`; beyond that the least recently used is closed. Keeping them adds
-    no memory beyond that peak: they existed at once already.
+    most :data:`MAX_IDLE_PER_PARAMS`, and :data:`MAX_IDLE` over all parameter sets; beyond that the least
+    recently used is closed.
     """
 
     def __init__(self) -> None:
@@ -44,6 +47,8 @@ class ContextPool:
         self._idle: dict[Any, list["Context"]] = {}  # per params, the most recently used last
         self._busy: Counter[Any] = Counter()  # checked out now, per params
         self._peak: Counter[Any] = Counter()  # most ever checked out at once, per params
+        self._used: dict[int, int] = {}  # id(idle context) -> when it was checked in (a counter)
+        self._clock = 0
         self._closed = False
 
     @staticmethod
@@ -68,6 +73,7 @@ class ContextPool:
                     shared = [common_prefix(c.tokens, prompt) if not c.closed else -1 for c in idle]
                     best = max(range(len(idle)), key=lambda i: (shared[i], i))
                 ctx = idle.pop(best)
+                self._used.pop(id(ctx), None)
             self._busy[params] += 1
             self._peak[params] = max(self._peak[params], self._busy[params])
         if ctx is not None and not ctx.closed:
@@ -92,9 +98,20 @@ class ContextPool:
                 idle = self._idle.setdefault(params, [])
                 if ctx not in idle:
                     idle.append(ctx)
+                self._clock += 1
+                self._used[id(ctx)] = self._clock
                 keep = min(MAX_IDLE_PER_PARAMS, max(1, self._peak[params]))
                 while len(idle) > keep:
                     evicted.append(idle.pop(0))
+                while sum(map(len, self._idle.values())) > MAX_IDLE:
+                    key = min((k for k, cs in self._idle.items() if cs), key=lambda k: self._used[id(self._idle[k][0])])
+                    evicted.append(self._idle[key].pop(0))
+                for old in evicted:
+                    self._used.pop(id(old), None)
+                for key in [k for k, cs in self._idle.items() if not cs and not self._busy[k]]:
+                    del self._idle[key]  # (and its counts: a key used once is not kept forever)
+                    self._busy.pop(key, None)
+                    self._peak.pop(key, None)
         for old in evicted:
             old.close()
 
@@ -108,7 +125,7 @@ class ContextPool:
         """Close the idle contexts (their KV memory) but keep the pool open."""
         with self._lock:
             idle = [c for cs in self._idle.values() for c in cs]
-            self._idle = {}
+            self._idle, self._used = {}, {}
         for ctx in idle:
             ctx.close()
 
@@ -117,6 +134,6 @@ class ContextPool:
         with self._lock:
             self._closed = True
             idle = [c for cs in self._idle.values() for c in cs]
-            self._idle = {}
+            self._idle, self._used = {}, {}
         for ctx in idle:
             ctx.close()

@@ -220,6 +220,16 @@ def _check_repetitions(text: str) -> None:
                 changed = True
 
     copies: dict[str, int] = {}  # per rule: the most empty-able copies side by side in it
+    signature: dict[str, str] = {}  # per rule: its body with references replaced by theirs (what "the same" is)
+
+    def same_as(item: _Item) -> tuple:
+        """What makes two items copies of each other: ("a" and [a] alike, groups and rules by content)."""
+        kind, key, ops = item
+        if kind == "ref":
+            key = signature.get(key, key)
+        elif len(key) == 3 and key[0] in "\"[" and key[1] not in "\\^":
+            key = key[1]  # "a", [a]: one character
+        return kind, key, ops
 
     def item_copies(item: _Item) -> int:
         kind, key, ops = item
@@ -238,10 +248,15 @@ def _check_repetitions(text: str) -> None:
         for seq in rules[name]:
             run, previous = 0, None
             for item in seq:
+                if item[0] == "empty" and not item[2]:
+                    continue  # ("" between two copies changes nothing)
                 n = item_copies(item)
-                run = run + n if item == previous and item_nullable(item) else n
-                previous = item
+                same = same_as(item)
+                run = run + n if same == previous and item_nullable(item) else n
+                previous = same
                 most = max(most, run)
+        text = " | ".join(" ".join(f"{same_as(i)}" for i in seq) for seq in rules[name])
+        signature[name] = text if len(text) <= 200 else name
         return most
 
     # rules after the rules they refer to (a reference back up a cycle counts 0: recursion is not copies)

@@ -119,6 +119,11 @@ class Model(NativeHandle):
             self._ptr = None
             self._rpc.release()
 
+    @property
+    def uses_rpc(self) -> bool:
+        """Whether the model's weights live (partly) on RPC workers (``rpc_servers``)."""
+        return bool(self._rpc.endpoints)
+
     def check_workers(self) -> None:
         """Raise :class:`~llama_ctypes.RPCConnectionError` if an RPC worker this model uses was lost.
 

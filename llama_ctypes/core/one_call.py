@@ -32,7 +32,7 @@ def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[Media
     (:class:`ContextParams`: n_ctx=4096, type_k, flash_attn, ...). Unknown
     options raise TypeError. The stream is lazy; see :class:`TextStream`.
 
-    ``cache_prompt`` is on here (default True): the call runs on the model's pooled context whose
+    ``cache_prompt`` is on here (default True; False for a model on RPC workers): the call runs on the model's pooled context whose
     tokens share the longest prefix with ``prompt`` and decodes only the rest. The reused part was
     computed in other batch shapes, so a greedy result may differ from a cold run's where the top two
     tokens are nearly tied; ``cache_prompt=False`` starts from an empty context.
@@ -43,8 +43,10 @@ def stream(model: "Model", prompt: str | Sequence[int], *, media: Sequence[Media
     if gen_opts.get("lora") is None:
         gen_opts["lora"] = {}
     # A pooled context keeps its last call's tokens: a prompt that extends them (a chat loop's history)
-    # decodes only what is new, as llama-cpp-python's Llama and llama-server do.
-    gen_opts.setdefault("cache_prompt", True)
+    # decodes only what is new, as llama-cpp-python's Llama and llama-server do. Not yet on RPC workers:
+    # a prefix kept on a worker that another model, freed meanwhile, shared failed its next read
+    # (tests/test_rpc.py, the killed-worker test); cold runs there are known good.
+    gen_opts.setdefault("cache_prompt", not model.uses_rpc)
     gparams = GenerationParams(**gen_opts)
     sparams = SamplingParams(**sampling_opts)
     if ctx_opts.get("embeddings"):

@@ -56,7 +56,7 @@ def _choice(name: str, value: Any, table: Mapping[str, int]) -> int:
 def _non_negative(obj: Any, *names: str, most: int = INT32_MAX) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
             raise InvalidArgumentError(f"{name}={value!r}: expected an integer in [0, {most}]")
 
 

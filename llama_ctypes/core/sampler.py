@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 #: Longest lazy-grammar trigger pattern, and most unbounded quantifiers in one (characters, count).
 MAX_TRIGGER_CHARS = 1024
 MAX_TRIGGER_UNBOUNDED = 4
+MAX_TRIGGER_OPTIONAL = 8
 _UNBOUNDED = re.compile(r"\{\d*,\}")
 
 
@@ -47,14 +48,27 @@ def _check_trigger_pattern(pattern: str) -> None:
     groups: list[bool] = []  # per open group: whether it holds a quantifier or an alternative
     unbounded, i, n = 0, 0, len(pattern)
     closed_risky = False  # the item just before i is a group with a quantifier or an alternative inside
+    optional = 0  # x? and x{0,k}: each one doubles the ways to match, as (.?){17}.{17} shows (9 s per call)
+    previous = ""  # the last thing read: "(", "quantifier" or ""
     while i < n:
         c = pattern[i]
+        if c == "?":
+            if previous == "":  # x? (after "(" it opens (?: (?= (?!, after a quantifier it makes it lazy)
+                optional += 1
+                if groups:
+                    groups[-1] = True
+            previous = "quantifier" if previous == "" else ""
+            closed_risky = False
+            i += 1
+            continue
         quantifier = c in "*+" or (c == "{" and re.match(r"\{\d*(,\d*)?\}", pattern[i:]) is not None)
         if quantifier:
             m = _UNBOUNDED.match(pattern, i)
             bounded_one = c == "{" and re.match(r"\{[01]?(,[01]?)?\}", pattern[i:]) is not None
             if c in "*+" or m:
                 unbounded += 1
+            elif c == "{" and re.match(r"\{0?,", pattern[i:]):
+                optional += 1
             if closed_risky and not bounded_one:
                 raise InvalidArgumentError(
                     f"grammar_lazy_triggers pattern {pattern!r} repeats a group that holds a repetition or "
@@ -63,8 +77,10 @@ def _check_trigger_pattern(pattern: str) -> None:
                 groups[-1] = True
             i = pattern.index("}", i) + 1 if c == "{" else i + 1
             closed_risky = False
+            previous = "quantifier"
             continue
         closed_risky = False
+        previous = "(" if c == "(" else ""
         if c == "\\":
             i += 2
             continue
@@ -87,6 +103,9 @@ def _check_trigger_pattern(pattern: str) -> None:
         elif c == "|" and groups:
             groups[-1] = True
         i += 1
+    if optional > MAX_TRIGGER_OPTIONAL:
+        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {optional} optional parts (at most "
+                                   f"{MAX_TRIGGER_OPTIONAL}): each doubles std::regex's ways to match, at every token")
     if unbounded > MAX_TRIGGER_UNBOUNDED:
         raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {unbounded} unbounded repetitions "
                                    f"(at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work per token")

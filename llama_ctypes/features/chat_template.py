@@ -238,6 +238,10 @@ class _Sandbox(SandboxedEnvironment):
         target = getattr(__obj, "__self__", None)
         if isinstance(target, str) and name in ("replace", "join") and args:
             _check_size(_estimate(name, target, args))
+        if isinstance(target, str) and name == "expandtabs":  # (each tab becomes up to tabsize spaces)
+            size = args[0] if args else kwargs.get("tabsize", 8)
+            if isinstance(size, int):
+                _check_size(len(target) + target.count("\t") * max(size, 0))
         return _produced(super().call(__context, __obj, *args, **kwargs))
 
 

@@ -42,9 +42,10 @@ from typing import Any
 
 import jsonschema
 
-from ...errors import SchemaError, SchemaTooLargeError
+from ...errors import GrammarError, SchemaError, SchemaTooLargeError
 from ..backend import init
 from ..deep_stack import DeepStackThreads
+from ..grammar_check import check_gbnf
 from .limits import DEFAULT_SCHEMA_LIMITS, SchemaLimits, check_schema_size
 from .normalize import Normalizer
 from .numbers import NUMBER_DIGITS
@@ -150,6 +151,10 @@ def json_schema_to_gbnf(schema: Mapping[str, Any] | str | bool, limits: SchemaLi
     except RecursionError:
         raise SchemaTooLargeError("the JSON schema is nested too deeply to convert") from None
     gbnf = _link(_convert(json.dumps(prepared.schema)), prepared.rules, prepared.key_sets)
+    try:
+        check_gbnf(gbnf)  # (a pattern such as ^(a?){120}$ becomes copies of the empty: minutes per token)
+    except GrammarError as exc:
+        raise SchemaError(f"the JSON schema's grammar is refused: {exc}") from None
     _GRAMMARS.put(key, gbnf)
     return gbnf
 

@@ -49,7 +49,7 @@ class ServerParams:
         if self.share_kv and not self.kv_unified:
             raise InvalidArgumentError("share_kv=True needs kv_unified=True (slots can only share one KV buffer)")
         ram = self.prompt_cache_ram_mb
-        if not isinstance(ram, (int, float)) or ram < 0:
+        if isinstance(ram, bool) or not isinstance(ram, (int, float)) or not 0 <= ram < 2**40:  # (NaN fails too)
             raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0")
         if self.speculative is not None:
             n = self.n_draft
