@@ -256,6 +256,11 @@ EMPTY_COPIES = {  # each took seconds to minutes per 20 tokens in llama.cpp's sa
     "a nullable group repeated": 'root ::= ("a"?){0,60}',
     "nested repetitions": 'root ::= (("a"?){0,8}){0,8}',
     "written out": "root ::= " + " ".join(['"a"?'] * 60),
+    # different items that all take an "a" (9.5 s per 20 tokens), however they are spelled
+    "overlapping classes": "root ::= " + " ".join(['"a"? [a-b]?'] * 60),
+    "escapes and groups": "root ::= " + " ".join(['"\\x61"? ("a")? [\\x60-\\x62]? .?'] * 7),
+    "neighbouring rules": 'root ::= x{0,24} y{0,24} x{0,24} y{0,24}\nx ::= "a"?\ny ::= "b"?',
+    "strings spelled apart": "root ::= " + " ".join(['("ab")? ("a" "b")? "ab"?'] * 9),
 }
 
 
@@ -266,6 +271,84 @@ def test_repeating_what_can_match_nothing_is_refused(tiny_model, kind):
     minutes, and every request of a Server's model waited)."""
     with pytest.raises(lc.GrammarError, match="can match nothing"):
         lc.generate(tiny_model, PROMPT, grammar=EMPTY_COPIES[kind], max_tokens=20, ignore_eos=True)
+
+
+def test_a_json_schema_pattern_of_copies_of_the_empty_is_refused(tiny_model):
+    """The same shapes from a response_format's pattern (a remote client's): refused before the sampler."""
+    schema = {"type": "string", "pattern": "^" + "a?[ab]?" * 40 + "c$"}
+    with pytest.raises(lc.SchemaError, match="can match nothing"):
+        lc.generate(tiny_model, PROMPT, json_schema=schema, max_tokens=20)
+
+
+def test_what_llama_cpp_generates_is_never_refused():
+    """No false refusals: every schema of llama.cpp's converter tests, every grammar they expect, its grammars/
+    files, and the tool-call grammars and triggers of every chat template it ships pass the checks."""
+    import glob
+    import json
+    import re
+
+    from conftest import llama_cpp_dir
+    from llama_ctypes.core.grammar_check import check_gbnf
+    from llama_ctypes.core.sampler import _check_trigger_pattern
+    from llama_ctypes.features.chat_native import ChatFormatter
+
+    root = llama_cpp_dir()
+    blocks = re.findall(r'R"""\((.*?)\)"""', (root / "tests" / "test-json-schema-to-grammar.cpp").read_text(), re.S)
+    grammars = [b for b in blocks if "::=" in b] + [open(f).read() for f in glob.glob(str(root / "grammars/*.gbnf"))]
+    assert len(grammars) > 50
+    for grammar in grammars:
+        check_gbnf(grammar)
+    schemas = 0
+    for block in blocks:
+        try:
+            schema = json.loads(block)
+        except ValueError:
+            continue
+        if isinstance(schema, dict):
+            schemas += 1
+            try:
+                lc.grammar.from_json_schema(schema)
+            except lc.LlamaError as exc:
+                assert "nothing" not in str(exc) and "deep" not in str(exc), (exc, block)
+    assert schemas > 50
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    triggers = 0
+    for path in sorted(glob.glob(str(root / "models/templates/*.jinja"))):
+        for choice in ("auto", "required"):
+            try:
+                fmt = ChatFormatter(None, open(path).read(), bos_token="<s>", eos_token="</s>").apply(
+                    [{"role": "user", "content": "Hi"}], tools=[tool], tool_choice=choice)
+            except lc.LlamaError:
+                continue  # (a template that cannot render this; the parity tests cover templates)
+            if fmt.grammar:
+                check_gbnf(fmt.grammar)
+            for pattern in fmt.trigger_patterns:
+                _check_trigger_pattern(pattern)
+                triggers += 1
+    assert triggers > 20
+
+
+def test_the_copy_check_is_fast_and_never_fails_itself():
+    """The check runs before every grammar a remote client sends: classes that match nothing are a
+    GrammarError of llama.cpp's (or pass), never a crash of the check; a class's repeated ranges are one way
+    to take a character, not copies; and a long grammar is checked in linear time."""
+    import time
+
+    from llama_ctypes.core.grammar_check import check_gbnf
+
+    for grammar in ('root ::= "a" []', 'root ::= "a" [^\\x00-\\U0010FFFF]', 'root ::= ([] "b")?'):
+        try:
+            check_gbnf(grammar)
+        except lc.GrammarError:
+            pass
+    check_gbnf("root ::= " + " ".join(["[aaaaaaaaaa]?"] * 20))  # 20 ways, not 200
+    check_gbnf("root ::= " + " ".join(["[a-ca-cb]?"] * 20))
+    start = time.perf_counter()
+    check_gbnf("root ::= " + " ".join(f'"w{i}"?' for i in range(20000)))  # one run of 20,000 items
+    rules = "\n".join(f'r{i} ::= "{i}"? ' + " ".join([f"r{i - 1}"] * 2 if i else ['"z"']) for i in range(1500))
+    check_gbnf("root ::= r1499\n" + rules)
+    assert time.perf_counter() - start < 10
 
 
 def test_star_plus_and_a_few_copies_of_the_empty_still_work(tiny_model):
@@ -279,7 +362,8 @@ def test_star_plus_and_a_few_copies_of_the_empty_still_work(tiny_model):
 def test_backtracking_lazy_grammar_triggers_are_refused(tiny_model):
     """llama.cpp matches triggers with std::regex over the text so far at every token, where nothing interrupts
     it: (.*.*)*x ran for minutes."""
-    for pattern in ("(.*.*)*x", "(a+)+$", "(a|aa)*b", "a*b*c*d*e*f", "x" * 2000):
+    for pattern in ("(.*.*)*x", "(a+)+$", "(a|aa)*b", "a*b*c*d*e*f", "x" * 2000, ".{1,25}" * 4, "x?" * 9,
+                    "[^](.*.*)*\\x01]", "[](.*.*)*]", ".*.*.*X", "(a)\\1*x", "(?<n>a)\\k<n>"):
         with pytest.raises(lc.InvalidArgumentError, match="grammar_lazy_triggers"):
             lc.generate(tiny_model, PROMPT, max_tokens=10, grammar='root ::= "a"', grammar_lazy_triggers=[pattern])
     # llama.cpp's own kind of trigger still works

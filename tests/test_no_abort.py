@@ -200,7 +200,7 @@ SAMPLING = maybe(
     json_schema=st.sampled_from([{"type": "integer"}, {"type": "string", "maxLength": 3},
                                  {"type": "array", "minItems": 100000}, {"type": "bogus"},
                                  {"type": "string", "pattern": "(a+)+$"}]),
-    grammar_lazy_triggers=st.lists(st.sampled_from(["x", "(a+)+", "[", ""]), max_size=2),
+    grammar_lazy_triggers=st.lists(st.sampled_from(["x", "(a+)+", "[", "", ".", "e", "[a-z]"]), max_size=2),
     backend_sampling=st.booleans(),
 )
 

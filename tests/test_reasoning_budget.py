@@ -244,3 +244,22 @@ def test_speculative_decoding_and_a_budget(tiny_model):
         assert server.stats()["draft_tokens"] == 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("where", ["one-call", "server"])
+def test_a_forced_end_that_wakes_a_lazy_grammar_it_does_not_fit_fails_that_request_alone(tiny_model, where):
+    """The forced end of thinking is given to the sampler; when its text matches a lazy grammar's trigger and
+    the grammar refuses it, llama.cpp throws. That request fails with a GrammarError; a Server goes on serving
+    (it used to stop, every request after it a ServerClosedError)."""
+    target = tiny_model if where == "one-call" else lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024)
+    try:
+        opts = dict(chat_template=THINKING, temp=0, max_tokens=8, ignore_eos=True)
+        with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+            lc.chat(target, MESSAGES, reasoning_budget=0, grammar='root ::= "\\x01"',
+                    grammar_lazy_triggers=["think>"], **opts)
+        assert len(lc.chat(target, MESSAGES, reasoning_budget=0, **opts).tokens) == 8
+        if where == "server":
+            assert target.stats()["active_slots"] == 0
+    finally:
+        if where == "server":
+            target.close()

@@ -345,6 +345,23 @@ def test_a_worker_killed_between_two_requests(tiny_model_path, tiny_model, tmp_p
         worker.stop()
 
 
+def test_a_projector_never_goes_to_an_rpc_worker(tiny_model_path, tmp_path):
+    """clip takes the first GPU-type device when none is named, and a registered RPC worker's is one: with
+    that worker gone, loading any mmproj ended the process (GGML_ASSERT(buffer) in clip's load)."""
+    from tiny_models import write_tiny_mmproj
+
+    mmproj = write_tiny_mmproj(tmp_path / "mmproj.gguf")
+    worker = Worker(tmp_path).wait_ready()
+    try:
+        with lc.load_model(tiny_model_path, rpc_servers=[worker.endpoint], n_gpu_layers=2, tensor_split=[1]):
+            pass
+        kill(worker)
+        with lc.load_model(tiny_model_path, mmproj=mmproj) as model:  # (a local model, after the loss)
+            assert model.projector is not None and "vision" in model.projector.modalities
+    finally:
+        worker.stop()
+
+
 @needs_connection_errors
 def test_a_server_whose_worker_dies_fails_its_requests_and_stops(tiny_model_path, tiny_model, tmp_path):
     worker = Worker(tmp_path).wait_ready()

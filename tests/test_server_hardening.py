@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import re
 import threading
 import time
 import tracemalloc
@@ -417,3 +418,35 @@ def test_a_sampler_dead_end_fails_its_request_alone(server, tiny_model):
     assert server.generate("Hello", max_tokens=4, temp=0, ignore_eos=True).tokens  # and the server serves
     wait_idle(server)
     assert server.stats()["active_slots"] == 0
+
+
+def test_a_lazy_grammar_whose_trigger_text_does_not_fit_fails_its_request_alone(server, tiny_model):
+    """When a trigger matches, llama.cpp feeds the grammar the text from the match on and throws if the
+    grammar refuses it; through ctypes that was std::terminate (the process died). A tool-call format's
+    trigger followed by something else from the model gets here too."""
+    lazy = dict(grammar='root ::= "\\x01\\x02"', grammar_lazy_triggers=["."], max_tokens=8, ignore_eos=True)
+    for options in (dict(temp=0), dict(temp=0.8, seed=1), dict(temp=0, logprobs=2)):
+        with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+            lc.generate(tiny_model, "Hello", **lazy, **options)
+    other = server.stream("Once upon a time", max_tokens=24, temp=0, ignore_eos=True)
+    with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+        server.generate("Hello", temp=0, **lazy)
+    assert len(other.completion().tokens) == 24
+    wait_idle(server)
+    assert server.stats()["active_slots"] == 0
+    # a Sampler the caller keeps is usable after the error (its grammar back at the start, not stackless:
+    # llama.cpp's next apply would assert)
+    sampler = lc.Sampler(tiny_model, lc.SamplingParams(temp=0, grammar='root ::= "\\x01\\x02"',
+                                                       grammar_lazy_triggers=["."]))
+    with lc.Context.create(tiny_model, n_ctx=128) as ctx, ctx.lease() as lease:
+        lease.prefill(tiny_model.tokenize("Hello"), reuse=False)
+        with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+            sampler.sample(lease, -1)
+        for _ in range(3):
+            with pytest.raises(lc.GrammarError, match="grammar_lazy_triggers"):
+                sampler.sample(lease, -1)
+    sampler.close()
+    # a trigger whose text does fit still constrains what follows
+    out = lc.generate(tiny_model, "Hello", grammar='root ::= [a-z]+ "!"', grammar_lazy_triggers=["[a-z]"],
+                      max_tokens=8, temp=0)
+    assert re.fullmatch(r"[^a-z]*[a-z]+!?", out.text), out.text

@@ -27,7 +27,7 @@
 #endif
 
 // Bump when the meaning of an lcx_* function changes.
-#define LCX_ABI_VERSION 3
+#define LCX_ABI_VERSION 4
 
 // One device's share of a context's memory, in bytes (llama_get_memory_breakdown).
 // dev is NULL for host buffers: system RAM, pinned host memory included.
@@ -307,6 +307,24 @@ LCX_API char * lcx_json_schema_to_grammar(const char * schema_json, bool force_g
         *error = dup_string("unknown error in json_schema_to_grammar");
     }
     return nullptr;
+}
+
+// ---- sampler accept, exceptions caught --------------------------------------
+
+// llama_sampler_accept, with llama.cpp's C++ exceptions turned into false and *error (a malloc'd message,
+// released with lcx_string_free): a lazy grammar throws when the text from its trigger on does not fit the
+// grammar, and an exception through the C frames of ctypes ends in std::terminate.
+LCX_API bool lcx_sampler_accept(llama_sampler * smpl, llama_token token, char ** error) {
+    *error = nullptr;
+    try {
+        llama_sampler_accept(smpl, token);
+        return true;
+    } catch (const std::exception & e) {
+        *error = dup_string(e.what());
+    } catch (...) {
+        *error = dup_string("unknown error in llama_sampler_accept");
+    }
+    return false;
 }
 
 // ---- src/llama-ext.h: MTP hidden states and model placement ------------------

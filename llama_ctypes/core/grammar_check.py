@@ -199,11 +199,120 @@ def _parse_rules(text: str) -> dict[str, list[list[_Item]]]:
     return {name: [[tuple(item) for item in seq] for seq in alts] for name, alts in rules.items()}  # type: ignore
 
 
-def _check_repetitions(text: str) -> None:
-    """Refuse more than MAX_EMPTY_COPIES copies side by side of something that can match nothing.
+_MAX_CHAR = 0x10FFFF
+_ESCAPES = {"n": 10, "r": 13, "t": 9}
+_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
+# What an item can match as one unit: ("c", ranges) for one character out of inclusive code-point ranges,
+# ("s", text) for anything longer (its normalized text: two units with the same text are copies).
+_Key = tuple[str, object]
+_Profile = dict[_Key, int]  # unit -> how many parse paths can take it here
 
-    ``*`` and ``+`` are not copies (llama.cpp reads them as recursion, which costs nothing here); ``{m,n}`` is
-    n copies (m when unbounded), nested ones multiply, and identical items in a row add up."""
+
+def _code_points(body: str) -> list[int]:
+    """The characters of a string or class body, escapes decoded as llama.cpp's parse_char reads them."""
+    out, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\" and i + 1 < len(body):
+            e = body[i + 1]
+            width = _HEX_WIDTH.get(e, 0)
+            digits = body[i + 2:i + 2 + width]
+            if width and len(digits) == width and all(d in "0123456789abcdefABCDEF" for d in digits):
+                out.append(min(int(digits, 16), _MAX_CHAR))
+                i += 2 + width
+                continue
+            out.append(_ESCAPES.get(e, ord(e)))
+            i += 2
+            continue
+        out.append(ord(c))
+        i += 1
+    return out
+
+
+def _class_ranges(text: str) -> tuple[tuple[int, int], ...]:
+    """A [...] class as code-point ranges ([^...] complemented); it ends at its first unescaped ]."""
+    body, negated = text[1:-1], False
+    if body.startswith("^"):
+        body, negated = body[1:], True
+    # decode with positions kept so that a - between two characters makes a range
+    points: list[tuple[int, bool]] = []  # (code point, is an unescaped "-")
+    i = 0
+    while i < len(body):
+        j = i + 1
+        if body[i] == "\\" and i + 1 < len(body):
+            j = i + 2 + (_HEX_WIDTH.get(body[i + 1], 0))
+        chunk = body[i:j]
+        points.append((_code_points(chunk)[0] if chunk else 0, chunk == "-"))
+        i = j
+    ranges: list[tuple[int, int]] = []
+    k = 0
+    while k < len(points):
+        lo = points[k][0]
+        if k + 2 < len(points) and points[k + 1][1]:
+            ranges.append((min(lo, points[k + 2][0]), max(lo, points[k + 2][0])))
+            k += 3
+        else:
+            ranges.append((lo, lo))
+            k += 1
+    if negated:
+        flipped, nxt = [], 0
+        for lo, hi in sorted(ranges):
+            if lo > nxt:
+                flipped.append((nxt, lo - 1))
+            nxt = max(nxt, hi + 1)
+        if nxt <= _MAX_CHAR:
+            flipped.append((nxt, _MAX_CHAR))
+        ranges = flipped
+    merged: list[tuple[int, int]] = []  # [aa] and [a-ca] take an "a" by one path, not two
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def _unit(kind: str, key: str) -> _Key:
+    """The unit a string, class, token or . matches ("a", "\\x61" and [a] alike)."""
+    if key == ".":
+        return "c", ((0, _MAX_CHAR),)
+    if key.startswith("["):
+        return "c", _class_ranges(key)
+    if key.startswith('"'):
+        chars = _code_points(key[1:-1])
+        if len(chars) == 1:
+            return "c", ((chars[0], chars[0]),)
+        return "s", "".join(map(chr, chars))
+    return "s", key  # a token <...> or !<...>
+
+
+def _coverage(profile: _Profile) -> int:
+    """The most paths that can take one same piece of text: per character for one-character units (their
+    ranges overlap), per text for longer ones."""
+    events: list[tuple[int, int]] = []
+    most = 0
+    for (kind, what), n in profile.items():
+        if kind == "c":
+            for lo, hi in what:  # type: ignore[union-attr]
+                events.append((lo, n))
+                events.append((hi + 1, -n))
+        else:
+            most = max(most, n)
+    level = 0
+    for _, n in sorted(events, key=lambda e: (e[0], e[1])):
+        level += n
+        most = max(most, level)
+    return most
+
+
+def _check_repetitions(text: str) -> None:
+    """Refuse more than MAX_EMPTY_COPIES parse paths that can take one same piece of text side by side, from
+    neighbouring items that can match nothing ("a"? [a-b]? "\\x61"? ("a")? all take an "a").
+
+    ``*`` and ``+`` are not copies (llama.cpp reads them as recursion, which costs nothing here); ``{m,n}`` of
+    something empty-able is n copies (m when unbounded), nested ones multiply; a rule's alternatives add up.
+    Longer units count together only when their text is the same: ambiguity in general is undecidable, and
+    this bounds the shapes that were seen to take seconds to minutes per token."""
     rules = _parse_rules(text)
     nullable: set[str] = set()
 
@@ -219,44 +328,60 @@ def _check_repetitions(text: str) -> None:
                 nullable.add(name)
                 changed = True
 
-    copies: dict[str, int] = {}  # per rule: the most empty-able copies side by side in it
-    signature: dict[str, str] = {}  # per rule: its body with references replaced by theirs (what "the same" is)
+    units: dict[str, _Profile] = {}  # per rule: what it takes as one item, and by how many paths
+    signature: dict[str, str] = {}  # per rule: its normalized body (what makes two rules copies)
 
-    def same_as(item: _Item) -> tuple:
-        """What makes two items copies of each other: ("a" and [a] alike, groups and rules by content)."""
+    def item_key(item: _Item) -> str:
+        kind, key, ops = item
+        base = signature.get(key, key) if kind == "ref" else repr(_unit(kind, key))
+        return base + "".join(f"{{{lo},{hi}}}" for lo, hi in ops)
+
+    def item_profile(item: _Item) -> tuple[bool, _Profile]:
+        """Whether the item can match nothing, and its units weighted by the copies its operators make."""
         kind, key, ops = item
         if kind == "ref":
-            key = signature.get(key, key)
-        elif len(key) == 3 and key[0] in "\"[" and key[1] not in "\\^":
-            key = key[1]  # "a", [a]: one character
-        return kind, key, ops
-
-    def item_copies(item: _Item) -> int:
-        kind, key, ops = item
-        inner = copies.get(key, 0) if kind == "ref" else 0
+            profile = units.get(key, {})  # (a reference back up a cycle: recursion, not copies)
+        elif kind == "empty":
+            profile = {}
+        else:
+            profile = {_unit(kind, key): 1}
         empty = kind == "empty" or (kind == "ref" and key in nullable)
-        n = max(1, inner) if empty else inner
+        times = 1
         for lo, hi in ops:
             if empty:  # copies of something empty-able: each way of spreading the text over them is a stack
-                n *= int(hi) if hi != _INF else max(lo, 1)
+                times *= int(hi) if hi != _INF else max(lo, 1)
             elif lo == 0:  # x? or x{0,k} of an x that consumes: one empty-able item (its copies each consume)
-                empty, n = True, max(1, n)
-        return n
+                empty = True
+        return empty, (profile if times == 1 else {k: n * times for k, n in profile.items()})
 
-    def rule_copies(name: str) -> int:
-        most = 0
+    def analyse(name: str) -> int:
+        most, unit = 0, {}
         for seq in rules[name]:
-            run, previous = 0, None
+            seq = [item for item in seq if not (item[0] == "empty" and not item[2])]  # "" changes nothing
+            run: _Profile = {}
+            all_empty = True
             for item in seq:
-                if item[0] == "empty" and not item[2]:
-                    continue  # ("" between two copies changes nothing)
-                n = item_copies(item)
-                same = same_as(item)
-                run = run + n if same == previous and item_nullable(item) else n
-                previous = same
-                most = max(most, run)
-        text = " | ".join(" ".join(f"{same_as(i)}" for i in seq) for seq in rules[name])
-        signature[name] = text if len(text) <= 200 else name
+                empty, profile = item_profile(item)
+                if not empty:  # a run only grows until here: its coverage at its end is its most
+                    most = max(most, _coverage(run))
+                    run, all_empty = {}, False
+                    continue
+                for k, n in profile.items():
+                    run[k] = run.get(k, 0) + n
+            most = max(most, _coverage(run))
+            if all_empty:  # the whole alternative is one run: that is what it offers where it is used
+                alt = run
+            elif len(seq) == 1:
+                alt = item_profile(seq[0])[1]
+            elif all(_literal(item) is not None for item in seq):
+                alt = {("s", "".join(_literal(item) for item in seq)): 1}  # "a" "b" is "ab"
+            else:
+                alt = {("s", " ".join(map(item_key, seq))): 1}
+            for k, n in alt.items():
+                unit[k] = unit.get(k, 0) + n
+        units[name] = unit
+        body = " | ".join(" ".join(map(item_key, seq)) for seq in rules[name])
+        signature[name] = body if len(body) <= 200 else name
         return most
 
     # rules after the rules they refer to (a reference back up a cycle counts 0: recursion is not copies)
@@ -278,10 +403,24 @@ def _check_repetitions(text: str) -> None:
             stack.pop()
             on_path.discard(name)
             done.add(name)
-            copies[name] = n = rule_copies(name)
+            n = analyse(name)
             if n > MAX_EMPTY_COPIES:
                 where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
                 raise GrammarError(
                     f"grammar puts {n} copies of something that can match nothing side by side (in {where}; at most "
                     f"{MAX_EMPTY_COPIES}): llama.cpp would follow every way of spreading the text over them (minutes "
                     "per token); repeat its non-empty part, or use * or + (x{0,100} with x ::= \"a\"? is \"a\"*)")
+
+
+def _literal(item: _Item) -> str | None:
+    """The text an item stands for when it is a plain string or a one-character class, else None."""
+    kind, key, ops = item
+    if kind != "char" or ops:
+        return None
+    unit, what = _unit(kind, key)
+    if unit == "s":
+        return None if key.startswith("<") or key.startswith("!") else what  # type: ignore[return-value]
+    if len(what) != 1:  # type: ignore[arg-type]
+        return None  # several ranges, or none at all ([] and [^\x00-\U0010FFFF] match nothing)
+    (lo, hi), = what  # type: ignore[misc]
+    return chr(lo) if lo == hi else None

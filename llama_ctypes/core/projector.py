@@ -31,6 +31,7 @@ from .gguf_file import check_gguf_file
 from .handle import Hold, NativeHandle
 from .media import MediaData, MediaKind, MediaLimits, read_media
 from .params import default_threads
+from .rpc.client import local_offload_devices
 
 if TYPE_CHECKING:
     from .model import Model
@@ -47,7 +48,8 @@ MEDIA_MARKER = "<__media__>"
 class ProjectorParams:
     """How a projector runs (llama.cpp's defaults: ``mtmd_context_params_default``).
 
-    ``use_gpu`` (True): encode on the first GPU when there is one. ``n_threads`` (None: the CPUs this
+    ``use_gpu`` (True): encode on the first local GPU when there is one (never on an RPC worker's device:
+    llama.cpp would pick one, and a lost worker aborted the load). ``n_threads`` (None: the CPUs this
     process may use). ``image_min_tokens``/``image_max_tokens`` (None: the projector's metadata) bound the
     tokens of one image for projectors with dynamic resolution. ``warmup`` (True): one encode at load,
     so the first request does not pay for graph allocation.
@@ -213,6 +215,10 @@ class Projector(NativeHandle):
         lib, p = self._lib, self.params
         native = lib.mtmd_context_params_default()
         native.use_gpu = bool(p.use_gpu)
+        if p.use_gpu:  # (left NULL, clip takes the first GPU-type device: an RPC worker's counts as one)
+            local = local_offload_devices(lib, "layer")
+            native.use_gpu = bool(local)
+            native.device = local[0] if local else None
         native.print_timings = False
         native.n_threads = p.n_threads or default_threads()
         native.warmup = bool(p.warmup)

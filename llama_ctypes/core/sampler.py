@@ -27,11 +27,14 @@ if TYPE_CHECKING:
 
 
 
-#: Longest lazy-grammar trigger pattern, and most unbounded quantifiers in one (characters, count).
+#: Longest lazy-grammar trigger pattern, and most unbounded quantifiers in one (characters, count): .*.*X is
+#: already quadratic in the text searched at every token (llama.cpp's own triggers have at most one).
 MAX_TRIGGER_CHARS = 1024
-MAX_TRIGGER_UNBOUNDED = 4
-MAX_TRIGGER_OPTIONAL = 8
-_UNBOUNDED = re.compile(r"\{\d*,\}")
+MAX_TRIGGER_UNBOUNDED = 2
+#: Most ways the bounded quantifiers of one trigger can split a text: the product of (n - m + 1) over x{m,n}
+#: (x? is 2). (.?){17}.{17} took 9 s per call, .{1,25} four times 20 s per 30 tokens.
+MAX_TRIGGER_WAYS = 256
+_RANGE = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
 def _check_trigger_pattern(pattern: str) -> None:
@@ -48,48 +51,52 @@ def _check_trigger_pattern(pattern: str) -> None:
     groups: list[bool] = []  # per open group: whether it holds a quantifier or an alternative
     unbounded, i, n = 0, 0, len(pattern)
     closed_risky = False  # the item just before i is a group with a quantifier or an alternative inside
-    optional = 0  # x? and x{0,k}: each one doubles the ways to match, as (.?){17}.{17} shows (9 s per call)
+    ways = 1  # the product of (n - m + 1) over the bounded quantifiers read so far
     previous = ""  # the last thing read: "(", "quantifier" or ""
     while i < n:
         c = pattern[i]
         if c == "?":
             if previous == "":  # x? (after "(" it opens (?: (?= (?!, after a quantifier it makes it lazy)
-                optional += 1
+                ways *= 2
                 if groups:
                     groups[-1] = True
             previous = "quantifier" if previous == "" else ""
             closed_risky = False
             i += 1
             continue
-        quantifier = c in "*+" or (c == "{" and re.match(r"\{\d*(,\d*)?\}", pattern[i:]) is not None)
-        if quantifier:
-            m = _UNBOUNDED.match(pattern, i)
-            bounded_one = c == "{" and re.match(r"\{[01]?(,[01]?)?\}", pattern[i:]) is not None
-            if c in "*+" or m:
+        braces = _RANGE.match(pattern, i) if c == "{" else None
+        if c in "*+" or braces:
+            low, comma, high = braces.groups() if braces else ("", "", "")
+            if c in "*+" or (comma and not high):
                 unbounded += 1
-            elif c == "{" and re.match(r"\{0?,", pattern[i:]):
-                optional += 1
-            if closed_risky and not bounded_one:
+                repeats = True
+            else:
+                top = int((high if comma else low) or 0)
+                ways *= max(top - int(low or 0), 0) + 1
+                repeats = top > 1
+            if closed_risky and repeats:
                 raise InvalidArgumentError(
                     f"grammar_lazy_triggers pattern {pattern!r} repeats a group that holds a repetition or "
                     "alternatives ((a+)+, (a|aa)*): llama.cpp's std::regex can take minutes on it at every token")
             if groups:
                 groups[-1] = True
-            i = pattern.index("}", i) + 1 if c == "{" else i + 1
+            i = braces.end() if braces else i + 1
             closed_risky = False
             previous = "quantifier"
             continue
         closed_risky = False
         previous = "(" if c == "(" else ""
         if c == "\\":
+            if pattern[i + 1:i + 2] in tuple("123456789k"):
+                raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has a back-reference, which "
+                                           "makes a regex search exponential; llama.cpp's triggers use none")
             i += 2
             continue
-        if c == "[":  # a class: skip to its end (a ] first in it is literal)
+        if c == "[":  # a class ends at its first unescaped ] (ECMAScript: [] matches nothing, [^] anything)
             j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
+            if pattern.startswith("]", j) or pattern.startswith("^]", j):
+                raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has an empty class [] or "
+                                           "[^], which regex dialects read differently; write (?!) or [\\s\\S]")
             while j < n and pattern[j] != "]":
                 j += 2 if pattern[j] == "\\" else 1
             i = j + 1
@@ -103,12 +110,33 @@ def _check_trigger_pattern(pattern: str) -> None:
         elif c == "|" and groups:
             groups[-1] = True
         i += 1
-    if optional > MAX_TRIGGER_OPTIONAL:
-        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {optional} optional parts (at most "
-                                   f"{MAX_TRIGGER_OPTIONAL}): each doubles std::regex's ways to match, at every token")
+    if ways > MAX_TRIGGER_WAYS:
+        raise InvalidArgumentError(
+            f"grammar_lazy_triggers pattern {pattern!r} has optional parts with more than {MAX_TRIGGER_WAYS} ways to "
+            "split a text between them (x? counts 2, x{m,n} n-m+1, multiplied): std::regex tries each, at every token")
     if unbounded > MAX_TRIGGER_UNBOUNDED:
         raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {unbounded} unbounded repetitions "
                                    f"(at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work per token")
+
+
+def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
+    """``accept(grammar, token)`` for a grammar sampler, raising GrammarError where llama.cpp throws: a lazy
+    grammar's trigger matched text the grammar does not allow from there on (the model wrote something
+    else). The grammar is reset to its start then (it is left with no parse stack, on which llama.cpp's
+    next apply asserts), and the generation ends with the error."""
+    checked = lib.lcx_sampler_accept
+
+    def accept(grammar, token: int) -> None:
+        error = ctypes.c_void_p()
+        if not checked(grammar, token, ctypes.byref(error)):
+            message = ctypes.string_at(error.value).decode("utf-8", errors="replace") if error.value else ""
+            if error.value:
+                lib.lcx_string_free(error.value)
+            lib.llama_sampler_reset(grammar)
+            raise GrammarError(f"the text from a grammar_lazy_triggers match on does not fit the grammar "
+                               f"(llama.cpp: {message})")
+
+    return accept
 
 
 @dataclass(frozen=True)
@@ -475,7 +503,7 @@ class SamplerBinding:
         lib = sampler._lib
         lib.llama_sampler_accept(self._clone if self.in_graph else sampler._ptr, token)
         if sampler._grammar and sampler._grammar_allows(token):
-            lib.llama_sampler_accept(sampler._grammar, token)
+            _grammar_accept_fn(lib)(sampler._grammar, token)
         if self.post is not None:
             self.post[row] = PostSampling(token, 1.0, np.array([token]), np.array([1.0]))
 
@@ -643,7 +671,7 @@ class Sampler(NativeHandle):
             # llama.cpp throws (and the process aborts) on accepting a token the grammar refuses.
             if not self._grammar_allows(token, grammar):
                 raise GrammarError(f"grammar_prefill {text!r} does not match the grammar's start")
-            self._lib.llama_sampler_accept(grammar, token)
+            _grammar_accept_fn(self._lib)(grammar, token)
 
     def _free(self) -> None:
         if self._ptr:
@@ -705,7 +733,7 @@ class Sampler(NativeHandle):
         the result is exactly the grammar-first result.
         """
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
-        apply, accept = lib.llama_sampler_apply, lib.llama_sampler_accept
+        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         cand["id"] = np.arange(n_vocab, dtype=np.int32)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
@@ -741,7 +769,7 @@ class Sampler(NativeHandle):
                     # allows); llama.cpp would abort the process on accepting the token.
                     raise GrammarError("no token allowed by the grammar is left after logit_bias and the "
                                        "other samplers (is every end-of-generation token banned?)")
-            accept(grammar, tok)
+            accept_grammar(grammar, tok)
             accept(chain, tok)
             return tok
 
@@ -756,7 +784,7 @@ class Sampler(NativeHandle):
         if self._ptr is None:
             raise ClosedError("Sampler is closed")
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
-        apply, accept = lib.llama_sampler_apply, lib.llama_sampler_accept
+        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
         arr_ref, logits_of, greedy = ctypes.byref(arr), lease.logits_view_fn(), self.params.greedy
@@ -791,7 +819,7 @@ class Sampler(NativeHandle):
                 top = top[probs[top] > 0]
                 out[idx] = PostSampling(tok, float(probs[sel]), left["id"][top].astype(np.int64), probs[top])
             if grammar:
-                accept(grammar, tok)
+                accept_grammar(grammar, tok)
             accept(chain, tok)
             return tok
 
@@ -809,7 +837,7 @@ class Sampler(NativeHandle):
                 raise GrammarError(f"the grammar does not allow token {token} here")
             self._lib.llama_sampler_accept(self._ptr, token)
             if self._grammar:
-                self._lib.llama_sampler_accept(self._grammar, token)
+                _grammar_accept_fn(self._lib)(self._grammar, token)
 
     def _grammar_allows(self, token: int, grammar=None) -> bool:
         one = np.zeros(1, dtype=_TOKEN_DATA)

@@ -21,7 +21,7 @@ from .llama_h import (
 )
 
 # Must equal LCX_ABI_VERSION in the adapter.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class lcx_device_memory(Structure):
@@ -56,6 +56,8 @@ PROTOTYPES = [
     ("lcx_string_free", [c_void_p], None),
     # char * lcx_json_schema_to_grammar(const char * schema_json, bool force_gbnf, char ** error);
     ("lcx_json_schema_to_grammar", [c_char_p, c_bool, POINTER(c_void_p)], c_void_p),
+    # bool lcx_sampler_accept(llama_sampler * smpl, llama_token token, char ** error);
+    ("lcx_sampler_accept", [llama_sampler_p, c_int32, POINTER(c_void_p)], c_bool),
     # void lcx_set_embeddings_nextn(llama_context * ctx, bool value, bool masked);
     ("lcx_set_embeddings_nextn", [llama_context_p, c_bool, c_bool], None),
     # void lcx_set_nextn_layer_offset(llama_context * ctx, int32_t offset);

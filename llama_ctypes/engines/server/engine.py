@@ -503,7 +503,14 @@ class Engine:
                 if budget is not None:
                     forced = budget.forced()
                     if forced is not None:  # (not sampled: the sampler accepts it as emitted)
-                        step.request.binding.accept_forced(step.row + i, forced)
+                        try:
+                            step.request.binding.accept_forced(step.row + i, forced)
+                        except LlamaError as error:  # a lazy grammar woken by the forced text refused it
+                            if row_errors is None:
+                                row_errors = {}
+                            row_errors[len(outputs)] = error
+                            outputs.append(-1)
+                            continue
                         outputs.append(forced)
                         continue
                 if greedy:

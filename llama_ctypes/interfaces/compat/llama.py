@@ -1,0 +1,511 @@
+"""llama-cpp-python's ``Llama`` over our Model and one-call API: the same arguments and return shapes.
+
+One ``Llama`` is one Model; each call runs on the one-call API (a pooled context with the
+constructor's context options), which keeps the last prompt's KV, as llama-cpp-python's single
+context does: a prompt that extends the previous one decodes only its new tokens. Unlike
+llama-cpp-python's, a ``Llama`` may be used from several threads at once (each call gets a context
+of its own from the pool).
+
+What is not carried over raises at once, naming the argument (see docs/compat.md): never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+import uuid
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ...core.model import Model, load_model
+from ...core.one_call import stream as lc_stream
+from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...features.embeddings import EmbedUsage
+from ...features.embeddings import embed as lc_embed
+from ...features.openai.chat import chat_completion, stream_chat_completion
+from ...features.structured import generate as lc_generate
+from .llama_grammar import LlamaGrammar
+
+__all__ = ["Llama", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList"]
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+# llama-cpp-python's integer enums (llama.h) → our option names.
+_SPLIT = {0: "none", 1: "layer", 2: "row"}
+_ROPE = {-1: "unspecified", 0: "none", 1: "linear", 2: "yarn", 3: "longrope"}
+_POOLING = {-1: "unspecified", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+_ATTENTION = {-1: "unspecified", 0: "causal", 1: "non_causal"}
+_GGML_TYPE = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16"}
+
+# llama-cpp-python's chat_format names → llama.cpp's built-in templates (llama_chat_apply_template).
+CHAT_FORMATS = {
+    "chatml": "chatml", "llama-2": "llama2", "llama-3": "llama3", "gemma": "gemma", "mistral-instruct": "mistral-v1",
+    "zephyr": "zephyr", "vicuna": "vicuna", "openchat": "openchat", "chatglm3": "chatglm3", "phi-3": "phi3",
+    "qwen": "chatml", "mistrallite": "mistral-v1", "intel": "chatml", "open-orca": "chatml",
+}
+
+# Constructor arguments taken only at these values (anything else: refused, naming it).
+_ONLY = {
+    "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,), "spm_infill": (False,),
+    "chat_handler": (None,), "logits_all": (False,),
+}
+
+
+class LogitsProcessorList(list):
+    """llama-cpp-python's list of ``(input_ids, scores) -> scores`` callables (not run here yet: refused)."""
+
+
+class StoppingCriteriaList(list):
+    """llama-cpp-python's list of ``(input_ids, logits) -> bool`` callables (not run here yet: refused)."""
+
+
+class LlamaState:
+    """Not carried over: :meth:`Llama.save_state` raises (see docs/compat.md)."""
+
+
+def _refuse(name: str, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"llama_ctypes.compat does not support {name}: {why}")
+
+
+class Llama:
+    """A model, as llama-cpp-python's ``Llama(model_path, ...)`` loads it (its defaults: n_ctx=512,
+    n_batch=512, all layers on the CPU unless ``n_gpu_layers``)."""
+
+    def __init__(self, model_path: str, *, n_gpu_layers: int = 0, split_mode: int = 1, main_gpu: int = 0,
+                 tensor_split: Sequence[float] | None = None, vocab_only: bool = False, use_mmap: bool = True,
+                 use_mlock: bool = False, kv_overrides: Mapping[str, bool | int | float | str] | None = None,
+                 seed: int = LLAMA_DEFAULT_SEED, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
+                 n_threads: int | None = None, n_threads_batch: int | None = None, rope_scaling_type: int | None = -1,
+                 pooling_type: int = -1, attention_type: int = -1, rope_freq_base: float = 0.0,
+                 rope_freq_scale: float = 0.0, yarn_ext_factor: float = -1.0, yarn_attn_factor: float = 1.0,
+                 yarn_beta_fast: float = 32.0, yarn_beta_slow: float = 1.0, yarn_orig_ctx: int = 0,
+                 logits_all: bool = False, embedding: bool = False, offload_kqv: bool = True,
+                 flash_attn: bool = False, op_offload: bool | None = None, swa_full: bool | None = None,
+                 no_perf: bool = False, last_n_tokens_size: int = 64, lora_base: str | None = None,
+                 lora_scale: float = 1.0, lora_path: str | None = None, numa: bool | int = False,
+                 chat_format: str | None = None, chat_handler: Any = None, draft_model: Any = None,
+                 tokenizer: Any = None, type_k: int | None = None, type_v: int | None = None,
+                 spm_infill: bool = False, verbose: bool = True, **kwargs: Any) -> None:
+        if kwargs:
+            raise ArgumentTypeError(f"Llama() got unknown argument(s) {sorted(kwargs)}")
+        given = locals()
+        for name, allowed in _ONLY.items():
+            if not any(given[name] is a or given[name] == a for a in allowed):
+                raise _refuse(f"{name}={given[name]!r}", "not carried over yet (docs/compat.md)")
+        self.model_path = os.fspath(model_path)
+        self.verbose = verbose
+        self.chat_format = chat_format
+        if chat_format is not None and chat_format not in CHAT_FORMATS:
+            raise _refuse(f"chat_format={chat_format!r}", f"known formats: {', '.join(sorted(CHAT_FORMATS))}")
+        if split_mode not in _SPLIT:
+            raise InvalidArgumentError(f"split_mode={split_mode!r}: expected one of {sorted(_SPLIT)}")
+        self._model: Model = load_model(
+            self.model_path, n_gpu_layers=n_gpu_layers, split_mode=_SPLIT[split_mode], main_gpu=main_gpu,
+            tensor_split=tensor_split, vocab_only=vocab_only, use_mmap=use_mmap, use_mlock=use_mlock,
+            kv_overrides=kv_overrides)
+        try:
+            if lora_path is not None:
+                self._lora = {self._model.load_lora(lora_path): float(lora_scale)}
+            else:
+                self._lora = None
+            self._ctx_opts = self._context_options(
+                n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, n_threads_batch=n_threads_batch,
+                rope_scaling_type=rope_scaling_type, pooling_type=pooling_type, attention_type=attention_type,
+                rope_freq_base=rope_freq_base, rope_freq_scale=rope_freq_scale, yarn_ext_factor=yarn_ext_factor,
+                yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
+                yarn_orig_ctx=yarn_orig_ctx, offload_kqv=offload_kqv, flash_attn=flash_attn, op_offload=op_offload,
+                swa_full=swa_full, type_k=type_k, type_v=type_v)
+        except BaseException:
+            self._model.close()
+            raise
+        self.embedding = bool(embedding)
+        self._pooling = self._ctx_opts.pop("pooling", None)
+        self._embed_opts = {k: v for k, v in self._ctx_opts.items() if k in ("n_threads", "type_k", "type_v",
+                                                                             "flash_attn", "offload_kqv")}
+        self._seed = seed if seed is not None else LLAMA_DEFAULT_SEED
+        self._seed_lock = threading.Lock()
+        self.last_n_tokens_size = int(last_n_tokens_size)
+        self._cold_next = threading.Event()  # reset(): the next call starts from an empty context
+        self.cache: Any = None
+
+    # ---- options ------------------------------------------------------------------------------------
+
+    def _context_options(self, *, n_ctx: int, type_k: int | None, type_v: int | None, rope_scaling_type: int | None,
+                         pooling_type: int, attention_type: int, flash_attn: bool, op_offload: bool | None,
+                         swa_full: bool | None, **rest: Any) -> dict[str, Any]:
+        opts: dict[str, Any] = {k: v for k, v in rest.items() if v is not None}
+        opts["n_ctx"] = n_ctx if n_ctx else self._model.n_ctx_train
+        opts["flash_attn"] = "enabled" if flash_attn else "disabled"
+        for name, value, table, key in (("rope_scaling_type", rope_scaling_type, _ROPE, "rope_scaling"),
+                                        ("pooling_type", pooling_type, _POOLING, "pooling"),
+                                        ("attention_type", attention_type, _ATTENTION, "attention")):
+            if value is None:
+                continue
+            if value not in table:
+                raise InvalidArgumentError(f"{name}={value!r}: expected one of {sorted(table)}")
+            if table[value] != "unspecified":
+                opts[key] = table[value]
+        for name, value in (("type_k", type_k), ("type_v", type_v)):
+            if value is not None:
+                if value not in _GGML_TYPE:
+                    raise InvalidArgumentError(f"{name}={value!r}: expected a GGML type id among {sorted(_GGML_TYPE)}")
+                opts[name] = _GGML_TYPE[value]
+        if op_offload is not None:
+            opts["op_offload"] = bool(op_offload)
+        if swa_full is not None:
+            opts["swa_full"] = bool(swa_full)
+        if opts.get("yarn_attn_factor") == 1.0:  # (llama-cpp-python's default is llama.cpp's "from the model")
+            opts.pop("yarn_attn_factor")
+        if opts.get("yarn_beta_fast") == 32.0:
+            opts.pop("yarn_beta_fast")
+        if opts.get("yarn_beta_slow") == 1.0:
+            opts.pop("yarn_beta_slow")
+        return opts
+
+    def _sampling(self, *, temperature: float, top_p: float, min_p: float, typical_p: float, top_k: int,
+                  repeat_penalty: float, frequency_penalty: float, presence_penalty: float, tfs_z: float,
+                  mirostat_mode: int, mirostat_tau: float, mirostat_eta: float, seed: int | None,
+                  logit_bias: Mapping[int, float] | None, grammar: LlamaGrammar | None,
+                  logits_processor: Any, stopping_criteria: Any = None) -> dict[str, Any]:
+        if logits_processor:
+            raise _refuse("logits_processor", "no per-token Python hook yet (docs/compat.md)")
+        if stopping_criteria:
+            raise _refuse("stopping_criteria", "no per-token Python hook yet (docs/compat.md)")
+        if tfs_z != 1.0:
+            raise _refuse(f"tfs_z={tfs_z!r}", "llama.cpp removed tail-free sampling")
+        if mirostat_mode not in (0, 1, 2):
+            raise InvalidArgumentError(f"mirostat_mode={mirostat_mode!r}: expected 0, 1 or 2")
+        with self._seed_lock:  # (as llama-cpp-python: the call's seed becomes the Llama's, or one drawn from it)
+            if seed is None:
+                seed = random.Random(self._seed).randint(0, 2 ** 32 - 2)
+            self._seed = int(seed)
+        opts: dict[str, Any] = dict(
+            temp=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k, penalty_repeat=repeat_penalty,
+            penalty_freq=frequency_penalty, penalty_present=presence_penalty, penalty_last_n=self.last_n_tokens_size,
+            mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed)
+        if logit_bias:
+            opts["logit_bias"] = {int(k): float(v) for k, v in logit_bias.items()}
+        if grammar is not None:
+            if not isinstance(grammar, LlamaGrammar):
+                raise ArgumentTypeError(f"grammar must be a LlamaGrammar, not {type(grammar).__name__}")
+            opts["grammar"] = grammar.grammar
+        return opts
+
+    def _run_options(self) -> dict[str, Any]:
+        opts = dict(self._ctx_opts)
+        if self._lora is not None:
+            opts["lora"] = self._lora
+        if self._cold_next.is_set():
+            self._cold_next.clear()
+            opts["cache_prompt"] = False
+        return opts
+
+    def _max_tokens(self, max_tokens: int | None) -> int:
+        return -1 if max_tokens is None or max_tokens <= 0 else int(max_tokens)
+
+    # ---- completions --------------------------------------------------------------------------------
+
+    def __call__(self, prompt: str | list[int], **kwargs: Any) -> Any:
+        return self.create_completion(prompt, **kwargs)
+
+    def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                          logprobs: int | None = None, echo: bool = False, stop: str | list[str] | None = None,
+                          frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                          top_k: int = 40, stream: bool = False, seed: int | None = None, tfs_z: float = 1.0,
+                          mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                          model: str | None = None, stopping_criteria: Any = None, logits_processor: Any = None,
+                          grammar: LlamaGrammar | None = None,
+                          logit_bias: Mapping[int, float] | None = None) -> Any:
+        """A ``text_completion`` dict (or, with ``stream=True``, an iterator of its chunks)."""
+        if suffix is not None:
+            raise _refuse("suffix", "fill-in-the-middle runs through `llama-ctypes serve`'s /infill for now")
+        if echo and logprobs is not None:
+            raise _refuse("echo with logprobs", "the prompt's own logprobs are not computed")
+        opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
+                              grammar=grammar, logits_processor=logits_processor, stopping_criteria=stopping_criteria)
+        opts.update(self._run_options())
+        opts["max_tokens"] = self._max_tokens(max_tokens)
+        if opts["max_tokens"] == -1:  # (llama-cpp-python: what the context leaves after the prompt)
+            n_prompt = len(prompt) if not isinstance(prompt, str) else len(
+                self._model.vocab.tokenize(prompt, add_special=True, parse_special=True))
+            opts["max_tokens"] = max(1, self.n_ctx() - n_prompt)
+        opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        if logprobs is not None:
+            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0:
+                raise InvalidArgumentError(f"logprobs={logprobs!r}: expected a number of alternatives >= 0")
+            opts["logprobs"] = logprobs
+        if isinstance(prompt, str):
+            prompt_text = prompt
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            prompt = [int(t) for t in prompt]
+            prompt_text = self._model.vocab.detokenize(prompt) if echo else ""
+        else:
+            raise ArgumentTypeError("prompt must be a str or a list of token ids")
+        envelope = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+                    "model": model or self.model_path}
+        prefix = prompt_text if echo else ""
+        if stream:
+            return self._stream_completion(envelope, prompt, prefix, opts)
+        done = lc_generate(self._model, prompt, **opts)
+        return {**envelope, "choices": [{
+            "text": prefix + done.text, "index": 0,
+            "logprobs": _logprobs(done.logprobs, len(prefix)) if logprobs is not None else None,
+            "finish_reason": _finish(done.finish_reason)}],
+            "usage": _usage(done.prompt_tokens, len(done.tokens))}
+
+    def _stream_completion(self, envelope: dict[str, Any], prompt: Any, prefix: str,
+                           opts: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        text_stream = lc_stream(self._model, prompt, **opts)
+        want_logprobs = "logprobs" in opts
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            with text_stream:
+                if prefix:
+                    yield {**envelope, "choices": [{"text": prefix, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                offset = len(prefix)
+                for piece in text_stream:
+                    if not piece:
+                        continue
+                    yield {**envelope, "choices": [{"text": piece, "index": 0, "logprobs": None,
+                                                    "finish_reason": None}]}
+                    offset += len(piece)
+                done = text_stream.completion()
+            last = {"text": "", "index": 0, "logprobs": None, "finish_reason": _finish(done.finish_reason)}
+            if want_logprobs:
+                last["logprobs"] = _logprobs(done.logprobs, len(prefix))
+            yield {**envelope, "choices": [last]}
+
+        return chunks()
+
+    # ---- chat ---------------------------------------------------------------------------------------
+
+    def create_chat_completion(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None = None,
+                               function_call: Any = None, tools: list[dict[str, Any]] | None = None,
+                               tool_choice: Any = None, temperature: float = 0.2, top_p: float = 0.95,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | list[str] | None = None, seed: int | None = None,
+                               response_format: Mapping[str, Any] | None = None, max_tokens: int | None = None,
+                               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                               repeat_penalty: float = 1.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                               mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                               logits_processor: Any = None, grammar: LlamaGrammar | None = None,
+                               logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
+                               top_logprobs: int | None = None) -> Any:
+        """A ``chat.completion`` dict (or an iterator of ``chat.completion.chunk`` dicts), rendered with
+        ``chat_format`` or the model's own template, tool calls parsed from the model's format."""
+        if logprobs or top_logprobs:
+            raise _refuse("logprobs on chat completions", "not carried over yet (docs/compat.md)")
+        opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
+                              grammar=grammar, logits_processor=logits_processor)
+        opts.update(self._run_options())
+        opts["max_tokens"] = self._max_tokens(max_tokens)
+        opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        if self.chat_format is not None:
+            opts["chat_template"] = CHAT_FORMATS[self.chat_format]
+        if functions:  # (OpenAI's deprecated form: each function a tool)
+            if tools:
+                raise InvalidArgumentError("pass tools or functions, not both")
+            tools = [{"type": "function", "function": f} for f in functions]
+            if isinstance(function_call, Mapping):
+                tool_choice = {"type": "function", "function": {"name": function_call.get("name")}}
+            elif function_call in ("auto", "none"):
+                tool_choice = function_call
+        if tools:
+            opts["tools"] = list(tools)
+            if tool_choice is not None:
+                opts["tool_choice"] = tool_choice
+        schema = _response_schema(response_format)
+        if schema is not None:
+            if grammar is not None:
+                raise InvalidArgumentError("pass response_format or grammar, not both")
+            opts["json_schema"] = schema
+        out = stream_chat_completion(self._model, messages, **opts) if stream else \
+            chat_completion(self._model, messages, **opts)
+        name = model or self.model_path  # (llama-cpp-python names the model by its path)
+        if stream:
+            return (_restamp(chunk, name) for chunk in out)
+        return _restamp(out, name)
+
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`create_chat_completion` as the ``openai`` package's types (``ChatCompletion``, or an
+        iterator of ``ChatCompletionChunk``): needs ``openai`` installed."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError as exc:
+            raise ImportError("create_chat_completion_openai_v1 needs the openai package") from exc
+        out = self.create_chat_completion(*args, **kwargs)
+        if kwargs.get("stream"):
+            return (ChatCompletionChunk(**chunk) for chunk in out)
+        return ChatCompletion(**out)
+
+    # ---- embeddings ---------------------------------------------------------------------------------
+
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False) -> Any:
+        """Vectors as lists of floats: one for a str, a list for a list (llama-cpp-python's shapes; without
+        pooling, one vector per token)."""
+        if not self.embedding:
+            raise RuntimeError("Llama model must be created with embedding=True to call this method")
+        single = isinstance(input, str)
+        texts = [input] if single else list(input)
+        usage = EmbedUsage()
+        vectors = lc_embed(self._model, texts, normalize=normalize, truncate=truncate, pooling=self._pooling,
+                           usage=usage, **self._embed_opts) if texts else []
+        rows = [np.asarray(v).tolist() for v in vectors]
+        result: Any = rows[0] if single else rows
+        return (result, usage.tokens) if return_count else result
+
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> dict[str, Any]:
+        """An OpenAI ``list`` of ``embedding`` objects, with usage."""
+        single = isinstance(input, str)
+        vectors, tokens = self.embed(input, return_count=True)
+        rows = [vectors] if single else vectors
+        return {"object": "list", "data": [{"object": "embedding", "embedding": row, "index": i}
+                                           for i, row in enumerate(rows)],
+                "model": model or self.model_path, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    # ---- tokens and the model -----------------------------------------------------------------------
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        if not isinstance(text, (bytes, bytearray)):
+            raise ArgumentTypeError("tokenize takes bytes (text.encode('utf-8'))")
+        return self._model.vocab.tokenize(bytes(text).decode("utf-8"), add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        """The tokens' pieces as bytes (a leading space after BOS dropped, as llama-cpp-python does;
+        ``prev_tokens`` is taken and, as there, not used)."""
+        vocab = self._model.vocab
+        out = b"".join(vocab.token_bytes(vocab.check_token(int(t)), special=special) for t in tokens)
+        if tokens and int(tokens[0]) == vocab.bos and out.startswith(b" "):
+            out = out[1:]
+        return out
+
+    def token_bos(self) -> int:
+        return _id(self._model.vocab.bos)
+
+    def token_eos(self) -> int:
+        return _id(self._model.vocab.eos)
+
+    def token_nl(self) -> int:
+        return _id(self._model.vocab.nl)
+
+    def n_ctx(self) -> int:
+        return int(self._ctx_opts["n_ctx"])
+
+    def n_embd(self) -> int:
+        return self._model.n_embd
+
+    def n_vocab(self) -> int:
+        return self._model.n_vocab
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return dict(self._model.metadata)
+
+    def set_seed(self, seed: int) -> None:
+        with self._seed_lock:
+            self._seed = int(seed)
+
+    def reset(self) -> None:
+        """The next call starts from an empty context (its prompt fully decoded)."""
+        self._cold_next.set()
+
+    def set_cache(self, cache: Any) -> None:
+        """Taken for llama-cpp-python's ``LlamaRAMCache``/``LlamaDiskCache``: prompt reuse is on already
+        (pooled contexts keep their last prompts); the cache object itself is kept, not filled."""
+        self.cache = cache
+
+    def save_state(self) -> Any:
+        raise _refuse("save_state", "not carried over yet (docs/compat.md)")
+
+    def load_state(self, state: Any) -> None:
+        raise _refuse("load_state", "not carried over yet (docs/compat.md)")
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str, *, local_dir: str | None = None,
+                        cache_dir: str | None = None, **kwargs: Any) -> "Llama":
+        """Download (or find in the cache) ``filename`` of a Hugging Face repo through our Hub client."""
+        from ...features import hub
+
+        if local_dir is not None:
+            raise _refuse("local_dir", "files live in the Hub client's cache (cache_dir=)")
+        path = hub.download(repo_id, filename, **({"cache_dir": cache_dir} if cache_dir else {}))
+        return cls(model_path=os.fspath(path), **kwargs)
+
+    def close(self) -> None:
+        self._model.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        model = getattr(self, "_model", None)
+        if model is not None:
+            try:
+                model.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+
+def _id(token: int | None) -> int:
+    return -1 if token is None else int(token)
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _logprobs(entries: Any, offset: int) -> dict[str, Any]:
+    """llama-cpp-python's completion logprobs: parallel lists, ``top_logprobs`` a dict per token."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries or ():
+        offsets.append(offset)
+        text = entry.text
+        tokens.append(text)
+        token_logprobs.append(float(entry.logprob))
+        alternatives = {alt.text: float(alt.logprob) for alt in entry.top}
+        alternatives.setdefault(text, float(entry.logprob))
+        top.append(alternatives)
+        offset += len(text)
+    return {"tokens": tokens, "text_offset": offsets, "token_logprobs": token_logprobs, "top_logprobs": top}
+
+
+def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """llama-cpp-python's ``{"type": "json_object", "schema": ...}`` and OpenAI's ``json_schema`` form."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        return json.loads(schema) if isinstance(schema, str) else (schema or {"type": "object"})
+    if kind == "json_schema":
+        inner = response_format.get("json_schema") or {}
+        return inner.get("schema") or {"type": "object"}
+    raise InvalidArgumentError(f"response_format type {kind!r}: expected text, json_object or json_schema")
+
+
+def _restamp(out: Any, model: str) -> Any:
+    out["model"] = model
+    return out
