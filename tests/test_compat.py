@@ -11,10 +11,12 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 import llama_ctypes as lc
-from llama_ctypes.compat import Llama, LlamaGrammar, LlamaRAMCache
+from llama_ctypes.compat import (Llama, LlamaDiskCache, LlamaGrammar, LlamaRAMCache, LlamaState, LogitsProcessorList,
+                                 MinTokensLogitsProcessor, StoppingCriteriaList)
 from margins import NEAR_TIE, assert_same_greedy
 
 PROMPT = "The quick brown fox"
@@ -190,9 +192,7 @@ def test_embeddings_shapes_and_usage(llm, tiny_model):
 
 
 def test_what_is_not_carried_over_is_refused_by_name(llm, tiny_model_path):
-    for kwargs, name in (({"logits_processor": [lambda ids, scores: scores]}, "logits_processor"),
-                         ({"stopping_criteria": [lambda ids, logits: False]}, "stopping_criteria"),
-                         ({"tfs_z": 0.9}, "tfs_z"), ({"suffix": "end"}, "suffix")):
+    for kwargs, name in (({"tfs_z": 0.9}, "tfs_z"), ({"suffix": "end"}, "suffix")):
         with pytest.raises(lc.InvalidArgumentError, match=name):
             llm(PROMPT, max_tokens=2, **kwargs)
     with pytest.raises(lc.ArgumentTypeError, match="bogus"):
@@ -201,8 +201,12 @@ def test_what_is_not_carried_over_is_refused_by_name(llm, tiny_model_path):
                          ({"chat_format": "no-such-format"}, "chat_format"), ({"logits_all": True}, "logits_all")):
         with pytest.raises(lc.InvalidArgumentError, match=name):
             Llama(str(tiny_model_path), verbose=False, **kwargs)
-    with pytest.raises(lc.InvalidArgumentError, match="save_state"):
-        llm.save_state()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(lc.InvalidArgumentError, match="logits_processor"):
+        llm.create_chat_completion([{"role": "user", "content": "Hi"}], logits_processor=[lambda i, s: s],
+                                   tools=[tool])
+    with pytest.raises(lc.ArgumentTypeError, match="logits_processor"):
+        llm(PROMPT, max_tokens=2, logits_processor=42)
 
 
 def test_reset_set_cache_and_threads(llm, tiny_model):
@@ -260,3 +264,194 @@ def test_install_as_llama_cpp_makes_import_llama_cpp_ours():
     proc = subprocess.run([sys.executable, "-c", "import sys, llama_ctypes.compat; print('llama_cpp' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+def _greedy_ids(tiny_model, prompt_tokens, n):
+    ref = lc.generate(tiny_model, prompt_tokens, max_tokens=n, temp=0, logprobs=3, cache_prompt=False, n_ctx=512,
+                      n_batch=512, flash_attn="disabled")
+    return ref, [e.token for e in ref.logprobs], [[(a.token, a.logprob) for a in e.top] for e in ref.logprobs]
+
+
+def test_the_low_level_loop_eval_sample_generate(tiny_model_path, tiny_model):
+    """llama-cpp-python's eval/sample/generate on the Llama's own context: greedy equals the engine's; a prompt
+    already evaluated is not decoded again; a longer history is cut back to the prompt."""
+    with Llama(str(tiny_model_path), verbose=False) as llm:
+        tokens = llm.tokenize(PROMPT.encode())
+        _, ref, ref_top = _greedy_ids(tiny_model, tokens, 4)
+        import itertools
+        got = list(itertools.islice(llm.generate(tokens, temp=0.0), 4))
+        assert_same_greedy(got, ref, ref_top, what="generate vs lc.generate")
+        assert llm.n_tokens == len(tokens) + 3
+        llm.reset()
+        assert llm.n_tokens == 0
+        llm.eval(tokens)
+        assert llm.n_tokens == len(tokens) and llm.input_ids[:len(tokens)].tolist() == tokens
+        first = llm.sample(temp=0.0, idx=len(tokens) - 1)
+        assert first == got[0]
+        again = list(itertools.islice(llm.generate(tokens, temp=0.0), 3))  # (held, with its logits: no decode)
+        assert again == got[:3] and llm.n_tokens == len(tokens) + 2
+        llm.eval(llm.tokenize(b" and more", add_bos=False))
+        assert list(itertools.islice(llm.generate(tokens, temp=0.0), 3)) == got[:3]
+        with pytest.raises(lc.InvalidArgumentError, match="idx"):
+            llm.sample(temp=0.0, idx=0)
+        with pytest.raises(lc.TokenizationError):
+            llm.eval([llm.n_vocab()])
+        with pytest.raises(lc.ContextOverflowError):
+            llm.eval(tokens * 200)
+        assert llm.n_tokens == len(tokens) + 2  # (nothing lost by the refusals)
+        # an unfinished generate() keeps the own context: the same thread gets an error, not a deadlock ...
+        pending = llm.generate(tokens, temp=0.0)
+        next(pending)
+        with pytest.raises(lc.InvalidArgumentError, match="unfinished"):
+            llm.eval(tokens)
+        pending.close()
+        # ... and a stream may be iterated from several threads (a thread pool), the lock released by the last
+        stream = llm(PROMPT, max_tokens=4, temperature=0, stream=True, stopping_criteria=lambda ids, lg: False)
+        pieces = [next(stream)]
+        worker = threading.Thread(target=lambda: pieces.extend(stream))
+        worker.start()
+        worker.join(60)
+        assert pieces[-1]["choices"][0]["finish_reason"] == "length"
+        llm.eval(llm.tokenize(b" free again", add_bos=False))
+
+
+def test_the_low_level_loop_on_recurrent_and_hybrid_models(tmp_path, vocab_dir, tiny_hybrid):
+    """A recurrent state cannot drop a tail: a history longer than the prompt is decoded again from the start,
+    and the tokens are those of a fresh Llama (the same computation)."""
+    import itertools
+
+    from tiny_models import write_tiny_mamba
+
+    mamba = write_tiny_mamba(tmp_path / "mamba.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
+    for path, recurrent, hybrid in ((mamba, True, False), (tiny_hybrid.path, False, True)):
+        with Llama(str(path), verbose=False, n_ctx=64) as fresh, Llama(str(path), verbose=False, n_ctx=64) as used:
+            assert (used._is_recurrent, used._is_hybrid) == (recurrent, hybrid)
+            tokens = fresh.tokenize(PROMPT.encode())
+            expected = list(itertools.islice(fresh.generate(tokens, temp=0.0), 3))
+            used.eval(tokens + used.tokenize(b" jumps over", add_bos=False))
+            assert list(itertools.islice(used.generate(tokens, temp=0.0), 3)) == expected
+            state = fresh.save_state()
+            used.reset()
+            used.load_state(state)
+            assert used.n_tokens == fresh.n_tokens
+            assert used.sample(temp=0.0) == fresh.sample(temp=0.0)
+
+
+def test_logits_processors_and_stopping_criteria_run_between_tokens(llm, tiny_model):
+    target = llm.tokenize(b" rot", add_bos=False)[-1]
+    seen: list[int] = []
+
+    def only_target(input_ids, scores):
+        seen.append(len(input_ids))
+        out = np.full_like(scores, -np.inf)
+        out[target] = 0.0
+        return out
+
+    out = llm(PROMPT, max_tokens=3, temperature=0.8, seed=1, logits_processor=LogitsProcessorList([only_target]))
+    piece = llm.detokenize([target]).decode()
+    assert out["choices"][0]["text"] == piece * 3 and out["usage"]["completion_tokens"] == 3
+    n_prompt = out["usage"]["prompt_tokens"]
+    assert seen == [n_prompt, n_prompt + 1, n_prompt + 2]  # (input_ids: the prompt and what was generated)
+    stop_after_two = StoppingCriteriaList([lambda ids, logits: len(ids) >= n_prompt + 2])
+    out = llm(PROMPT, max_tokens=10, temperature=0, stopping_criteria=stop_after_two)
+    assert out["usage"]["completion_tokens"] == 2 and out["choices"][0]["finish_reason"] == "stop"
+    chunks = list(llm(PROMPT, max_tokens=3, temperature=0, stream=True, logits_processor=only_target))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == piece * 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with_lp = llm(PROMPT, max_tokens=2, temperature=0, logprobs=2, logits_processor=only_target)
+    lp = with_lp["choices"][0]["logprobs"]
+    assert lp["tokens"] == [piece, piece] and all(v <= 0 for v in lp["token_logprobs"])  # (raw logits: < 1)
+    # a chat completion with a processor (outlines' chat mode): rendered as usual, the processor decides
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = llm.create_chat_completion(messages, max_tokens=3, logits_processor=[only_target])
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == piece * 3
+    plain = llm.create_chat_completion(messages, max_tokens=1, temperature=0)
+    assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]  # (the same rendered prompt)
+    deltas = list(llm.create_chat_completion(messages, max_tokens=3, logits_processor=only_target, stream=True))
+    assert deltas[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(d["choices"][0]["delta"].get("content", "") for d in deltas) == piece * 3
+    assert deltas[-1]["choices"][0]["finish_reason"] == "length"
+    eos = MinTokensLogitsProcessor(3, llm.token_eos())
+    row = eos(np.arange(5), np.zeros(llm.n_vocab(), dtype=np.float32))
+    assert row[llm.token_eos()] == -np.inf
+    # a processor's bad answers are errors, not garbage or an abort
+    for bad in (lambda i, s: s[:10], lambda i, s: np.full_like(s, np.nan), lambda i, s: np.full_like(s, -np.inf)):
+        with pytest.raises(lc.LlamaError):
+            llm(PROMPT, max_tokens=2, logits_processor=bad)
+    assert llm(PROMPT, max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
+
+
+def test_save_and_load_state_and_the_caches(tiny_model_path, tmp_path):
+    """A state restored into another Llama continues exactly as the one that saved it (same bytes, same
+    computation after); the seed travels with it; a cache lets a second Llama skip the prompt."""
+    import itertools
+    with Llama(str(tiny_model_path), verbose=False) as a, Llama(str(tiny_model_path), verbose=False) as b:
+        tokens = a.tokenize(PROMPT.encode())
+        a.eval(tokens)
+        state = a.save_state()
+        assert isinstance(state, LlamaState) and state.n_tokens == len(tokens)
+        expected = list(itertools.islice(a.generate(tokens, temp=0.0), 4))
+        b.eval(a.tokenize(b"Something else entirely"))
+        b.load_state(state)
+        assert b.n_tokens == len(tokens) and b.input_ids[:len(tokens)].tolist() == tokens
+        assert list(itertools.islice(b.generate(tokens, temp=0.0), 4)) == expected
+        with pytest.raises(lc.InvalidArgumentError):
+            b.load_state("not a state")
+        # the seed: a draw, another, then back to the saved state repeats the first draw
+        a.set_seed(1337)
+        saved = a.save_state()
+        draw = dict(max_tokens=6, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+        one, two = a(PROMPT, **draw)["choices"][0]["text"], a(PROMPT, **draw)["choices"][0]["text"]
+        a.load_state(saved)
+        assert a(PROMPT, **draw)["choices"][0]["text"] == one != two
+        for cache in (LlamaRAMCache(), LlamaDiskCache(str(tmp_path / "disk"))):
+            a.set_cache(cache)
+            a.reset()
+            written = a(tokens, max_tokens=3, temperature=0)
+            assert tokens in cache and len(cache[tokens].input_ids) >= len(tokens)
+            b.reset()
+            b.set_cache(cache)
+            loads = []
+            original = b.load_state
+            b.load_state = lambda s: (loads.append(s), original(s))[1]
+            try:
+                read = b(tokens, max_tokens=3, temperature=0)
+            finally:
+                del b.load_state
+            assert len(loads) == 1 and read["choices"][0]["text"] == written["choices"][0]["text"]
+            a.set_cache(None)
+            b.set_cache(None)
+        small = LlamaRAMCache(capacity_bytes=1)
+        small[[1, 2]] = state
+        small[[3, 4]] = state
+        assert [3, 4] in small and [1, 2] not in small  # (least recently used dropped past the capacity)
+        with pytest.raises(KeyError):
+            small[[9]]
+
+
+def test_chat_formatters_and_prompt_lookup():
+    """llama-cpp-python's own test values for llama_chat_format and llama_speculative."""
+    from llama_ctypes.interfaces.compat import llama_chat_format as fmt
+    from llama_ctypes.interfaces.compat.llama_speculative import LlamaPromptLookupDecoding
+
+    mistral = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+               "message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": "Instruction"}, {"role": "assistant", "content": "Model answer"},
+                {"role": "user", "content": "Follow-up instruction"}]
+    response = fmt.format_mistral_instruct(messages=messages)
+    assert ("" if response.added_special else "<s>") + response.prompt == \
+        "<s>[INST] Instruction [/INST]Model answer</s>[INST] Follow-up instruction [/INST]"
+    config = {"chat_template": mistral, "bos_token": "<s>", "eos_token": {"content": "</s>"}}
+    formatter = fmt.hf_tokenizer_config_to_chat_formatter(config)
+    assert formatter(messages=[{"role": "user", "content": "Hello, world!"}]).prompt == \
+        "<s>[INST] Hello, world! [/INST]</s>"
+    jinja = fmt.Jinja2ChatFormatter(mistral, eos_token="</s>", bos_token="<s>", stop_token_ids=[2])
+    out = jinja(messages=messages[:1])
+    assert out.prompt == "<s>[INST] Instruction [/INST]" and out.added_special
+    assert out.stopping_criteria(np.array([5, 2]), None) and not out.stopping_criteria(np.array([2, 5]), None)
+    with pytest.raises(lc.LlamaError):  # (the sandbox's budgets hold here too)
+        fmt.Jinja2ChatFormatter("{% for i in range(10**9) %}x{% endfor %}", "</s>", "<s>")(messages=messages)
+    find = LlamaPromptLookupDecoding.find_candidate_pred_tokens
+    assert find(np.array([1, 2, 3, 1, 2, 3, 1, 2, 3]), max_ngram_size=3, num_pred_tokens=2).tolist() == [1, 2]
+    assert find(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_ngram_size=3, num_pred_tokens=2).tolist() == []
+    assert LlamaPromptLookupDecoding(num_pred_tokens=3)(np.array([7, 8, 9, 7, 8])).tolist() == [9, 7, 8]

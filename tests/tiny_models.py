@@ -102,6 +102,45 @@ def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
     return path
 
 
+def write_tiny_mamba(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, d_inner: int = 128,
+                     d_state: int = 16, d_conv: int = 4, dt_rank: int = 8, n_ctx_train: int = 2048,
+                     seed: int = 0) -> Path:
+    """A 2-layer ``mamba`` model (a recurrent state per sequence, no KV cache) with random f32 weights."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_name("tiny-mamba-test")
+    writer.add_block_count(n_layer)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(n_embd)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_ssm_conv_kernel(d_conv)
+    writer.add_ssm_inner_size(d_inner)
+    writer.add_ssm_state_size(d_state)
+    writer.add_ssm_time_step_rank(dt_rank)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    n_vocab = copy_tokenizer(writer, vocab_path)
+    w = _random(rng, 0.3)
+    # (numpy shapes are llama.cpp's {ne0, ne1} reversed)
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    for i in range(n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        writer.add_tensor(f"blk.{i}.ssm_in.weight", w(2 * d_inner, n_embd))
+        writer.add_tensor(f"blk.{i}.ssm_conv1d.weight", w(d_inner, d_conv))
+        writer.add_tensor(f"blk.{i}.ssm_conv1d.bias", w(d_inner))
+        writer.add_tensor(f"blk.{i}.ssm_x.weight", w(dt_rank + 2 * d_state, d_inner))
+        writer.add_tensor(f"blk.{i}.ssm_dt.weight", w(d_inner, dt_rank))
+        writer.add_tensor(f"blk.{i}.ssm_dt.bias", w(d_inner))
+        writer.add_tensor(f"blk.{i}.ssm_a", -np.abs(w(d_inner, d_state, scale=1.0)) - 0.1)  # (decaying states)
+        writer.add_tensor(f"blk.{i}.ssm_d", _ones(d_inner))
+        writer.add_tensor(f"blk.{i}.ssm_out.weight", w(n_embd, d_inner))
+    _finish(writer)
+    return path
+
+
 def write_tiny_bert(path: Path, vocab_path: Path, *, pooling: int = 1, n_layer: int = 2, n_embd: int = 64,
                     n_head: int = 4, n_ff: int = 128, n_ctx_train: int = 512, seed: int = 0) -> Path:
     """A 2-layer ``bert`` encoder (non-causal attention, no KV cache) with random weights.

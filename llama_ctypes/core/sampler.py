@@ -825,6 +825,44 @@ class Sampler(NativeHandle):
 
         return sample
 
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """Pick a token from a logits row the caller gives (n_vocab floats, e.g. one a Python logits
+        processor changed), through the grammar and the chain, and accept it.
+
+        ``-inf`` bans a token; NaN or ``+inf`` raise InvalidArgumentError, and GrammarError when
+        nothing allowed is left (llama.cpp's samplers would pick garbage or abort)."""
+        n_vocab = self.model.n_vocab
+        row = np.asarray(logits, dtype=np.float32).reshape(-1)
+        if row.shape[0] != n_vocab:
+            raise InvalidArgumentError(f"a logits row of {row.shape[0]} values; this model has {n_vocab} tokens")
+        if np.isnan(row).any() or np.isposinf(row).any():
+            raise InvalidArgumentError("logits hold NaN or +inf (ban a token with -inf)")
+        with self._exclusively():
+            if self._ptr is None:
+                raise ClosedError("Sampler is closed")
+            lib = self._lib
+            cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
+            cand["id"] = np.arange(n_vocab, dtype=np.int32)
+            cand["logit"] = row
+            arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1,
+                                           False)
+            if self._grammar:
+                lib.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+            if not np.isfinite(cand["logit"]).any():
+                raise GrammarError("no token is left to sample (every logit is -inf, or the grammar allows none "
+                                   "of the others)")
+            lib.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+            if not 0 <= arr.selected < arr.size:
+                raise GrammarError("the sampler chain selected no token")
+            picked = arr.data[arr.selected]
+            tok = int(picked.id)
+            if not np.isfinite(picked.logit):
+                raise GrammarError("no token is left to sample after the grammar and the other samplers")
+            if self._grammar:
+                _grammar_accept_fn(lib)(self._grammar, tok)
+            lib.llama_sampler_accept(self._ptr, tok)
+            return tok
+
     def accept(self, token: int) -> None:
         """Tell stateful samplers (penalties, grammar) that ``token`` was emitted.
 

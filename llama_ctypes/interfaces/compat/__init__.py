@@ -12,15 +12,20 @@ from __future__ import annotations
 import sys
 
 from ..._version import __version__
-from . import llama_cache, llama_grammar, llama_types
-from .llama import CHAT_FORMATS, Llama, LlamaState, LogitsProcessorList, StoppingCriteriaList
-from .llama_cache import LlamaCache, LlamaDiskCache, LlamaRAMCache
+from . import _internals, llama_cache, llama_chat_format, llama_grammar, llama_speculative, llama_types
+from .llama import (CHAT_FORMATS, Llama, LlamaState, LlamaTokenizer, LogitsProcessorList, MinTokensLogitsProcessor,
+                    StoppingCriteriaList, llama_model_get_vocab, llama_token_to_piece)
+from .llama_cache import BaseLlamaCache, LlamaCache, LlamaDiskCache, LlamaRAMCache
 from .llama_grammar import LlamaGrammar
+from .llama_types import *  # noqa: F401,F403 - llama-cpp-python exports its TypedDicts at the top too
 
-__all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList", "LlamaCache",
-           "LlamaRAMCache", "LlamaDiskCache", "CHAT_FORMATS", "install_as_llama_cpp", "__version__"]
+__all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
+           "MinTokensLogitsProcessor", "LlamaTokenizer", "llama_model_get_vocab", "llama_token_to_piece",
+           "BaseLlamaCache", "LlamaCache", "LlamaRAMCache", "LlamaDiskCache",
+           "CHAT_FORMATS", "install_as_llama_cpp", "__version__", *llama_types.__all__]
 
-_SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_cache")
+_SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_cache", "llama_chat_format", "llama_speculative",
+               "_internals")
 
 
 def install_as_llama_cpp() -> None:

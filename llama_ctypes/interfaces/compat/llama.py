@@ -4,7 +4,9 @@ One ``Llama`` is one Model; each call runs on the one-call API (a pooled context
 constructor's context options), which keeps the last prompt's KV, as llama-cpp-python's single
 context does: a prompt that extends the previous one decodes only its new tokens. Unlike
 llama-cpp-python's, a ``Llama`` may be used from several threads at once (each call gets a context
-of its own from the pool).
+of its own from the pool). A completion with ``logits_processor``/``stopping_criteria`` or with a
+cache set, and the low-level methods (``eval``, ``sample``, ``generate``, ``save_state``), run on
+the ``Llama``'s own context instead (``_session.py``), one call at a time.
 
 What is not carried over raises at once, naming the argument (see docs/compat.md): never ignored.
 """
@@ -17,22 +19,28 @@ import random
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from ...core.model import Model, load_model
+from ...core.sampler import SamplingParams
 from ...core.one_call import stream as lc_stream
 from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...features.chat import ChatParams, prompt_tokens, render_prompt
 from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
 from ...features.openai.chat import chat_completion, stream_chat_completion
 from ...features.structured import generate as lc_generate
+from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_grammar import LlamaGrammar
 
-__all__ = ["Llama", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList"]
+__all__ = ["Llama", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList", "MinTokensLogitsProcessor",
+           "LlamaTokenizer", "llama_model_get_vocab", "llama_token_to_piece"]
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+_OWN_SEED: Any = object()
 
 # llama-cpp-python's integer enums (llama.h) → our option names.
 _SPLIT = {0: "none", 1: "layer", 2: "row"}
@@ -53,18 +61,9 @@ _ONLY = {
     "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,), "spm_infill": (False,),
     "chat_handler": (None,), "logits_all": (False,),
 }
-
-
-class LogitsProcessorList(list):
-    """llama-cpp-python's list of ``(input_ids, scores) -> scores`` callables (not run here yet: refused)."""
-
-
-class StoppingCriteriaList(list):
-    """llama-cpp-python's list of ``(input_ids, logits) -> bool`` callables (not run here yet: refused)."""
-
-
-class LlamaState:
-    """Not carried over: :meth:`Llama.save_state` raises (see docs/compat.md)."""
+# Arguments of older llama-cpp-python versions that frameworks still pass (LangChain: n_parts, f16_kv; its
+# embeddings: device), taken at the values that mean what llama.cpp does now; llama-cpp-python ignores them.
+_LEGACY = {"n_parts": (-1,), "device": (None,), "low_vram": (False,), "mul_mat_q": (True,)}
 
 
 def _refuse(name: str, why: str) -> InvalidArgumentError:
@@ -90,8 +89,21 @@ class Llama:
                  chat_format: str | None = None, chat_handler: Any = None, draft_model: Any = None,
                  tokenizer: Any = None, type_k: int | None = None, type_v: int | None = None,
                  spm_infill: bool = False, verbose: bool = True, **kwargs: Any) -> None:
+        f16_kv = kwargs.pop("f16_kv", None)  # (older versions' KV cache type: f16, or f32 when False)
+        if f16_kv is not None and not isinstance(f16_kv, bool):
+            raise ArgumentTypeError(f"f16_kv={f16_kv!r}: expected a bool")
+        if f16_kv is False:
+            type_k = 0 if type_k is None else type_k
+            type_v = 0 if type_v is None else type_v
+        for name in [k for k in kwargs if k in _LEGACY]:
+            value = kwargs.pop(name)
+            if not any(value is a or value == a for a in _LEGACY[name]):
+                raise _refuse(f"{name}={value!r}", f"an argument of older llama-cpp-python versions, taken only as "
+                              f"{_LEGACY[name][0]!r} (docs/compat.md)")
         if kwargs:
             raise ArgumentTypeError(f"Llama() got unknown argument(s) {sorted(kwargs)}")
+        if seed == -1:  # (older llama.cpp's LLAMA_DEFAULT_SEED as a signed int: LangChain's default)
+            seed = LLAMA_DEFAULT_SEED
         given = locals()
         for name, allowed in _ONLY.items():
             if not any(given[name] is a or given[name] == a for a in allowed):
@@ -131,6 +143,16 @@ class Llama:
         self.last_n_tokens_size = int(last_n_tokens_size)
         self._cold_next = threading.Event()  # reset(): the next call starts from an empty context
         self.cache: Any = None
+        self._session = Session(self._model, dict(self._ctx_opts), self._lora)
+        self._is_recurrent = self._model.is_recurrent
+        self._is_hybrid = self._model.is_hybrid
+        # (read by frameworks: LlamaIndex's LlamaCPP reads context_params.n_ctx)
+        self.context_params = SimpleNamespace(
+            n_ctx=self.n_ctx(), n_batch=int(self._ctx_opts.get("n_batch", n_batch)),
+            n_ubatch=int(self._ctx_opts.get("n_ubatch", n_ubatch)), n_threads=self._ctx_opts.get("n_threads"),
+            n_threads_batch=self._ctx_opts.get("n_threads_batch"), embeddings=self.embedding)
+        self.model_params = SimpleNamespace(n_gpu_layers=n_gpu_layers, split_mode=split_mode, main_gpu=main_gpu,
+                                            vocab_only=vocab_only, use_mmap=use_mmap, use_mlock=use_mlock)
 
     # ---- options ------------------------------------------------------------------------------------
 
@@ -139,6 +161,12 @@ class Llama:
                          swa_full: bool | None, **rest: Any) -> dict[str, Any]:
         opts: dict[str, Any] = {k: v for k, v in rest.items() if v is not None}
         opts["n_ctx"] = n_ctx if n_ctx else self._model.n_ctx_train
+        # (as llama-cpp-python and llama.cpp: the batch at most the context, the micro-batch at most the batch;
+        # LangChain passes n_batch=8 with the default n_ubatch=512)
+        if isinstance(opts.get("n_batch"), int) and isinstance(opts["n_ctx"], int) and opts["n_ctx"] > 0:
+            opts["n_batch"] = min(opts["n_batch"], opts["n_ctx"])
+        if isinstance(opts.get("n_ubatch"), int) and isinstance(opts.get("n_batch"), int):
+            opts["n_ubatch"] = min(opts["n_ubatch"], opts["n_batch"])
         opts["flash_attn"] = "enabled" if flash_attn else "disabled"
         for name, value, table, key in (("rope_scaling_type", rope_scaling_type, _ROPE, "rope_scaling"),
                                         ("pooling_type", pooling_type, _POOLING, "pooling"),
@@ -169,20 +197,18 @@ class Llama:
     def _sampling(self, *, temperature: float, top_p: float, min_p: float, typical_p: float, top_k: int,
                   repeat_penalty: float, frequency_penalty: float, presence_penalty: float, tfs_z: float,
                   mirostat_mode: int, mirostat_tau: float, mirostat_eta: float, seed: int | None,
-                  logit_bias: Mapping[int, float] | None, grammar: LlamaGrammar | None,
-                  logits_processor: Any, stopping_criteria: Any = None) -> dict[str, Any]:
-        if logits_processor:
-            raise _refuse("logits_processor", "no per-token Python hook yet (docs/compat.md)")
-        if stopping_criteria:
-            raise _refuse("stopping_criteria", "no per-token Python hook yet (docs/compat.md)")
+                  logit_bias: Mapping[int, float] | None, grammar: LlamaGrammar | None) -> dict[str, Any]:
         if tfs_z != 1.0:
             raise _refuse(f"tfs_z={tfs_z!r}", "llama.cpp removed tail-free sampling")
         if mirostat_mode not in (0, 1, 2):
             raise InvalidArgumentError(f"mirostat_mode={mirostat_mode!r}: expected 0, 1 or 2")
-        with self._seed_lock:  # (as llama-cpp-python: the call's seed becomes the Llama's, or one drawn from it)
-            if seed is None:
-                seed = random.Random(self._seed).randint(0, 2 ** 32 - 2)
-            self._seed = int(seed)
+        if seed is _OWN_SEED:  # (the low-level methods: the Llama's seed as it is, LLAMA_DEFAULT_SEED random)
+            seed = self._seed if self._seed != LLAMA_DEFAULT_SEED else random.randint(0, 2 ** 32 - 2)
+        else:
+            with self._seed_lock:  # (as llama-cpp-python: the call's seed becomes the Llama's, or one drawn from it)
+                if seed is None:
+                    seed = random.Random(self._seed).randint(0, 2 ** 32 - 2)
+                self._seed = int(seed)
         opts: dict[str, Any] = dict(
             temp=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k, penalty_repeat=repeat_penalty,
             penalty_freq=frequency_penalty, penalty_present=presence_penalty, penalty_last_n=self.last_n_tokens_size,
@@ -230,8 +256,10 @@ class Llama:
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                               mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
-                              grammar=grammar, logits_processor=logits_processor, stopping_criteria=stopping_criteria)
-        opts.update(self._run_options())
+                              grammar=grammar)
+        hooked = bool(logits_processor) or bool(stopping_criteria) or self.cache is not None
+        if not hooked:
+            opts.update(self._run_options())
         opts["max_tokens"] = self._max_tokens(max_tokens)
         if opts["max_tokens"] == -1:  # (llama-cpp-python: what the context leaves after the prompt)
             n_prompt = len(prompt) if not isinstance(prompt, str) else len(
@@ -252,6 +280,9 @@ class Llama:
         envelope = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                     "model": model or self.model_path}
         prefix = prompt_text if echo else ""
+        if hooked:
+            chunks = self._hooked_completion(envelope, prompt, prefix, opts, logits_processor, stopping_criteria)
+            return chunks if stream else _collect(chunks)
         if stream:
             return self._stream_completion(envelope, prompt, prefix, opts)
         done = lc_generate(self._model, prompt, **opts)
@@ -308,7 +339,13 @@ class Llama:
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                               mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
-                              grammar=grammar, logits_processor=logits_processor)
+                              grammar=grammar)
+        if logits_processor:
+            if tools or functions or response_format is not None:
+                raise _refuse("logits_processor with tools, functions or response_format",
+                              "the processor decides what the model may write (docs/compat.md)")
+            return self._hooked_chat(messages, opts, max_tokens, stop, stream, logits_processor,
+                                     model or self.model_path)
         opts.update(self._run_options())
         opts["max_tokens"] = self._max_tokens(max_tokens)
         opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
@@ -392,6 +429,15 @@ class Llama:
             out = out[1:]
         return out
 
+    def tokenizer(self) -> "LlamaTokenizer":
+        """llama-cpp-python's tokenizer object over this model's vocabulary."""
+        return LlamaTokenizer(self)
+
+    @property
+    def model(self) -> "LlamaModelHandle":
+        """The model, for :func:`llama_model_get_vocab` (no raw pointer: the handle keeps the model alive)."""
+        return LlamaModelHandle(self._model)
+
     def token_bos(self) -> int:
         return _id(self._model.vocab.bos)
 
@@ -416,22 +462,217 @@ class Llama:
 
     def set_seed(self, seed: int) -> None:
         with self._seed_lock:
-            self._seed = int(seed)
+            self._seed = LLAMA_DEFAULT_SEED if seed == -1 else int(seed)
 
     def reset(self) -> None:
-        """The next call starts from an empty context (its prompt fully decoded)."""
+        """The next call starts from an empty context (its prompt fully decoded); the own context of
+        :meth:`eval` is emptied."""
         self._cold_next.set()
+        with self._session.lock:
+            self._session.reset()
 
     def set_cache(self, cache: Any) -> None:
-        """Taken for llama-cpp-python's ``LlamaRAMCache``/``LlamaDiskCache``: prompt reuse is on already
-        (pooled contexts keep their last prompts); the cache object itself is kept, not filled."""
+        """Completions save their state into ``cache`` (a ``LlamaRAMCache`` or ``LlamaDiskCache``) and start
+        from the longest cached prefix of their prompt (on this ``Llama``'s own context; ``None``: back to
+        the pooled contexts, which keep their last prompts by themselves)."""
         self.cache = cache
 
-    def save_state(self) -> Any:
-        raise _refuse("save_state", "not carried over yet (docs/compat.md)")
+    # ---- the low-level loop (the Llama's own context) -------------------------------------------------
 
-    def load_state(self, state: Any) -> None:
-        raise _refuse("load_state", "not carried over yet (docs/compat.md)")
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the own context holds (what :meth:`eval` decoded)."""
+        return self._session.n_tokens
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """The own context's token ids (n_ctx of them; the first :attr:`n_tokens` are held)."""
+        return self._session.input_ids
+
+    @property
+    def scores(self) -> np.ndarray:
+        """The logits after the last token held, as a (1, n_vocab) array (``logits_all`` is not carried over)."""
+        with self._session.lock:
+            return self._session.scores()[None, :]
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` after those the own context holds."""
+        with self._session.lock:
+            self._session.eval(tokens)
+
+    def _params(self, *, temp: float, top_k: int, top_p: float, min_p: float, typical_p: float,
+                repeat_penalty: float, frequency_penalty: float, presence_penalty: float, tfs_z: float,
+                mirostat_mode: int, mirostat_tau: float, mirostat_eta: float, grammar: LlamaGrammar | None,
+                seed: int | None = None) -> SamplingParams:
+        opts = self._sampling(temperature=temp, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                              seed=_OWN_SEED if seed is None else seed, logit_bias=None, grammar=grammar)
+        return SamplingParams(**opts)
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+               mirostat_eta: float = 0.1, mirostat_tau: float = 5.0, penalize_nl: bool = True,
+               logits_processor: Any = None, grammar: LlamaGrammar | None = None, idx: int | None = None) -> int:
+        """One token from the logits after the last token held (``idx``, if given, must name that row:
+        only the last row is kept, as with llama-cpp-python's ``logits_all=False``)."""
+        from ...core.sampler import Sampler
+
+        with self._session.lock:
+            if idx is not None and idx != self._session.n_tokens - 1:
+                raise InvalidArgumentError(f"sample(idx={idx}): only the logits after the last token held "
+                                           f"(idx={self._session.n_tokens - 1}) are kept")
+            params = self._params(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                                  repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                  presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                                  mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
+            with Sampler(self._model, params) as sampler:
+                return self._session.sample(sampler, logits_processor)
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor: Any = None, stopping_criteria: Any = None,
+                 grammar: LlamaGrammar | None = None) -> Iterator[int]:
+        """Tokens after ``tokens``, endlessly (stop iterating to stop); the prefix the own context holds is
+        reused. ``send(list_of_tokens)`` feeds other tokens than the one yielded, as llama-cpp-python's."""
+        params = self._params(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
+
+        def tokens_out() -> Iterator[int]:
+            with self._session.lock:
+                yield from self._session.generate(tokens, params, reset=reset, logits_processor=logits_processor,
+                                                  stopping_criteria=stopping_criteria)
+
+        return tokens_out()
+
+    def save_state(self) -> LlamaState:
+        """The own context's state (tokens, last logits, KV) and the seed."""
+        with self._session.lock:
+            return self._session.save_state(self._seed, self.model_path)
+
+    def load_state(self, state: LlamaState) -> None:
+        """Restore a :meth:`save_state` (of a ``Llama`` of the same model and context options)."""
+        with self._session.lock:
+            self._session.load_state(state)
+            with self._seed_lock:
+                self._seed = int(state.seed)
+
+    def _hooked_completion(self, envelope: dict[str, Any], prompt: Any, prefix: str, opts: dict[str, Any],
+                           logits_processor: Any, stopping_criteria: Any) -> Iterator[dict[str, Any]]:
+        """A completion on the own context, chunk by chunk: Python hooks between tokens, the cache."""
+        if isinstance(logits_processor, (list, tuple)) and not callable(logits_processor):
+            logits_processor = LogitsProcessorList(logits_processor)  # (a plain list of processors)
+        if isinstance(stopping_criteria, (list, tuple)) and not callable(stopping_criteria):
+            stopping_criteria = StoppingCriteriaList(stopping_criteria)
+        for name, hook in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+            if hook is not None and not callable(hook):
+                raise ArgumentTypeError(f"{name} must be callable (or a list of callables)")
+        vocab = self._model.vocab
+        tokens = vocab.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
+            else vocab.check_tokens(prompt).tolist()
+        max_tokens, stops = opts.pop("max_tokens"), [s for s in opts.pop("stop") if s]
+        n_logprobs = opts.pop("logprobs", None)
+        params = SamplingParams(**opts)
+        if len(tokens) >= self.n_ctx():
+            raise InvalidArgumentError(f"a prompt of {len(tokens)} tokens does not fit n_ctx={self.n_ctx()}")
+        raw_rows: list[np.ndarray] = []
+
+        def processor(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+            if n_logprobs is not None:
+                raw_rows.append(scores.copy())
+            return logits_processor(ids, scores) if logits_processor else scores
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            if self.cache is not None:
+                self._load_from_cache(tokens)
+            with self._session.lock:
+                out: list[int] = []
+                text, sent, finish = "", 0, "length"
+                gen = self._session.generate(tokens, params, logits_processor=processor,
+                                             stopping_criteria=stopping_criteria)
+                try:
+                    if prefix:
+                        yield _chunk(envelope, prefix, None, None)
+                    while len(out) < max_tokens and len(tokens) + len(out) < self.n_ctx():
+                        tok = next(gen, None)
+                        if tok is None or vocab.is_eog(tok):
+                            finish = "stop"
+                            break
+                        out.append(tok)
+                        text = b"".join(vocab.token_bytes(t) for t in out).decode("utf-8", "ignore")
+                        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                        if cut >= 0:
+                            text, finish = text[:cut], "stop"
+                            break
+                        safe = len(text) - max((n for s in stops for n in range(len(s) - 1, 0, -1)
+                                                if text.endswith(s[:n])), default=0)
+                        if safe > sent:
+                            yield _chunk(envelope, text[sent:safe], None, None)
+                            sent = safe
+                finally:
+                    gen.close()
+            if self.cache is not None:
+                state = self.save_state()
+                self.cache[state.input_ids.tolist()] = state
+            logprobs = _raw_logprobs(vocab, out, raw_rows, n_logprobs, len(prefix)) \
+                if n_logprobs is not None else None
+            if text[sent:]:
+                yield _chunk(envelope, text[sent:], None, None)
+            yield {**_chunk(envelope, "", logprobs, finish), "usage": _usage(len(tokens), len(out))}
+
+        return chunks()
+
+    def _hooked_chat(self, messages: list[dict[str, Any]], opts: dict[str, Any], max_tokens: int | None,
+                     stop: Any, stream: bool, logits_processor: Any, name: str) -> Any:
+        """A chat completion on the own context with a logits processor (outlines' chat mode): the messages
+        rendered as create_chat_completion renders them, the reply not parsed (no tools, no reasoning)."""
+        params = ChatParams(chat_template=CHAT_FORMATS[self.chat_format] if self.chat_format else None)
+        text, _ = render_prompt(self._model, messages, params)
+        tokens = prompt_tokens(self._model, text)
+        opts["max_tokens"] = self._max_tokens(max_tokens)
+        if opts["max_tokens"] == -1:
+            opts["max_tokens"] = max(1, self.n_ctx() - len(tokens))
+        opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        envelope = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": name}
+        chunks = self._hooked_completion(envelope, tokens, "", opts, logits_processor, None)
+
+        def deltas() -> Iterator[dict[str, Any]]:
+            yield {**envelope, "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
+            for chunk in chunks:
+                choice = chunk["choices"][0]
+                if choice["text"]:
+                    yield {**envelope, "object": "chat.completion.chunk", "choices": [
+                        {"index": 0, "delta": {"content": choice["text"]}, "logprobs": None, "finish_reason": None}]}
+                if choice["finish_reason"] is not None:
+                    yield {**envelope, "object": "chat.completion.chunk", "choices": [
+                        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}
+
+        if stream:
+            return deltas()
+        done = _collect(chunks)
+        choice = done["choices"][0]
+        return {**envelope, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": choice["text"]}, "logprobs": None,
+            "finish_reason": choice["finish_reason"]}], "usage": done["usage"]}
+
+    def _load_from_cache(self, tokens: list[int]) -> None:
+        held = self._session.input_ids[:self._session.n_tokens].tolist()
+        have = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
+        try:
+            state = self.cache[tokens]
+        except KeyError:
+            return
+        ids = state.input_ids.tolist()
+        common = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b), min(len(ids), len(tokens)))
+        if common > have:
+            self.load_state(state)
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str, *, local_dir: str | None = None,
@@ -445,6 +686,7 @@ class Llama:
         return cls(model_path=os.fspath(path), **kwargs)
 
     def close(self) -> None:
+        self._session.close()
         self._model.close()
 
     def __enter__(self) -> "Llama":
@@ -460,6 +702,102 @@ class Llama:
                 model.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+class LlamaTokenizer:
+    """``Llama.tokenizer()``: bytes in and out (``tokenize``/``detokenize``), str (``encode``/``decode``)."""
+
+    def __init__(self, llama: Llama) -> None:
+        self.llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        return self.llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+
+class LlamaModelHandle:
+    """What ``Llama.model`` gives: the model, held (llama-cpp-python gives a raw ``llama_model *``)."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+
+class LlamaVocabHandle:
+    """What :func:`llama_model_get_vocab` gives: the vocabulary, held."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+
+
+def llama_model_get_vocab(model: LlamaModelHandle) -> LlamaVocabHandle:
+    """llama.h's function, over ``Llama.model`` (outlines builds its vocabulary with it)."""
+    if not isinstance(model, LlamaModelHandle):
+        raise ArgumentTypeError("llama_model_get_vocab takes Llama.model (raw pointers are not carried over)")
+    return LlamaVocabHandle(model.model)
+
+
+def llama_token_to_piece(vocab: LlamaVocabHandle, token: int, buf: Any, length: int, lstrip: int,
+                         special: bool) -> int:
+    """llama.h's function: the token's piece into ``buf`` (a ctypes char array of at least ``length``),
+    ``lstrip`` leading spaces dropped; the number of bytes written, or minus the size needed when ``length``
+    is too small (nothing written then)."""
+    import ctypes
+
+    if not isinstance(vocab, LlamaVocabHandle):
+        raise ArgumentTypeError("llama_token_to_piece takes what llama_model_get_vocab returned")
+    if not isinstance(length, int) or length < 0 or not isinstance(lstrip, int) or lstrip < 0:
+        raise InvalidArgumentError("length and lstrip must be integers >= 0")
+    if ctypes.sizeof(buf) < length:
+        raise InvalidArgumentError(f"a buffer of {ctypes.sizeof(buf)} bytes, not the {length} claimed")
+    piece = vocab.model.vocab.token_bytes(vocab.model.vocab.check_token(int(token)), special=bool(special))
+    for _ in range(lstrip):
+        if not piece.startswith(b" "):
+            break
+        piece = piece[1:]
+    if len(piece) > length:
+        return -len(piece)
+    ctypes.memmove(buf, piece, len(piece))
+    return len(piece)
+
+
+def _chunk(envelope: dict[str, Any], text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {**envelope, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed completion's chunks as the one ``text_completion`` dict."""
+    text, last = [], None
+    for last in chunks:
+        text.append(last["choices"][0]["text"])
+    assert last is not None
+    choice = dict(last["choices"][0], text="".join(text))
+    return {**{k: v for k, v in last.items() if k != "choices"}, "choices": [choice]}
+
+
+def _raw_logprobs(vocab: Any, tokens: list[int], rows: list[np.ndarray], n: int, offset: int) -> dict[str, Any]:
+    """llama-cpp-python's completion logprobs, from the logits before the processors ran."""
+    out: dict[str, Any] = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+    for tok, row in zip(tokens, rows):
+        row = row.astype(np.float64)
+        logp = row - (np.max(row) + np.log(np.sum(np.exp(row - np.max(row)))))
+        piece = vocab.token_bytes(tok).decode("utf-8", "replace")
+        out["tokens"].append(piece)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(float(logp[tok]))
+        top = np.argsort(-logp)[:n] if n else []
+        entry = {vocab.token_bytes(int(t)).decode("utf-8", "replace"): float(logp[t]) for t in top}
+        entry[piece] = float(logp[tok])
+        out["top_logprobs"].append(entry)
+        offset += len(piece)
+    return out
 
 
 def _id(token: int | None) -> int:

@@ -1,0 +1,243 @@
+"""A ``Llama``'s own context: llama-cpp-python's low-level loop (``eval``, ``sample``, ``generate``,
+``input_ids``, ``save_state``/``load_state``) over our Context, Sampler and Vocab.
+
+The one-call API (pooled contexts) serves completions without Python hooks; this context serves what
+needs to run Python between tokens (``logits_processor``, ``stopping_criteria``), a prompt cache of
+saved states (``set_cache``), and callers of the low-level methods. One user at a time: :class:`Busy`
+serializes it (llama-cpp-python's single context has no lock at all).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ...core.context import Context
+from ...core.model import Model
+from ...core.sampler import Sampler, SamplingParams
+from ...errors import ContextOverflowError, InvalidArgumentError
+
+#: ``(input_ids, scores) -> scores``: one row of logits (float32, n_vocab) after the ids so far.
+LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
+#: ``(input_ids, logits) -> bool``: True stops the generation before the token is emitted.
+StoppingCriteria = Callable[[np.ndarray, np.ndarray], bool]
+
+
+class LogitsProcessorList(list):
+    """llama-cpp-python's list of logits processors, run in order; itself one."""
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+class StoppingCriteriaList(list):
+    """llama-cpp-python's list of stopping criteria: any one stops; itself one."""
+
+    def __call__(self, input_ids: np.ndarray, logits: np.ndarray) -> bool:
+        return any(criterion(input_ids, logits) for criterion in self)
+
+
+class MinTokensLogitsProcessor:
+    """Bans end-of-generation until ``min_tokens`` tokens follow the prompt (llama-cpp-python's)."""
+
+    def __init__(self, min_tokens: int, token_eos: int) -> None:
+        self.min_tokens = int(min_tokens)
+        self.token_eos = int(token_eos)
+        self.prompt_tokens: int | None = None
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if self.prompt_tokens is None:
+            self.prompt_tokens = len(input_ids)
+        if len(input_ids) - self.prompt_tokens < self.min_tokens:
+            scores[self.token_eos] = -np.inf
+        return scores
+
+
+@dataclass
+class LlamaState:
+    """A saved ``Llama`` context: its tokens, the logits after the last one, the llama.cpp state bytes
+    and the seed (picklable; :class:`LlamaDiskCache` stores these)."""
+
+    input_ids: np.ndarray
+    scores: np.ndarray
+    n_tokens: int
+    llama_state: bytes
+    llama_state_size: int
+    seed: int
+    model_path: str = field(default="")
+
+
+class Busy:
+    """The own context's lock. Held across a generation's yields, so it may be released by another thread
+    than the one that took it (a stream iterated from a thread pool); plain ``threading.Lock`` allows that.
+    The thread that holds it asking again gets an error instead of a deadlock (an unfinished ``generate()``
+    or stream left open, then another call)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> "Busy":
+        me = threading.get_ident()
+        if self._owner == me:
+            raise InvalidArgumentError("this Llama's own context is in use by an unfinished generate() or "
+                                       "stream in this thread: consume or close it first")
+        self._lock.acquire()
+        self._owner = me
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._owner = None
+        self._lock.release()
+
+
+class Session:
+    """The context a ``Llama`` owns for its low-level methods (created on first use)."""
+
+    def __init__(self, model: Model, ctx_opts: dict[str, Any], loras: dict | None) -> None:
+        self._model = model
+        self._ctx_opts = ctx_opts
+        self._loras = loras
+        self._ctx: Context | None = None
+        self.lock = Busy()
+        self.n_ctx = int(ctx_opts["n_ctx"])
+        self.input_ids = np.zeros(self.n_ctx, dtype=np.intc)
+        self.n_tokens = 0
+        self._last_scores: np.ndarray | None = None  # the logits after input_ids[n_tokens - 1]
+
+    def _context(self) -> Context:
+        if self._ctx is None:
+            self._ctx = Context.create(self._model, **self._ctx_opts)
+            if self._loras:
+                with self._ctx.lease() as lease:
+                    lease.set_loras(self._loras)
+        return self._ctx
+
+    # ---- the low-level methods ------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` after what the context holds; the logits of the last are kept."""
+        tokens = self._model.vocab.check_tokens([int(t) for t in tokens]).tolist()
+        if not tokens:
+            return
+        if self.n_tokens + len(tokens) > self.n_ctx:
+            raise ContextOverflowError(f"{self.n_tokens} tokens held and {len(tokens)} more do not fit n_ctx="
+                                       f"{self.n_ctx}", n_tokens=self.n_tokens + len(tokens), n_ctx=self.n_ctx)
+        ctx = self._context()
+        with ctx.lease() as lease:
+            held = lease.tokens
+            if len(held) != self.n_tokens:  # (a failed decode cleared it: our record follows)
+                self.n_tokens = 0
+            try:
+                lease.extend(tokens)
+            except BaseException:
+                self.n_tokens, self._last_scores = 0, None
+                raise
+            self.input_ids[self.n_tokens:self.n_tokens + len(tokens)] = tokens
+            self.n_tokens += len(tokens)
+            self._last_scores = lease.logits(-1)
+
+    def truncate(self, n: int) -> bool:
+        """Keep only the first ``n`` tokens; False (everything dropped) when the memory cannot cut there."""
+        if n >= self.n_tokens:
+            return True
+        ctx = self._context()
+        with ctx.lease() as lease:
+            if len(lease.tokens) == self.n_tokens and lease.truncate(n):
+                self.n_tokens, self._last_scores = n, None
+                return True
+            lease.clear()
+        self.n_tokens, self._last_scores = 0, None
+        return False
+
+    def reset(self) -> None:
+        self.truncate(0)
+
+    def scores(self) -> np.ndarray:
+        """The logits after the last token held (a copy)."""
+        if self._last_scores is None:
+            raise InvalidArgumentError("no logits: eval() some tokens first")
+        return self._last_scores.copy()
+
+    def sample(self, sampler: Sampler, logits_processor: LogitsProcessor | None) -> int:
+        row = self.scores()
+        if logits_processor is not None:
+            row = np.asarray(logits_processor(self.input_ids[:self.n_tokens], row), dtype=np.float32)
+        return sampler.sample_logits(row)
+
+    def generate(self, tokens: Sequence[int], params: SamplingParams, *, reset: bool = True,
+                 logits_processor: LogitsProcessor | None = None,
+                 stopping_criteria: StoppingCriteria | None = None) -> Iterator[int]:
+        """Tokens sampled after ``tokens`` (an endless iterator, as llama-cpp-python's): the longest
+        prefix already held is kept (all of it when its logits are there), the rest decoded."""
+        tokens = [int(t) for t in tokens]
+        if reset and self.n_tokens:
+            held = self.input_ids[:self.n_tokens].tolist()
+            common = 0
+            for a, b in zip(held, tokens):
+                if a != b:
+                    break
+                common += 1
+            if common == len(tokens) == self.n_tokens and self._last_scores is not None:
+                tokens = []  # everything held, with its logits: sample at once
+            else:
+                common = min(common, len(tokens) - 1)
+                if not self.truncate(common):
+                    common = 0
+                tokens = tokens[common:]
+        elif reset:
+            self.reset()
+        sampler = Sampler(self._model, params)
+        try:
+            while True:
+                self.eval(tokens)
+                tok = self.sample(sampler, logits_processor)
+                if stopping_criteria is not None and stopping_criteria(self.input_ids[:self.n_tokens],
+                                                                       self.scores()):
+                    return
+                tokens = yield tok
+                if tokens is None:
+                    tokens = [tok]
+        finally:
+            sampler.close()
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def save_state(self, seed: int, model_path: str) -> LlamaState:
+        ctx = self._context()
+        with ctx.lease() as lease:
+            data = lease.state_get()
+        scores = self._last_scores if self._last_scores is not None else np.zeros(0, dtype=np.float32)
+        return LlamaState(input_ids=self.input_ids[:self.n_tokens].copy(), scores=scores.copy(),
+                          n_tokens=self.n_tokens, llama_state=data, llama_state_size=len(data), seed=seed,
+                          model_path=model_path)
+
+    def load_state(self, state: LlamaState) -> None:
+        if not isinstance(state, LlamaState):
+            raise InvalidArgumentError(f"load_state takes a LlamaState, not {type(state).__name__}")
+        if state.n_tokens > self.n_ctx or len(state.input_ids) != state.n_tokens:
+            raise InvalidArgumentError(f"a state of {state.n_tokens} tokens does not fit n_ctx={self.n_ctx}")
+        if state.scores.size not in (0, self._model.n_vocab):
+            raise InvalidArgumentError("the state's logits are not of this model's vocabulary")
+        ctx = self._context()
+        tokens = state.input_ids.tolist()
+        with ctx.lease() as lease:
+            try:
+                lease.state_set(state.llama_state, tokens)
+            except BaseException:
+                self.n_tokens, self._last_scores = 0, None
+                raise
+        self.input_ids[:state.n_tokens] = state.input_ids
+        self.n_tokens = state.n_tokens
+        self._last_scores = state.scores.copy() if state.scores.size else None
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.close()
+            self._ctx = None
+        self.n_tokens, self._last_scores = 0, None
