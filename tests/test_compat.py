@@ -7,6 +7,7 @@ no second engine) and llama-cpp-python's documented shapes and tokenizer test va
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -455,3 +456,58 @@ def test_chat_formatters_and_prompt_lookup():
     assert find(np.array([1, 2, 3, 1, 2, 3, 1, 2, 3]), max_ngram_size=3, num_pred_tokens=2).tolist() == [1, 2]
     assert find(np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]), max_ngram_size=3, num_pred_tokens=2).tolist() == []
     assert LlamaPromptLookupDecoding(num_pred_tokens=3)(np.array([7, 8, 9, 7, 8])).tolist() == [9, 7, 8]
+
+
+def test_an_embedding_model_refuses_to_generate_on_every_path(tmp_path, vocab_dir):
+    """A BERT-like model's completion aborted the process in llama.cpp (every token's row in one encode);
+    the own context's 'generation' sampled from all-zero logits. Both refuse; embeddings still work."""
+    from tiny_models import write_tiny_bert
+
+    bert = write_tiny_bert(tmp_path / "bert.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf")
+    with Llama(str(bert), verbose=False, embedding=True) as llm:
+        for hooks in ({}, {"logits_processor": lambda i, s: s}):
+            with pytest.raises(lc.InvalidArgumentError, match="cannot generate"):
+                llm("Hello", max_tokens=3, **hooks)
+        with pytest.raises(lc.InvalidArgumentError, match="cannot generate"):
+            llm.eval([1, 5, 6])
+        assert len(llm.embed("Hello")) == llm.n_embd()
+    model = lc.load_model(bert)
+    try:
+        with pytest.raises(lc.InvalidArgumentError, match="cannot generate"):
+            lc.generate(model, "Hello", max_tokens=3)
+    finally:
+        model.close()
+
+
+def test_a_bad_cache_entry_is_a_miss_and_a_forcing_bias_works_with_hooks(tiny_model_path, tmp_path, vocab_dir):
+    """From a hostile review: a corrupt disk entry, a state of another model, and an unwritable cache made
+    completions fail; a +inf logit_bias (forcing a token) failed on the hooked path only."""
+    from tiny_models import write_tiny_llama
+
+    other = write_tiny_llama(tmp_path / "other.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf", seed=5)
+    disk = LlamaDiskCache(str(tmp_path / "disk"))
+    with Llama(str(tiny_model_path), verbose=False) as a, Llama(str(other), verbose=False) as b:
+        a.set_cache(disk)
+        a(PROMPT, max_tokens=2, temperature=0)
+        b.set_cache(disk)
+        cold = Llama(str(other), verbose=False)
+        try:
+            assert b(PROMPT, max_tokens=4, temperature=0)["choices"][0]["text"] == \
+                cold(PROMPT, max_tokens=4, temperature=0, logits_processor=lambda i, s: s)["choices"][0]["text"]
+        finally:
+            cold.close()
+        for path in (tmp_path / "disk").glob("*.llama_state"):
+            path.write_bytes(b"garbage")
+        a.reset()
+        assert a(PROMPT, max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
+        a.set_cache(LlamaDiskCache(str(tmp_path / "ro")))
+        os.chmod(tmp_path / "ro", 0o500)
+        try:
+            if not os.access(tmp_path / "ro", os.W_OK):  # (root writes anyway)
+                assert a(PROMPT, max_tokens=2, temperature=0)["usage"]["completion_tokens"] == 2
+        finally:
+            os.chmod(tmp_path / "ro", 0o700)
+        a.set_cache(None)
+        forced = a(PROMPT, max_tokens=3, temperature=0, logit_bias={5: float("inf")},
+                   logits_processor=lambda i, s: s)
+        assert forced["usage"]["completion_tokens"] == 3  # (it raised GrammarError before)

@@ -147,6 +147,8 @@ class Context(NativeHandle):
         causal = model.causal_attention if attention == "unspecified" else attention == "causal"
         self.max_batch = self.n_ubatch if (not causal or model.has_encoder) else self.n_batch
         self.encoder_only = model.has_encoder and not model.has_decoder
+        # A BERT-like model (non-causal by its own metadata, no attention option given) cannot generate.
+        self.embedding_only = not model.causal_attention and attention == "unspecified"
         # Recurrent-state rollback snapshots per sequence (ContextParams.n_rs_seq; llama.cpp sets 0
         # for models that cannot roll back).
         self.n_rs_seq = int(self._lib.llama_n_rs_seq(ptr))

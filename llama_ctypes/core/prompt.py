@@ -43,6 +43,9 @@ def check_prompt(ctx: "Context", prompt: Sequence[int], n_ctx: int | None = None
     """Raise if ``prompt`` is empty, holds unknown token ids, or leaves no room to generate."""
     if ctx.encoder_only:
         raise InvalidArgumentError(f"{ctx.model.path.name} is an encoder-only model: it embeds (lc.embed), it cannot generate")
+    if ctx.embedding_only:  # (llama.cpp would compute every token's row in one encode and assert on the outputs)
+        raise InvalidArgumentError(f"{ctx.model.path.name} is an embedding model (non-causal attention): it embeds "
+                                   "(lc.embed), it cannot generate")
     n_ctx = n_ctx or ctx.n_ctx_seq
     if not prompt:
         raise InvalidArgumentError("the prompt is empty (no tokens)")

@@ -856,7 +856,7 @@ class Sampler(NativeHandle):
                 raise GrammarError("the sampler chain selected no token")
             picked = arr.data[arr.selected]
             tok = int(picked.id)
-            if not np.isfinite(picked.logit):
+            if np.isnan(picked.logit) or picked.logit == -np.inf:  # (+inf: a logit_bias that forces it)
                 raise GrammarError("no token is left to sample after the grammar and the other samplers")
             if self._grammar:
                 _grammar_accept_fn(lib)(self._grammar, tok)

@@ -112,7 +112,12 @@ class Session:
 
     def _context(self) -> Context:
         if self._ctx is None:
-            self._ctx = Context.create(self._model, **self._ctx_opts)
+            ctx = Context.create(self._model, **self._ctx_opts)
+            if ctx.encoder_only or ctx.embedding_only:  # (its logits are not a next-token distribution)
+                ctx.close()
+                raise InvalidArgumentError(f"{self._model.path.name} is an embedding or encoder-only model: it "
+                                           "embeds (Llama(embedding=True).embed), it cannot generate")
+            self._ctx = ctx
             if self._loras:
                 with self._ctx.lease() as lease:
                     lease.set_loras(self._loras)
@@ -176,6 +181,8 @@ class Session:
         """Tokens sampled after ``tokens`` (an endless iterator, as llama-cpp-python's): the longest
         prefix already held is kept (all of it when its logits are there), the rest decoded."""
         tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise InvalidArgumentError("the prompt is empty (no tokens)")
         if reset and self.n_tokens:
             held = self.input_ids[:self.n_tokens].tolist()
             common = 0

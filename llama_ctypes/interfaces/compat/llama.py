@@ -13,7 +13,9 @@ What is not carried over raises at once, naming the argument (see docs/compat.md
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import os
 import random
 import threading
@@ -27,7 +29,7 @@ import numpy as np
 from ...core.model import Model, load_model
 from ...core.sampler import SamplingParams
 from ...core.one_call import stream as lc_stream
-from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from ...features.chat import ChatParams, prompt_tokens, render_prompt
 from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
@@ -40,6 +42,7 @@ __all__ = ["Llama", "LlamaState", "LogitsProcessorList", "StoppingCriteriaList",
            "LlamaTokenizer", "llama_model_get_vocab", "llama_token_to_piece"]
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+logger = logging.getLogger(__name__)
 _OWN_SEED: Any = object()
 
 # llama-cpp-python's integer enums (llama.h) → our option names.
@@ -581,11 +584,12 @@ class Llama:
         params = SamplingParams(**opts)
         if len(tokens) >= self.n_ctx():
             raise InvalidArgumentError(f"a prompt of {len(tokens)} tokens does not fit n_ctx={self.n_ctx()}")
-        raw_rows: list[np.ndarray] = []
+        last_row: list[np.ndarray] = []  # the raw logits of the step being sampled (logprobs; one row kept)
+        entries: list[tuple[float, dict[int, float]]] = []
 
         def processor(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
             if n_logprobs is not None:
-                raw_rows.append(scores.copy())
+                last_row[:] = [scores.copy()]
             return logits_processor(ids, scores) if logits_processor else scores
 
         def chunks() -> Iterator[dict[str, Any]]:
@@ -594,6 +598,7 @@ class Llama:
             with self._session.lock:
                 out: list[int] = []
                 text, sent, finish = "", 0, "length"
+                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (as the plain path: U+FFFD)
                 gen = self._session.generate(tokens, params, logits_processor=processor,
                                              stopping_criteria=stopping_criteria)
                 try:
@@ -605,7 +610,9 @@ class Llama:
                             finish = "stop"
                             break
                         out.append(tok)
-                        text = b"".join(vocab.token_bytes(t) for t in out).decode("utf-8", "ignore")
+                        if n_logprobs is not None and last_row:
+                            entries.append(_logprob_entry(last_row.pop(), tok, n_logprobs))
+                        text += decoder.decode(vocab.token_bytes(tok))
                         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
                         if cut >= 0:
                             text, finish = text[:cut], "stop"
@@ -619,9 +626,12 @@ class Llama:
                     gen.close()
             if self.cache is not None:
                 state = self.save_state()
-                self.cache[state.input_ids.tolist()] = state
-            logprobs = _raw_logprobs(vocab, out, raw_rows, n_logprobs, len(prefix)) \
-                if n_logprobs is not None else None
+                try:
+                    self.cache[state.input_ids.tolist()] = state
+                except OSError:  # (a full or unwritable cache directory: the completion stands)
+                    logger.warning("the prompt cache could not store a state", exc_info=True)
+            text += decoder.decode(b"", final=True)
+            logprobs = _raw_logprobs(vocab, out, entries, len(prefix)) if n_logprobs is not None else None
             if text[sent:]:
                 yield _chunk(envelope, text[sent:], None, None)
             yield {**_chunk(envelope, "", logprobs, finish), "usage": _usage(len(tokens), len(out))}
@@ -663,16 +673,26 @@ class Llama:
             "finish_reason": choice["finish_reason"]}], "usage": done["usage"]}
 
     def _load_from_cache(self, tokens: list[int]) -> None:
+        """Restore the cached state that shares the longest prefix with ``tokens`` when it beats what the own
+        context holds. A state of another model or context size, or an unreadable entry, is a miss."""
         held = self._session.input_ids[:self._session.n_tokens].tolist()
         have = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
         try:
             state = self.cache[tokens]
         except KeyError:
             return
+        except Exception:  # noqa: BLE001 - a corrupt disk entry: a miss, not a failed completion
+            logger.warning("the prompt cache could not read an entry; treated as a miss", exc_info=True)
+            return
+        if not isinstance(state, LlamaState) or state.model_path != self.model_path or state.n_tokens > self.n_ctx():
+            return
         ids = state.input_ids.tolist()
         common = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b), min(len(ids), len(tokens)))
         if common > have:
-            self.load_state(state)
+            try:
+                self.load_state(state)
+            except LlamaError:  # (saved by another context shape: llama.cpp refuses it) a miss
+                logger.warning("the prompt cache's state does not fit this Llama; treated as a miss")
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str, *, local_dir: str | None = None,
@@ -782,19 +802,26 @@ def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
     return {**{k: v for k, v in last.items() if k != "choices"}, "choices": [choice]}
 
 
-def _raw_logprobs(vocab: Any, tokens: list[int], rows: list[np.ndarray], n: int, offset: int) -> dict[str, Any]:
+def _logprob_entry(row: np.ndarray, tok: int, n: int) -> tuple[float, dict[int, float]]:
+    """The chosen token's log-probability and the ``n`` best, from one raw logits row (then dropped)."""
+    row = row.astype(np.float64)
+    logp = row - (np.max(row) + np.log(np.sum(np.exp(row - np.max(row)))))
+    top = np.argpartition(-logp, n)[:n] if 0 < n < logp.size else np.arange(logp.size if n else 0)
+    top = top[np.argsort(-logp[top])]
+    return float(logp[tok]), {int(t): float(logp[t]) for t in top}
+
+
+def _raw_logprobs(vocab: Any, tokens: list[int], entries: list[tuple[float, dict[int, float]]],
+                  offset: int) -> dict[str, Any]:
     """llama-cpp-python's completion logprobs, from the logits before the processors ran."""
     out: dict[str, Any] = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-    for tok, row in zip(tokens, rows):
-        row = row.astype(np.float64)
-        logp = row - (np.max(row) + np.log(np.sum(np.exp(row - np.max(row)))))
+    for tok, (chosen, top) in zip(tokens, entries):
         piece = vocab.token_bytes(tok).decode("utf-8", "replace")
         out["tokens"].append(piece)
         out["text_offset"].append(offset)
-        out["token_logprobs"].append(float(logp[tok]))
-        top = np.argsort(-logp)[:n] if n else []
-        entry = {vocab.token_bytes(int(t)).decode("utf-8", "replace"): float(logp[t]) for t in top}
-        entry[piece] = float(logp[tok])
+        out["token_logprobs"].append(chosen)
+        entry = {vocab.token_bytes(t).decode("utf-8", "replace"): lp for t, lp in top.items()}
+        entry[piece] = chosen
         out["top_logprobs"].append(entry)
         offset += len(piece)
     return out
