@@ -511,3 +511,24 @@ def test_a_bad_cache_entry_is_a_miss_and_a_forcing_bias_works_with_hooks(tiny_mo
         forced = a(PROMPT, max_tokens=3, temperature=0, logit_bias={5: float("inf")},
                    logits_processor=lambda i, s: s)
         assert forced["usage"]["completion_tokens"] == 3  # (it raised GrammarError before)
+
+
+def test_the_two_llama_h_functions_outlines_calls(llm):
+    """llama.h's return convention (minus the size needed when the buffer is short); a pointer is refused, as
+    its size says nothing of the memory behind it."""
+    import ctypes
+
+    from llama_ctypes.compat import llama_model_get_vocab, llama_token_to_piece
+
+    vocab = llama_model_get_vocab(llm.model)
+    tok = max(llm.tokenize(b"hello wonderful world", add_bos=False), key=lambda t: len(llm.detokenize([t])))
+    piece = llm.detokenize([tok], special=True)
+    assert len(piece) > 1
+    buf = (ctypes.c_char * 32)()
+    assert llama_token_to_piece(vocab, tok, buf, 32, 0, True) == len(piece) and buf.raw[:len(piece)] == piece
+    short = len(piece) - 1
+    assert llama_token_to_piece(vocab, tok, (ctypes.c_char * short)(), short, 0, True) == -len(piece)
+    with pytest.raises(lc.ArgumentTypeError):
+        llama_token_to_piece(vocab, tok, ctypes.c_char_p(b"xx"), 8, 0, True)
+    with pytest.raises(lc.TokenizationError):
+        llama_token_to_piece(vocab, llm.n_vocab(), buf, 32, 0, True)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import sys
 
 from ..._version import __version__
-from . import _internals, llama_cache, llama_chat_format, llama_grammar, llama_speculative, llama_types
+from . import (_internals, llama_cache, llama_chat_format, llama_grammar, llama_speculative, llama_tokenizer,
+               llama_types)
 from .llama import (CHAT_FORMATS, Llama, LlamaState, LlamaTokenizer, LogitsProcessorList, MinTokensLogitsProcessor,
                     StoppingCriteriaList, llama_model_get_vocab, llama_token_to_piece)
 from .llama_cache import BaseLlamaCache, LlamaCache, LlamaDiskCache, LlamaRAMCache
@@ -25,7 +26,7 @@ __all__ = ["Llama", "LlamaGrammar", "LlamaState", "LogitsProcessorList", "Stoppi
            "CHAT_FORMATS", "install_as_llama_cpp", "__version__", *llama_types.__all__]
 
 _SUBMODULES = ("llama", "llama_types", "llama_grammar", "llama_cache", "llama_chat_format", "llama_speculative",
-               "_internals")
+               "llama_tokenizer", "_internals")
 
 
 def install_as_llama_cpp() -> None:
