@@ -151,9 +151,9 @@ def test_patches_change_copies_of_the_pinned_tree_and_the_cache_key():
     rel = "ggml/src/ggml-rpc/ggml-rpc.cpp"
     vocab = "src/llama-vocab.cpp"
     files, applied = llama_source.patched_files(tree, pinned=True)
-    assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors",
+    assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors", "llama-grammar-trigger-window",
                                                                   "llama-vocab-linear-partition"]
-    assert sorted(files) == [rel, vocab]
+    assert sorted(files) == [rel, "src/llama-grammar.cpp", vocab]
     assert b"ggml_backend_rpc_connection_failed" in files[rel]
     assert b"ggml_backend_rpc_connection_failed" not in (tree / rel).read_bytes()  # the tree stays as released
     assert b"std::distance(buffer.begin(), it)" in (tree / vocab).read_bytes()

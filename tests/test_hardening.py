@@ -7,6 +7,8 @@ would; every failure must be a clear exception, never a crash.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -363,13 +365,75 @@ def test_backtracking_lazy_grammar_triggers_are_refused(tiny_model):
     """llama.cpp matches triggers with std::regex over the text so far at every token, where nothing interrupts
     it: (.*.*)*x ran for minutes."""
     for pattern in ("(.*.*)*x", "(a+)+$", "(a|aa)*b", "a*b*c*d*e*f", "x" * 2000, ".{1,25}" * 4, "x?" * 9,
-                    "[^](.*.*)*\\x01]", "[](.*.*)*]", ".*.*.*X", "(a)\\1*x", "(?<n>a)\\k<n>"):
+                    "[^](.*.*)*\\x01]", "[](.*.*)*]", ".*.*.*X", "(a)\\1*x", "(?<n>a)\\k<n>", ".*a.*X", ".*(x)?.*X"):
         with pytest.raises(lc.InvalidArgumentError, match="grammar_lazy_triggers"):
             lc.generate(tiny_model, PROMPT, max_tokens=10, grammar='root ::= "a"', grammar_lazy_triggers=[pattern])
-    # llama.cpp's own kind of trigger still works
-    out = lc.generate(tiny_model, PROMPT, max_tokens=4, grammar='root ::= "a"',
-                      grammar_lazy_triggers=[r"<\|start\|>assistant(<\|channel\|>(?:commentary|analysis)\s+to)"])
-    assert out.finish_reason in ("length", "stop", "eog")
+    # llama.cpp's own kinds of trigger still work, and repetitions that split a text one way only (a group
+    # that starts or ends with a character nothing else in it matches; a required character between two
+    # unbounded ones)
+    for pattern in (r"<\|start\|>assistant(<\|channel\|>(?:commentary|analysis)\s+to)", r"^\s+to$",
+                    r"^[\s\S]*?(<tool_call>)[\s\S]*$", r"(?:\r?\n)+<tool_call>", r"\d{1,3}(\.\d{1,3}){3}",
+                    r"(?:[a-z]+_)+call", r'\s*\{\s*"name"', r"a+b+X"):
+        out = lc.generate(tiny_model, PROMPT, max_tokens=4, grammar='root ::= "a"', grammar_lazy_triggers=[pattern])
+        assert out.finish_reason in ("length", "stop", "eog"), pattern
+
+
+_SMALL_STACK_RUN = """
+import sys, threading
+import llama_ctypes as lc
+model = lc.Model(sys.argv[1])
+result = {}
+
+def run():
+    try:
+        if sys.argv[2] == "trigger":  # std::regex recursed once per character of the text searched
+            out = lc.generate(model, "Once upon a time", max_tokens=1500, ignore_eos=True, temp=0,
+                              grammar='root ::= "a"', grammar_lazy_triggers=[r"[\\s\\S]*#@#@#"])
+            result["chars"] = len(out.text)
+        else:  # llama.cpp's GBNF parser recurses once per ( ) level
+            grammar = "root ::= " + "(" * 1900 + '"a"' + ")" * 1900
+            out = lc.generate(model, "Once upon a time", max_tokens=2, grammar=grammar, temp=0)
+            result["chars"] = len(out.text)
+    except BaseException as e:
+        result["error"] = repr(e)
+
+threading.stack_size(256 * 1024)
+t = threading.Thread(target=run)
+t.start()
+t.join()
+print(result)
+sys.exit(0 if "chars" in result else 3)
+"""
+
+
+@pytest.mark.parametrize("case", ["trigger", "grammar"])
+def test_long_outputs_and_deep_grammars_on_a_small_thread_stack(tiny_model, case):
+    """On a thread with a 256 KiB stack (an app's choice; musl's default is 128 KiB): a lazy trigger over
+    ~1500 tokens of output (llama.cpp searched all of it with a recursive std::regex: a segfault at ~50 KB
+    even on 8 MiB; build_scripts/patches/llama-grammar-trigger-window.patch), and a grammar nested 1900 deep
+    (its parse now runs on a large-stack thread)."""
+    proc = subprocess.run([sys.executable, "-c", _SMALL_STACK_RUN, tiny_model.path, case], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    if case == "trigger":
+        assert int(proc.stdout.split("'chars': ")[1].split("}")[0]) > 1500
+
+
+def test_a_trigger_late_in_a_long_output_still_fires(tiny_model):
+    """Triggers are searched in the last 256 bytes of the output: one that first appears after that many
+    bytes still fires (the grammar then refuses its text: a GrammarError proves it fired), and ^ does not
+    take the window's start for the text's."""
+    plain = lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0)
+    text = plain.text
+    late = next((text[k:k + 6] for k in range(len(text) - 6, 300, -1)
+                 if text.find(text[k:k + 6]) == k and text[k:k + 6].isalnum()), None)
+    assert late is not None and len(text.encode()) > 400, text[-200:]
+    with pytest.raises(lc.GrammarError, match="does not fit"):
+        lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0, grammar='root ::= "@@@"',
+                    grammar_lazy_triggers=[late])
+    out = lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0, grammar='root ::= "@@@"',
+                      grammar_lazy_triggers=["^" + late])
+    assert out.finish_reason == "length"
 
 
 def test_a_batch_whose_fields_disagree_with_its_arrays_is_refused(tiny_model):

@@ -4,7 +4,9 @@ llama.cpp parses grammars recursively and follows rule references recursively
 when it builds its parse stacks: a grammar nested some ten thousand levels deep
 (in ( ) groups, or in a chain of rules each referring to the next) overflows the
 C stack and kills the process, and an empty grammar is silently taken as "no
-grammar". Both are refused here with a GrammarError.
+grammar". Both are refused here with a GrammarError. (The parse runs on a thread
+with a large stack, core/deep_stack.py: 2000 levels overflowed a 256 KiB thread
+stack. Where no such thread can start, the limit is that module's fallback.)
 
 So is a repetition of something that can match nothing (``x{0,300}`` where
 ``x ::= "a"?``): llama.cpp expands a repetition into nested optional copies, and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import re
 
 from ..errors import GrammarError
+from .deep_stack import DEEP_STACK
 
 #: Deepest nesting accepted, counting ( ) groups and rule references along any chain of
 #: rules (10,000 levels were seen to be safe in llama.cpp; real grammars stay far below).
@@ -31,6 +34,7 @@ _IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
 def check_gbnf(text: str) -> None:
     """Raise :class:`GrammarError` for an empty grammar or one nested beyond what llama.cpp parses safely."""
+    limit = min(MAX_DEPTH, DEEP_STACK.max_openers)
     rules: dict[str, tuple[int, list[str]]] = {}  # name -> (deepest group nesting, rules it refers to)
     current: str | None = None
     depth = 0
@@ -67,8 +71,8 @@ def check_gbnf(text: str) -> None:
             depth += 1
             if current is not None and depth > rules[current][0]:
                 rules[current] = (depth, rules[current][1])
-                if depth > MAX_DEPTH:
-                    raise GrammarError(f"grammar nests ( ) groups more than {MAX_DEPTH} deep; "
+                if depth > limit:
+                    raise GrammarError(f"grammar nests ( ) groups more than {limit} deep; "
                                        "flatten it into named rules")
             last_ident = None
         elif c == ")":
@@ -89,12 +93,12 @@ def check_gbnf(text: str) -> None:
         i += 1
     if not has_content:
         raise GrammarError("the grammar is empty; pass grammar=None for unconstrained output")
-    _check_chains(rules)
+    _check_chains(rules, limit)
     _check_repetitions(text)
 
 
-def _check_chains(rules: dict[str, tuple[int, list[str]]]) -> None:
-    """The deepest chain of rule references (plus the groups along it) must stay under MAX_DEPTH."""
+def _check_chains(rules: dict[str, tuple[int, list[str]]], limit: int) -> None:
+    """The deepest chain of rule references (plus the groups along it) must stay under ``limit``."""
     cost: dict[str, int] = {}
     for root in rules:
         if root in cost:
@@ -117,8 +121,8 @@ def _check_chains(rules: dict[str, tuple[int, list[str]]]) -> None:
             stack.pop()
             on_path.discard(name)
             total = rules[name][0] + 1 + best[name]
-            if total > MAX_DEPTH:
-                raise GrammarError(f"grammar rules refer to each other (with their groups) more than {MAX_DEPTH} "
+            if total > limit:
+                raise GrammarError(f"grammar rules refer to each other (with their groups) more than {limit} "
                                    f"levels deep (from rule {name!r}); flatten the chain")
             cost[name] = total
             if stack:

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import ArgumentTypeError, ClosedError, GrammarError, IndexOutOfRangeError, InvalidArgumentError
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
+from .deep_stack import DEEP_STACK
 from .grammar_check import check_gbnf
 from .handle import NativeHandle
 from .params import INT32_MAX, split_options
@@ -49,7 +50,11 @@ def _check_trigger_pattern(pattern: str) -> None:
         raise InvalidArgumentError(f"a grammar_lazy_triggers pattern of {len(pattern)} characters (at most "
                                    f"{MAX_TRIGGER_CHARS})")
     groups: list[bool] = []  # per open group: whether it holds a quantifier or an alternative
-    unbounded, i, n = 0, 0, len(pattern)
+    starts: list[int] = []  # per open group: where its content starts
+    # Per item read, in order: [the bytes it matches (None: a group that splits a text one way), its group
+    # depth, "unbounded"/"bounded"/"" for its quantifier]
+    items: list[list] = []
+    i, n = 0, len(pattern)
     closed_risky = False  # the item just before i is a group with a quantifier or an alternative inside
     ways = 1  # the product of (n - m + 1) over the bounded quantifiers read so far
     previous = ""  # the last thing read: "(", "quantifier" or ""
@@ -58,6 +63,8 @@ def _check_trigger_pattern(pattern: str) -> None:
         if c == "?":
             if previous == "":  # x? (after "(" it opens (?: (?= (?!, after a quantifier it makes it lazy)
                 ways *= 2
+                if items:
+                    items[-1][2] = "bounded"
                 if groups:
                     groups[-1] = True
             previous = "quantifier" if previous == "" else ""
@@ -68,12 +75,15 @@ def _check_trigger_pattern(pattern: str) -> None:
         if c in "*+" or braces:
             low, comma, high = braces.groups() if braces else ("", "", "")
             if c in "*+" or (comma and not high):
-                unbounded += 1
+                if items:
+                    items[-1][2] = "unbounded"
                 repeats = True
             else:
                 top = int((high if comma else low) or 0)
                 ways *= max(top - int(low or 0), 0) + 1
                 repeats = top > 1
+                if items:
+                    items[-1][2] = "bounded"
             if closed_risky and repeats:
                 raise InvalidArgumentError(
                     f"grammar_lazy_triggers pattern {pattern!r} repeats a group that holds a repetition or "
@@ -86,6 +96,8 @@ def _check_trigger_pattern(pattern: str) -> None:
             continue
         closed_risky = False
         previous = "(" if c == "(" else ""
+        if c not in "()|^$[":
+            items.append([_bytes_of(pattern[i:i + 2] if c == "\\" else c), len(groups), ""])
         if c == "\\":
             if pattern[i + 1:i + 2] in tuple("123456789k"):
                 raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has a back-reference, which "
@@ -99,12 +111,18 @@ def _check_trigger_pattern(pattern: str) -> None:
                                            "[^], which regex dialects read differently; write (?!) or [\\s\\S]")
             while j < n and pattern[j] != "]":
                 j += 2 if pattern[j] == "\\" else 1
+            items.append([_bytes_of(pattern[i:j + 1]), len(groups), ""])
             i = j + 1
             continue
         if c == "(":
             groups.append(False)
+            starts.append(i + 1)
         elif c == ")" and groups:
             closed_risky = groups.pop()
+            item: frozenset[str] | None = _ALL_BYTES
+            if _delimited(pattern[starts.pop():i]):
+                closed_risky, item = False, None  # its repetitions split a text one way only
+            items.append([item, len(groups), ""])
             if groups:
                 groups[-1] = groups[-1] or closed_risky
         elif c == "|" and groups:
@@ -114,9 +132,61 @@ def _check_trigger_pattern(pattern: str) -> None:
         raise InvalidArgumentError(
             f"grammar_lazy_triggers pattern {pattern!r} has optional parts with more than {MAX_TRIGGER_WAYS} ways to "
             "split a text between them (x? counts 2, x{m,n} n-m+1, multiplied): std::regex tries each, at every token")
-    if unbounded > MAX_TRIGGER_UNBOUNDED:
-        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {unbounded} unbounded repetitions "
-                                   f"(at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work per token")
+    # (a delimited group's repetitions split a text one way: not counted)
+    unbounded = [k for k, (matched, _, quantifier) in enumerate(items) if quantifier == "unbounded" and matched]
+    if len(unbounded) > MAX_TRIGGER_UNBOUNDED:
+        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {len(unbounded)} unbounded "
+                                   f"repetitions (at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work "
+                                   "per token")
+    if len(unbounded) == 2 and not pattern.startswith("^") and items[unbounded[0]][0] & items[unbounded[1]][0] \
+            and not any(not quantifier and depth == 0 and not matched & items[unbounded[0]][0]
+                        for matched, depth, quantifier in items[unbounded[0] + 1:unbounded[1]]):
+        # (something required between them that the first cannot match bounds the first's extent: \s*\{\s*)
+        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has two unbounded repetitions that can "
+                                   "match the same character (.*a.*X): cubic in the text searched at every token "
+                                   "(anchor it with ^, or make their characters distinct)")
+
+
+def _reset_grammar(lib, grammar) -> None:
+    """``llama_sampler_reset`` on a grammar sampler: it parses the grammar's text again, recursing once per
+    nesting level, so it runs where init ran (a large stack; see :func:`_init_grammar`)."""
+    DEEP_STACK.submit(lib.llama_sampler_reset, grammar).result()
+
+
+_ATOM = re.compile(r"(\\.|\[\^?\]?(?:\\.|[^\]\\])*\]|[^\\\[])((?:[*+?]|\{\d*,?\d*\})\??)?", re.S)
+#: The bytes a trigger is matched over (std::regex on a std::string), as Latin-1 characters.
+_BYTES = [chr(b) for b in range(256)]
+
+
+_ALL_BYTES = frozenset(_BYTES)
+
+
+def _bytes_of(atom: str) -> frozenset[str]:
+    """The bytes one regex atom (a character, an escape, a class, ``.``) matches; all where unsure."""
+    try:
+        one = re.compile(atom, re.ASCII if atom == "." else re.ASCII | re.DOTALL)
+    except re.error:
+        return _ALL_BYTES
+    return frozenset(b for b in _BYTES if one.fullmatch(b))
+
+
+def _delimited(content: str) -> bool:
+    r"""Whether a group's content starts or ends with a single character that nothing else in it can match:
+    ``\r?\n``, ``\.\d{1,3}``, ``[a-z]+_``. Repeating such a group splits a text in one way only, so it
+    does not backtrack the way ``(a+)+`` does."""
+    content = content[2:] if content.startswith("?:") else content
+    atoms: list[tuple[frozenset[str], bool]] = []  # (the bytes it matches, quantified)
+    pos = 0
+    while pos < len(content):
+        m = _ATOM.match(content, pos)
+        if not m or m.group(1) in ("(", ")", "|", "^", "$"):
+            return False  # nested groups, alternatives and anchors: not analysed
+        atoms.append((_bytes_of(m.group(1)), bool(m.group(2))))
+        pos = m.end()
+    for edge, rest in ((atoms[:1], atoms[1:]), (atoms[-1:], atoms[:-1])):
+        if edge and not edge[0][1] and edge[0][0] and rest and not any(edge[0][0] & other for other, _ in rest):
+            return True
+    return False
 
 
 def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
@@ -132,7 +202,7 @@ def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
             message = ctypes.string_at(error.value).decode("utf-8", errors="replace") if error.value else ""
             if error.value:
                 lib.lcx_string_free(error.value)
-            lib.llama_sampler_reset(grammar)
+            _reset_grammar(lib, grammar)
             raise GrammarError(f"the text from a grammar_lazy_triggers match on does not fit the grammar "
                                f"(llama.cpp: {message})")
 
@@ -645,7 +715,11 @@ class Sampler(NativeHandle):
         patterns = [t.encode() for t in p.grammar_lazy_triggers]
         arr = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
         error = ctypes.c_void_p()
-        smpl = lib.lcx_sampler_init_grammar(vocab, grammar, root, arr, len(patterns), ctypes.byref(error))
+        # llama.cpp's GBNF parser and its left-recursion check recurse once per nesting level: a grammar
+        # check_gbnf allows (2000 levels) overflows a small thread stack (256 KiB), so the parse runs on a
+        # thread with a large one.
+        smpl = DEEP_STACK.submit(lib.lcx_sampler_init_grammar, vocab, grammar, root, arr, len(patterns),
+                                 ctypes.byref(error)).result()
         if error.value:  # a C++ exception, e.g. a trigger pattern std::regex cannot parse
             message = ctypes.string_at(error.value).decode("utf-8", errors="replace")
             lib.lcx_string_free(error.value)
@@ -889,7 +963,7 @@ class Sampler(NativeHandle):
         with self._exclusively():
             self._lib.llama_sampler_reset(self._ptr)
             if self._grammar:
-                self._lib.llama_sampler_reset(self._grammar)
+                _reset_grammar(self._lib, self._grammar)
                 self._prefill(self._grammar)
 
     @property
