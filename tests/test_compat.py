@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,20 @@ def test_chat_completion_shapes_formats_and_tools(llm):
     by_function = llm.create_chat_completion(messages, max_tokens=40, temperature=0, functions=[tool["function"]],
                                              function_call={"name": "lookup"})
     assert by_function["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
+
+
+def test_a_model_without_a_chat_template_falls_back_to_llama_2(tiny_model_path):
+    """As llama-cpp-python does for a model with no template in its metadata (Gemma 3 270M's Q4_K_M has
+    none), where lc.chat would refuse; a format given is kept."""
+    messages = [{"role": "user", "content": "Hi"}]
+    with Llama(str(tiny_model_path), verbose=False) as plain, \
+            Llama(str(tiny_model_path), verbose=False, chat_format="llama-2") as explicit:
+        assert plain.chat_format == "llama-2"
+        out = plain.create_chat_completion(messages, max_tokens=3, temperature=0)
+        same = explicit.create_chat_completion(messages, max_tokens=3, temperature=0)
+        assert out["usage"]["prompt_tokens"] == same["usage"]["prompt_tokens"] > 0
+    with Llama(str(tiny_model_path), verbose=False, chat_format="chatml") as chatml:
+        assert chatml.chat_format == "chatml"
 
 
 def test_chat_as_openai_types(llm):
@@ -532,3 +547,31 @@ def test_the_two_llama_h_functions_outlines_calls(llm):
         llama_token_to_piece(vocab, tok, ctypes.c_char_p(b"xx"), 8, 0, True)
     with pytest.raises(lc.TokenizationError):
         llama_token_to_piece(vocab, llm.n_vocab(), buf, 32, 0, True)
+
+
+def test_close_from_another_thread_while_the_own_context_is_used(tiny_model_path):
+    """close() while another thread evaluates on the own context: that thread gets ClosedError (never a
+    crash), and no context outlives the close, even one the other thread was creating at that moment."""
+    for delay in (0.0, 0.001, 0.01):
+        llm = Llama(str(tiny_model_path), verbose=False, n_ctx=256)
+        tokens = llm.tokenize(b"one two three")
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                for _ in range(200):
+                    llm.reset()
+                    llm.eval(tokens)
+            except lc.LlamaError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=work)
+        t.start()
+        time.sleep(delay)
+        llm.close()
+        t.join(30)
+        assert not t.is_alive()
+        assert llm._session._ctx is None
+        assert all(isinstance(e, lc.ClosedError) for e in errors), errors
+        with pytest.raises(lc.ClosedError):
+            llm.eval(tokens)

@@ -145,6 +145,37 @@ def test_a_different_prompt_never_sees_stale_cells(tiny_model):
     assert again.timings.cached_tokens == len(long) - 1  # (the last prompt token is decoded again for its logits)
 
 
+def test_a_prompt_whose_logits_are_still_there_decodes_nothing(tiny_model):
+    """A call that stopped right after its prompt (max_tokens=1, a stream left after its first token) leaves
+    the prompt's logits in the context: the same prompt again samples from them and decodes nothing (as
+    llama-cpp-python does), with a cold run's tokens. After a longer generation, or with an in-graph
+    sampler on either side, the last prompt token is decoded again."""
+    opts = dict(temp=0, ignore_eos=True, n_ctx=512)
+    prompt = lc.Tokenizer.encode(tiny_model, "one two three four five six seven eight")
+    ContextPool.of(tiny_model).close_idle()
+    lc.generate(tiny_model, prompt, max_tokens=1, **opts)
+    again = lc.generate(tiny_model, prompt, max_tokens=8, logprobs=2, **opts)
+    assert again.timings.cached_tokens == len(prompt)
+    cold = lc.generate(tiny_model, prompt, max_tokens=8, cache_prompt=False, logprobs=2, **opts)
+    assert_greedy_equivalent(again, cold)
+    assert lc.generate(tiny_model, prompt, max_tokens=8, **opts).timings.cached_tokens == len(prompt) - 1
+    stream = lc.stream(tiny_model, prompt, max_tokens=8, **opts)
+    next(iter(stream))
+    stream.close()
+    third = lc.generate(tiny_model, prompt, max_tokens=8, logprobs=2, **opts)
+    assert third.timings.cached_tokens == len(prompt)
+    assert_greedy_equivalent(third, cold)
+    # a different prompt's logits are never taken for this one's
+    lc.generate(tiny_model, prompt[:-1], max_tokens=1, **opts)
+    assert lc.generate(tiny_model, prompt, max_tokens=1, **opts).timings.cached_tokens == len(prompt) - 1
+    # an in-graph sampler (the CPU backend takes one), before or now: its rows are not plain logits
+    for first, then in (({"backend_sampling": True}, {}), ({}, {"backend_sampling": True})):
+        ContextPool.of(tiny_model).close_idle()
+        lc.generate(tiny_model, prompt, max_tokens=1, **first, **opts)
+        out = lc.generate(tiny_model, prompt, max_tokens=8, **then, **opts)
+        assert out.timings.cached_tokens == len(prompt) - 1, (first, then)
+
+
 def test_threads_keep_their_own_histories(tiny_model):
     """Four threads, each a conversation of growing prompts, at once: each call gets what a cold context gives,
     and after the first turn each thread finds its own history in the pool."""

@@ -428,6 +428,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
         self._check_batch(batch)
         ctx = self.ctx
         ctx._record.forget_snapshots()
+        ctx._record.forget_logits()
         ctx._last_decoded = batch.n_tokens
         if ctx._reserve_pending:
             rc = self._reserving_decode(batch)
@@ -471,6 +472,12 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
             self.check_media_prompt(prompt)
         common = record.reusable(common_prefix(held, prompt)) if reuse else 0
         if common == len(prompt):
+            if not spans and not self._in_graph and record.has_logits_of(prompt) \
+                    and record.reusable(len(prompt)) == len(prompt):
+                # The context's output row is this very prompt's (the previous call stopped right after
+                # it: max_tokens=1, a stream left after its first token): sample from it, decode nothing,
+                # as llama-cpp-python does.
+                return common
             common -= 1  # the last prompt token must be decoded again to get its logits
         if spans:
             common = prompt.cut_point(common)  # a media chunk is decoded whole or not at all
@@ -508,11 +515,12 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
                 chunk = prompt[pos:pos + ctx.max_batch]
                 batch.clear()
                 at = record.next_pos  # (the entry's index, unless an M-RoPE image before it took fewer positions)
-                batch.add_sequence(chunk, at, 0, output_last=pos + len(chunk) == len(prompt))
+                last = pos + len(chunk) == len(prompt)
+                batch.add_sequence(chunk, at, 0, output_last=last)
                 self.decode(batch)
                 if self.after_decode is not None:
                     self.after_decode(self, chunk, at)
-                record.decoded(chunk)
+                record.decoded(chunk, logits=last and not self._in_graph)
                 pos += len(chunk)
         except BaseException:
             # A failed or interrupted decode leaves the cache state uncertain.
@@ -561,7 +569,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
                 if lost is not None and (error := lost()) is not None:
                     raise error
                 if rc == 0:
-                    record.appended(tok)
+                    record.appended(tok, logits=not self._in_graph)
                     return
             except BaseException:  # interrupted between the decode and the bookkeeping
                 self.clear()

@@ -25,7 +25,7 @@ class KVRecord:
     Not thread-safe by itself: the context's lease (one holder at a time) serialises its use.
     """
 
-    __slots__ = ("_exact_cut", "n_rs_seq", "tokens", "adapters", "_segments", "positions")
+    __slots__ = ("_exact_cut", "n_rs_seq", "tokens", "adapters", "_segments", "positions", "logits_at")
 
     def __init__(self, n_rs_seq: int = 0):
         self.tokens: list[int] = []
@@ -38,6 +38,9 @@ class KVRecord:
         """The LoRA set (core/lora.py ``LoraSet``) the context applies now: later tokens are computed under it."""
         # (start position, adapter set) of each run of tokens computed under one set, in order
         self._segments: list[tuple[int, object]] = [(0, ())]
+        self.logits_at = -1
+        """``len(tokens)`` when the context's last output row holds the plain logits after the last of them
+        (no in-graph sampler took that row, nothing decoded since); -1 when unknown."""
 
     def set_adapters(self, adapters: object) -> None:
         """The context applies ``adapters`` from the next decode on."""
@@ -83,6 +86,7 @@ class KVRecord:
         self.tokens[:] = tokens
         self.positions.clear()
         self._exact_cut = 0
+        self.logits_at = -1
         self._segments = [(0, self.adapters)]  # (a restored state: taken as computed under the set applied now)
 
     def forget_snapshots(self) -> None:
@@ -90,20 +94,32 @@ class KVRecord:
         that used them was made."""
         self._exact_cut = 0
 
-    def decoded(self, run: Sequence[int]) -> None:
-        """``run`` was decoded at the end of sequence 0; a cut may now drop up to all but its first token."""
+    def forget_logits(self) -> None:
+        """A decode is about to overwrite the context's output rows."""
+        self.logits_at = -1
+
+    def has_logits_of(self, prompt: Sequence[int]) -> bool:
+        """Whether sequence 0 holds exactly ``prompt`` and the context's last output row is its logits."""
+        return self.logits_at == len(self.tokens) == len(prompt) and not self.positions.shift \
+            and self.tokens == list(prompt)
+
+    def decoded(self, run: Sequence[int], logits: bool = False) -> None:
+        """``run`` was decoded at the end of sequence 0; a cut may now drop up to all but its first token.
+        ``logits``: the decode's last output row is the plain logits after its last token."""
         self.tokens.extend(run)
         self._exact_cut = min(len(run) - 1, self.n_rs_seq)
+        self.logits_at = len(self.tokens) if logits else -1
 
     def decoded_media(self, run: Sequence[int], n_pos: int) -> None:
         """A media chunk's placeholders ``run`` were decoded at the end, taking ``n_pos`` positions."""
         self.positions.add(len(self.tokens), len(run), n_pos)
         self.decoded(run)
 
-    def appended(self, token: int) -> None:
+    def appended(self, token: int, logits: bool = False) -> None:
         """One token was decoded at the end (a one-token decode leaves no snapshot to roll back to)."""
         self.tokens.append(token)
         self._exact_cut = 0
+        self.logits_at = len(self.tokens) if logits else -1
 
     def cut(self, n: int) -> None:
         """Sequence 0 was cut back to its first ``n`` tokens (a recurrent rollback is single-use)."""
@@ -111,6 +127,7 @@ class KVRecord:
             self.positions.cut(n)
             del self.tokens[n:]
             self._exact_cut = 0
+            self.logits_at = -1
             self._trim_segments(n)
 
     def can_cut(self, n: int) -> bool:

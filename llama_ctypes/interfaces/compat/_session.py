@@ -18,7 +18,7 @@ import numpy as np
 from ...core.context import Context
 from ...core.model import Model
 from ...core.sampler import Sampler, SamplingParams
-from ...errors import ContextOverflowError, InvalidArgumentError
+from ...errors import ClosedError, ContextOverflowError, InvalidArgumentError
 
 #: ``(input_ids, scores) -> scores``: one row of logits (float32, n_vocab) after the ids so far.
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -104,6 +104,7 @@ class Session:
         self._ctx_opts = ctx_opts
         self._loras = loras
         self._ctx: Context | None = None
+        self._closed = False
         self.lock = Busy()
         self.n_ctx = int(ctx_opts["n_ctx"])
         self.input_ids = np.zeros(self.n_ctx, dtype=np.intc)
@@ -112,12 +113,17 @@ class Session:
 
     def _context(self) -> Context:
         if self._ctx is None:
+            if self._closed:
+                raise ClosedError("this Llama was closed")
             ctx = Context.create(self._model, **self._ctx_opts)
             if ctx.encoder_only or ctx.embedding_only:  # (its logits are not a next-token distribution)
                 ctx.close()
                 raise InvalidArgumentError(f"{self._model.path.name} is an embedding or encoder-only model: it "
                                            "embeds (Llama(embedding=True).embed), it cannot generate")
             self._ctx = ctx
+            if self._closed:  # (close() ran in another thread while this one created it: never kept)
+                self.close()
+                raise ClosedError("this Llama was closed")
             if self._loras:
                 with self._ctx.lease() as lease:
                     lease.set_loras(self._loras)
@@ -244,7 +250,10 @@ class Session:
         self._last_scores = state.scores.copy() if state.scores.size else None
 
     def close(self) -> None:
-        if self._ctx is not None:
-            self._ctx.close()
-            self._ctx = None
+        """Free the own context (a generation still running in another thread fails with ClosedError at its
+        next token). Idempotent; nothing may use the session afterwards."""
+        self._closed = True
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.close()
         self.n_tokens, self._last_scores = 0, None

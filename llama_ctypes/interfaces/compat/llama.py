@@ -123,6 +123,10 @@ class Llama:
             self.model_path, n_gpu_layers=n_gpu_layers, split_mode=_SPLIT[split_mode], main_gpu=main_gpu,
             tensor_split=tensor_split, vocab_only=vocab_only, use_mmap=use_mmap, use_mlock=use_mlock,
             kv_overrides=kv_overrides)
+        if self.chat_format is None and self._model.chat_template is None:
+            # llama-cpp-python's fallback for a model without a template (Gemma 3 270M's Q4_K_M has none)
+            self.chat_format = "llama-2"
+            logger.info("%s has no chat template: using the llama-2 chat format", self.model_path)
         try:
             if lora_path is not None:
                 self._lora = {self._model.load_lora(lora_path): float(lora_scale)}
