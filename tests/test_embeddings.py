@@ -133,6 +133,30 @@ def test_packed_texts_start_on_aligned_rows(tiny_model, monkeypatch):
     assert np.abs(many - alone).max() < 1e-6
 
 
+@pytest.mark.parametrize("name", ["tiny_model", "bert", "t5_encoder"])
+def test_packing_without_alignment_pads_nothing_and_stays_close(request, name, monkeypatch):
+    """batch_invariant=False (llama_ctypes.compat's choice, as llama-cpp-python packs): no padding rows, odd
+    decode sizes and every pooling run (llama.cpp aborted on some batch shapes before), and the vectors stay
+    close to the aligned ones."""
+    from llama_ctypes.core.context import ContextLease
+
+    model = request.getfixturevalue(name)
+    texts = TEXTS + ["x", "a somewhat longer text than the others, with a few more words in it"]
+    sizes = []
+    real_decode, real_encode = ContextLease.decode, ContextLease.encode
+    monkeypatch.setattr(ContextLease, "decode", lambda self, b: (sizes.append(b.n_tokens), real_decode(self, b))[1])
+    monkeypatch.setattr(ContextLease, "encode", lambda self, b: (sizes.append(b.n_tokens), real_encode(self, b))[1])
+    n_tokens = sum(len(lc.Tokenizer.encode(model, t)) for t in texts)
+    for pooling in (None, "mean", "last", "cls"):
+        if name == "t5_encoder" and pooling in ("last", "cls"):
+            continue
+        sizes.clear()
+        packed = lc.embed(model, texts, pooling=pooling, batch_invariant=False, n_batch=64)
+        assert sum(sizes) == n_tokens and len(sizes) > 1  # (no padding; more than one decode at n_batch=64)
+        aligned = lc.embed(model, texts, pooling=pooling)
+        assert np.abs(packed - aligned).max() < 1e-3, pooling
+
+
 def test_per_token_output_has_one_row_per_token(tiny_model, bert):
     for model in (tiny_model, bert):
         rows = lc.embed(model, "Hello there world", pooling="none")

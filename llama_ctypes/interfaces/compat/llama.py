@@ -406,8 +406,10 @@ class Llama:
         single = isinstance(input, str)
         texts = [input] if single else list(input)
         usage = EmbedUsage()
+        # (packed without alignment padding, as llama-cpp-python packs them: its speed, and its dependence of
+        # a vector on its batch-mates)
         vectors = lc_embed(self._model, texts, normalize=normalize, truncate=truncate, pooling=self._pooling,
-                           usage=usage, **self._embed_opts) if texts else []
+                           usage=usage, batch_invariant=False, **self._embed_opts) if texts else []
         rows = [np.asarray(v).tolist() for v in vectors]
         result: Any = rows[0] if single else rows
         return (result, usage.tokens) if return_count else result
