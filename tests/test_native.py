@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import subprocess
 import sys
 from ctypes import c_float, c_int32
 from pathlib import Path
@@ -136,6 +137,19 @@ def test_log_routing_reaches_python_logging(caplog, tiny_model_path):
     messages = [r.getMessage() for r in caplog.records if r.name == "llama_ctypes.llama_cpp"]
     assert any("llama_model_loader" in m or "print_info" in m for m in messages), messages[:5]
     assert all("\n" not in m for m in messages)
+
+
+@pytest.mark.gemma
+def test_a_plain_stream_writes_nothing_to_stderr(gemma_path):
+    """llama.cpp's log goes to the llama_ctypes.llama_cpp logger only: a plain lc.stream on Gemma (a
+    sliding-window model, whose cache logs a warning when full-size: llama-cpp-python prints
+    "llama_kv_cache_iswa: using full-size SWA cache" with verbose=False) leaves stderr empty, swa_full too."""
+    code = ("import llama_ctypes as lc, sys\n"
+            "m = lc.load_model(sys.argv[1])\n"
+            "print(''.join(lc.stream(m, 'Hi', max_tokens=2)), ''.join(lc.stream(m, 'Hi', max_tokens=2, swa_full=True)))")
+    proc = subprocess.run([sys.executable, "-c", code, str(gemma_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == ""
 
 
 def _raw_decode(lib, path: Path) -> np.ndarray:
