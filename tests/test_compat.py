@@ -208,7 +208,7 @@ def test_embeddings_shapes_and_usage(llm, tiny_model):
 
 
 def test_what_is_not_carried_over_is_refused_by_name(llm, tiny_model_path):
-    for kwargs, name in (({"tfs_z": 0.9}, "tfs_z"), ({"suffix": "end"}, "suffix")):
+    for kwargs, name in (({"tfs_z": 0.9}, "tfs_z"), ({"echo": True, "logprobs": 2}, "echo")):
         with pytest.raises(lc.InvalidArgumentError, match=name):
             llm(PROMPT, max_tokens=2, **kwargs)
     with pytest.raises(lc.ArgumentTypeError, match="bogus"):
@@ -575,3 +575,44 @@ def test_close_from_another_thread_while_the_own_context_is_used(tiny_model_path
         assert all(isinstance(e, lc.ClosedError) for e in errors), errors
         with pytest.raises(lc.ClosedError):
             llm.eval(tokens)
+
+
+def test_suffix_fills_in_the_middle_with_the_model_s_tokens_or_is_appended(tmp_path, vocab_dir, tiny_model_path):
+    """llama-cpp-python 0.3 lays a suffix out with token 0 in place of the FIM tokens; the model's own ones
+    here ([FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID], suffix first with spm_infill). A model without them
+    gets the suffix after the generated text, as llama-cpp-python documents."""
+    from tiny_models import write_tiny_llama
+
+    pre, suf, mid = 31990, 31991, 31992
+    path = write_tiny_llama(tmp_path / "fim.gguf", vocab_dir / "ggml-vocab-llama-spm.gguf",
+                            fim_tokens=(pre, suf, mid))
+    for spm in (False, True):
+        with Llama(str(path), verbose=False, spm_infill=spm) as llm:
+            seen: list[list[int]] = []
+
+            def capture(ids, scores):
+                if not seen:
+                    seen.append([int(t) for t in ids])
+                return scores
+
+            out = llm.create_completion("def f(x):", suffix="    return y", max_tokens=4, temperature=0,
+                                        logits_processor=capture)
+            head = llm.tokenize(b"def f(x):", add_bos=False)
+            tail = llm.tokenize(b"    return y", add_bos=False)
+            parts = [[suf, *tail], [pre, *head]] if spm else [[pre, *head], [suf, *tail]]
+            expected = [llm.token_bos(), *parts[0], *parts[1], mid]
+            assert seen[0] == expected
+            assert out["usage"]["prompt_tokens"] == len(expected)
+            plain = llm.create_completion("def f(x):", suffix="    return y", max_tokens=4, temperature=0)
+            assert plain["usage"]["prompt_tokens"] == len(expected)
+            assert "return y" not in plain["choices"][0]["text"]
+            echoed = llm.create_completion("def f(x):", suffix="    return y", max_tokens=4, temperature=0, echo=True)
+            assert echoed["choices"][0]["text"].startswith("def f(x):")
+    with Llama(str(tiny_model_path), verbose=False) as no_fim:
+        out = no_fim.create_completion("Hello", suffix=" END", max_tokens=3, temperature=0)
+        assert out["choices"][0]["text"].endswith(" END") and out["choices"][0]["finish_reason"] == "length"
+        chunks = list(no_fim.create_completion("Hello", suffix=" END", max_tokens=3, temperature=0, stream=True))
+        assert "".join(c["choices"][0]["text"] for c in chunks).endswith(" END")
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        with pytest.raises(lc.ArgumentTypeError):
+            no_fim.create_completion("Hello", suffix=3)

@@ -35,6 +35,7 @@ from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
 from ...features.openai.chat import chat_completion, stream_chat_completion
 from ...features.structured import generate as lc_generate
+from . import _fim
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_grammar import LlamaGrammar
 from .llama_tokenizer import LlamaModelHandle, LlamaTokenizer, llama_model_get_vocab, llama_token_to_piece
@@ -62,7 +63,7 @@ CHAT_FORMATS = {
 
 # Constructor arguments taken only at these values (anything else: refused, naming it).
 _ONLY = {
-    "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,), "spm_infill": (False,),
+    "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,),
     "chat_handler": (None,), "logits_all": (False,),
 }
 # Arguments of older llama-cpp-python versions that frameworks still pass (LangChain: n_parts, f16_kv; its
@@ -114,6 +115,7 @@ class Llama:
                 raise _refuse(f"{name}={given[name]!r}", "not carried over yet (docs/compat.md)")
         self.model_path = os.fspath(model_path)
         self.verbose = verbose
+        self.spm_infill = bool(spm_infill)
         self.chat_format = chat_format
         if chat_format is not None and chat_format not in CHAT_FORMATS:
             raise _refuse(f"chat_format={chat_format!r}", f"known formats: {', '.join(sorted(CHAT_FORMATS))}")
@@ -255,11 +257,25 @@ class Llama:
                           model: str | None = None, stopping_criteria: Any = None, logits_processor: Any = None,
                           grammar: LlamaGrammar | None = None,
                           logit_bias: Mapping[int, float] | None = None) -> Any:
-        """A ``text_completion`` dict (or, with ``stream=True``, an iterator of its chunks)."""
-        if suffix is not None:
-            raise _refuse("suffix", "fill-in-the-middle runs through `llama-ctypes serve`'s /infill for now")
+        """A ``text_completion`` dict (or, with ``stream=True``, an iterator of its chunks).
+
+        ``suffix``: with a model that has fill-in-the-middle tokens, the prompt is laid out as
+        ``[FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID]`` (suffix first with ``spm_infill``) and the text is the
+        middle; with one that has none, the suffix is appended to the generated text (llama-cpp-python's
+        documented meaning; its 0.3 releases put token 0 where the FIM tokens go)."""
         if echo and logprobs is not None:
             raise _refuse("echo with logprobs", "the prompt's own logprobs are not computed")
+        if suffix is not None:
+            if not isinstance(suffix, str):
+                raise ArgumentTypeError("suffix must be a str")
+            args = {k: v for k, v in locals().items() if k not in ("self", "suffix")}
+            fim = _fim.fim_prompt(self._model.vocab, prompt, suffix, self.spm_infill)
+            if fim is None:  # (no FIM tokens: the suffix follows the generated text)
+                out = self.create_completion(**args)
+                return _fim.with_tail(out, suffix) if stream else _fim.appended(out, suffix)
+            if echo and isinstance(prompt, str):
+                return _fim.echoed(prompt, self.create_completion(**{**args, "prompt": fim, "echo": False}), stream)
+            prompt = fim
         opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
