@@ -608,6 +608,9 @@ def test_suffix_fills_in_the_middle_with_the_model_s_tokens_or_is_appended(tmp_p
             assert "return y" not in plain["choices"][0]["text"]
             echoed = llm.create_completion("def f(x):", suffix="    return y", max_tokens=4, temperature=0, echo=True)
             assert echoed["choices"][0]["text"].startswith("def f(x):")
+            by_tokens = llm.create_completion(head, suffix="    return y", max_tokens=4, temperature=0, echo=True)
+            shown = llm.detokenize(head).decode().lstrip()
+            assert by_tokens["choices"][0]["text"].startswith(shown) and "return y" not in shown
     with Llama(str(tiny_model_path), verbose=False) as no_fim:
         out = no_fim.create_completion("Hello", suffix=" END", max_tokens=3, temperature=0)
         assert out["choices"][0]["text"].endswith(" END") and out["choices"][0]["finish_reason"] == "length"

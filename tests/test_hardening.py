@@ -291,7 +291,7 @@ def test_what_llama_cpp_generates_is_never_refused():
 
     from conftest import llama_cpp_dir
     from llama_ctypes.core.grammar_check import check_gbnf
-    from llama_ctypes.core.sampler import _check_trigger_pattern
+    from llama_ctypes.core.trigger_check import check_trigger_pattern as _check_trigger_pattern
     from llama_ctypes.features.chat_native import ChatFormatter
 
     root = llama_cpp_dir()
@@ -365,7 +365,8 @@ def test_backtracking_lazy_grammar_triggers_are_refused(tiny_model):
     """llama.cpp matches triggers with std::regex over the text so far at every token, where nothing interrupts
     it: (.*.*)*x ran for minutes."""
     for pattern in ("(.*.*)*x", "(a+)+$", "(a|aa)*b", "a*b*c*d*e*f", "x" * 2000, ".{1,25}" * 4, "x?" * 9,
-                    "[^](.*.*)*\\x01]", "[](.*.*)*]", ".*.*.*X", "(a)\\1*x", "(?<n>a)\\k<n>", ".*a.*X", ".*(x)?.*X"):
+                    "[^](.*.*)*\\x01]", "[](.*.*)*]", ".*.*.*X", "(a)\\1*x", "(?<n>a)\\k<n>", ".*a.*X", ".*(x)?.*X",
+                    "(?:ab)+(?:ab)+(?:ab)+(?:ab)+X", "[ab]*(?:ab)+X", "a*(?:ab)a*X", "\\x61*\\x61*X", "^a|.*a.*X"):
         with pytest.raises(lc.InvalidArgumentError, match="grammar_lazy_triggers"):
             lc.generate(tiny_model, PROMPT, max_tokens=10, grammar='root ::= "a"', grammar_lazy_triggers=[pattern])
     # llama.cpp's own kinds of trigger still work, and repetitions that split a text one way only (a group
@@ -390,6 +391,11 @@ def run():
             out = lc.generate(model, "Once upon a time", max_tokens=1500, ignore_eos=True, temp=0,
                               grammar='root ::= "a"', grammar_lazy_triggers=[r"[\\s\\S]*#@#@#"])
             result["chars"] = len(out.text)
+        elif sys.argv[2] == "bytes":  # a run of UTF-8 continuation bytes (<0x80> byte tokens) widened the window
+            out = lc.generate(model, "Once upon a time", max_tokens=1500, ignore_eos=True, temp=0,
+                              logit_bias={131: 100.0}, special=True,
+                              grammar='root ::= "a"', grammar_lazy_triggers=[r"[\\s\\S]*#@#@#"])
+            result["chars"] = len(out.tokens)
         else:  # llama.cpp's GBNF parser recurses once per ( ) level
             grammar = "root ::= " + "(" * 1900 + '"a"' + ")" * 1900
             out = lc.generate(model, "Once upon a time", max_tokens=2, grammar=grammar, temp=0)
@@ -406,7 +412,7 @@ sys.exit(0 if "chars" in result else 3)
 """
 
 
-@pytest.mark.parametrize("case", ["trigger", "grammar"])
+@pytest.mark.parametrize("case", ["trigger", "bytes", "grammar"])
 def test_long_outputs_and_deep_grammars_on_a_small_thread_stack(tiny_model, case):
     """On a thread with a 256 KiB stack (an app's choice; musl's default is 128 KiB): a lazy trigger over
     ~1500 tokens of output (llama.cpp searched all of it with a recursive std::regex: a segfault at ~50 KB
@@ -415,14 +421,14 @@ def test_long_outputs_and_deep_grammars_on_a_small_thread_stack(tiny_model, case
     proc = subprocess.run([sys.executable, "-c", _SMALL_STACK_RUN, tiny_model.path, case], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
-    if case == "trigger":
-        assert int(proc.stdout.split("'chars': ")[1].split("}")[0]) > 1500
+    if case in ("trigger", "bytes"):
+        assert int(proc.stdout.split("'chars': ")[1].split("}")[0]) >= 1500
 
 
 def test_a_trigger_late_in_a_long_output_still_fires(tiny_model):
-    """Triggers are searched in the last 256 bytes of the output: one that first appears after that many
-    bytes still fires (the grammar then refuses its text: a GrammarError proves it fired), and ^ does not
-    take the window's start for the text's."""
+    r"""Triggers are searched in the last 256 bytes of the output: one that first appears after that many
+    bytes still fires (the grammar then refuses its text: a GrammarError proves it fired), ^ does not
+    take the window's start for the text's, and ^[\s\S]*?(X)[\s\S]*$ is a search for X."""
     plain = lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0)
     text = plain.text
     late = next((text[k:k + 6] for k in range(len(text) - 6, 300, -1)
@@ -434,6 +440,10 @@ def test_a_trigger_late_in_a_long_output_still_fires(tiny_model):
     out = lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0, grammar='root ::= "@@@"',
                       grammar_lazy_triggers=["^" + late])
     assert out.finish_reason == "length"
+    # llama.cpp's whole-output form is a search for its group, whatever the output's length
+    with pytest.raises(lc.GrammarError, match="does not fit"):
+        lc.generate(tiny_model, PROMPT, max_tokens=400, ignore_eos=True, temp=0, grammar='root ::= "@@@"',
+                    grammar_lazy_triggers=[r"^[\s\S]*?(" + late + r")[\s\S]*$"])
 
 
 def test_a_batch_whose_fields_disagree_with_its_arrays_is_refused(tiny_model):

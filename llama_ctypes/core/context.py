@@ -452,6 +452,7 @@ class ContextLease(HiddenStates, AdapterOps, MediaOps, InGraphSampling, OutputOp
     def encode(self, batch: Batch) -> None:
         """``llama_encode`` of ``batch`` (encoder models); DecodeError on failure."""
         self._check_batch(batch)
+        self.ctx._record.forget_logits()  # (llama_encode overwrites the output rows too)
         rc = self.guarded(lambda: int(self._lib.llama_encode(self._ptr, batch.as_native())))
         self._check_workers()
         check_decode(rc, "llama_encode", batch.n_tokens)

@@ -82,6 +82,29 @@ class DeepStackThreads:
         return future
 
 
+    def run(self, fn: Callable[..., Any], *args: Any, cleanup: Callable[[Any], None] | None = None) -> Any:
+        """``fn(*args)`` on one of the threads, waited for to the end: an interrupt (Ctrl-C) that comes
+        meanwhile is raised once the call returned (a native call keeps running whatever Python does;
+        returning early would let its caller free what it still uses), after ``cleanup(result)``."""
+        future = self.submit(fn, *args)
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                result = future.result()
+                break
+            except BaseException as e:  # noqa: BLE001 - fn's own error, or an interrupt of the wait
+                if future.done():
+                    if interrupt is not None:
+                        raise interrupt from e
+                    raise
+                interrupt = interrupt or e
+        if interrupt is not None:
+            if cleanup is not None:
+                cleanup(result)
+            raise interrupt
+        return result
+
+
 def _run(future: concurrent.futures.Future, fn: Callable[..., Any], args: tuple) -> None:
     if not future.set_running_or_notify_cancel():
         return

@@ -118,6 +118,7 @@ class HiddenStates:
 
     def _process_states(self, seq_ids, positions, run: list[int], states, outputs) -> int:
         lib, ptr, width = self._lib, self._ptr, self.n_embd_out()
+        self.ctx._record.forget_logits()
         batch = lib.llama_batch_ext_init(ptr)
         if not batch:
             raise LlamaError("llama_batch_ext_init failed")

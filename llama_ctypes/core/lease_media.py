@@ -60,6 +60,7 @@ class MediaOps:
             raise InvalidArgumentError(f"embeddings of shape {embd.shape} for a chunk of "
                                        f"{span.n_tokens}×{projector.n_embd}")
         ctx._last_decoded = span.n_tokens
+        ctx._record.forget_logits()
         rc = self.guarded(lambda: projector.decode_chunk_rc(
             prompt.chunks, span.index, embd, self._ptr, pos, seq, ctx.n_batch))
         self._check_workers()

@@ -18,6 +18,7 @@ from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .deep_stack import DEEP_STACK
 from .grammar_check import check_gbnf
+from .trigger_check import check_trigger_pattern, normalize_trigger
 from .handle import NativeHandle
 from .params import INT32_MAX, split_options
 
@@ -27,166 +28,10 @@ if TYPE_CHECKING:
     from .model import Model
 
 
-
-#: Longest lazy-grammar trigger pattern, and most unbounded quantifiers in one (characters, count): .*.*X is
-#: already quadratic in the text searched at every token (llama.cpp's own triggers have at most one).
-MAX_TRIGGER_CHARS = 1024
-MAX_TRIGGER_UNBOUNDED = 2
-#: Most ways the bounded quantifiers of one trigger can split a text: the product of (n - m + 1) over x{m,n}
-#: (x? is 2). (.?){17}.{17} took 9 s per call, .{1,25} four times 20 s per 30 tokens.
-MAX_TRIGGER_WAYS = 256
-_RANGE = re.compile(r"\{(\d*)(,?)(\d*)\}")
-
-
-def _check_trigger_pattern(pattern: str) -> None:
-    """Refuse a trigger regex that can backtrack catastrophically in llama.cpp's ``std::regex``.
-
-    llama.cpp matches every trigger against the text generated so far at each token, in the sampler (C++:
-    nothing can interrupt it, and a Server's other requests wait): ``(.*.*)*x`` ran for minutes. A quantified
-    group whose content is itself quantified or holds alternatives (``(a+)+``, ``(a|aa)*``) is the classic
-    exponential case; llama.cpp's own triggers (``<tool_call>``, ``<\\|start\\|>assistant(\\s+to)``) have none.
-    """
-    if len(pattern) > MAX_TRIGGER_CHARS:
-        raise InvalidArgumentError(f"a grammar_lazy_triggers pattern of {len(pattern)} characters (at most "
-                                   f"{MAX_TRIGGER_CHARS})")
-    groups: list[bool] = []  # per open group: whether it holds a quantifier or an alternative
-    starts: list[int] = []  # per open group: where its content starts
-    # Per item read, in order: [the bytes it matches (None: a group that splits a text one way), its group
-    # depth, "unbounded"/"bounded"/"" for its quantifier]
-    items: list[list] = []
-    i, n = 0, len(pattern)
-    closed_risky = False  # the item just before i is a group with a quantifier or an alternative inside
-    ways = 1  # the product of (n - m + 1) over the bounded quantifiers read so far
-    previous = ""  # the last thing read: "(", "quantifier" or ""
-    while i < n:
-        c = pattern[i]
-        if c == "?":
-            if previous == "":  # x? (after "(" it opens (?: (?= (?!, after a quantifier it makes it lazy)
-                ways *= 2
-                if items:
-                    items[-1][2] = "bounded"
-                if groups:
-                    groups[-1] = True
-            previous = "quantifier" if previous == "" else ""
-            closed_risky = False
-            i += 1
-            continue
-        braces = _RANGE.match(pattern, i) if c == "{" else None
-        if c in "*+" or braces:
-            low, comma, high = braces.groups() if braces else ("", "", "")
-            if c in "*+" or (comma and not high):
-                if items:
-                    items[-1][2] = "unbounded"
-                repeats = True
-            else:
-                top = int((high if comma else low) or 0)
-                ways *= max(top - int(low or 0), 0) + 1
-                repeats = top > 1
-                if items:
-                    items[-1][2] = "bounded"
-            if closed_risky and repeats:
-                raise InvalidArgumentError(
-                    f"grammar_lazy_triggers pattern {pattern!r} repeats a group that holds a repetition or "
-                    "alternatives ((a+)+, (a|aa)*): llama.cpp's std::regex can take minutes on it at every token")
-            if groups:
-                groups[-1] = True
-            i = braces.end() if braces else i + 1
-            closed_risky = False
-            previous = "quantifier"
-            continue
-        closed_risky = False
-        previous = "(" if c == "(" else ""
-        if c not in "()|^$[":
-            items.append([_bytes_of(pattern[i:i + 2] if c == "\\" else c), len(groups), ""])
-        if c == "\\":
-            if pattern[i + 1:i + 2] in tuple("123456789k"):
-                raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has a back-reference, which "
-                                           "makes a regex search exponential; llama.cpp's triggers use none")
-            i += 2
-            continue
-        if c == "[":  # a class ends at its first unescaped ] (ECMAScript: [] matches nothing, [^] anything)
-            j = i + 1
-            if pattern.startswith("]", j) or pattern.startswith("^]", j):
-                raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has an empty class [] or "
-                                           "[^], which regex dialects read differently; write (?!) or [\\s\\S]")
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            items.append([_bytes_of(pattern[i:j + 1]), len(groups), ""])
-            i = j + 1
-            continue
-        if c == "(":
-            groups.append(False)
-            starts.append(i + 1)
-        elif c == ")" and groups:
-            closed_risky = groups.pop()
-            item: frozenset[str] | None = _ALL_BYTES
-            if _delimited(pattern[starts.pop():i]):
-                closed_risky, item = False, None  # its repetitions split a text one way only
-            items.append([item, len(groups), ""])
-            if groups:
-                groups[-1] = groups[-1] or closed_risky
-        elif c == "|" and groups:
-            groups[-1] = True
-        i += 1
-    if ways > MAX_TRIGGER_WAYS:
-        raise InvalidArgumentError(
-            f"grammar_lazy_triggers pattern {pattern!r} has optional parts with more than {MAX_TRIGGER_WAYS} ways to "
-            "split a text between them (x? counts 2, x{m,n} n-m+1, multiplied): std::regex tries each, at every token")
-    # (a delimited group's repetitions split a text one way: not counted)
-    unbounded = [k for k, (matched, _, quantifier) in enumerate(items) if quantifier == "unbounded" and matched]
-    if len(unbounded) > MAX_TRIGGER_UNBOUNDED:
-        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has {len(unbounded)} unbounded "
-                                   f"repetitions (at most {MAX_TRIGGER_UNBOUNDED}): each multiplies std::regex's work "
-                                   "per token")
-    if len(unbounded) == 2 and not pattern.startswith("^") and items[unbounded[0]][0] & items[unbounded[1]][0] \
-            and not any(not quantifier and depth == 0 and not matched & items[unbounded[0]][0]
-                        for matched, depth, quantifier in items[unbounded[0] + 1:unbounded[1]]):
-        # (something required between them that the first cannot match bounds the first's extent: \s*\{\s*)
-        raise InvalidArgumentError(f"grammar_lazy_triggers pattern {pattern!r} has two unbounded repetitions that can "
-                                   "match the same character (.*a.*X): cubic in the text searched at every token "
-                                   "(anchor it with ^, or make their characters distinct)")
-
-
 def _reset_grammar(lib, grammar) -> None:
     """``llama_sampler_reset`` on a grammar sampler: it parses the grammar's text again, recursing once per
     nesting level, so it runs where init ran (a large stack; see :func:`_init_grammar`)."""
-    DEEP_STACK.submit(lib.llama_sampler_reset, grammar).result()
-
-
-_ATOM = re.compile(r"(\\.|\[\^?\]?(?:\\.|[^\]\\])*\]|[^\\\[])((?:[*+?]|\{\d*,?\d*\})\??)?", re.S)
-#: The bytes a trigger is matched over (std::regex on a std::string), as Latin-1 characters.
-_BYTES = [chr(b) for b in range(256)]
-
-
-_ALL_BYTES = frozenset(_BYTES)
-
-
-def _bytes_of(atom: str) -> frozenset[str]:
-    """The bytes one regex atom (a character, an escape, a class, ``.``) matches; all where unsure."""
-    try:
-        one = re.compile(atom, re.ASCII if atom == "." else re.ASCII | re.DOTALL)
-    except re.error:
-        return _ALL_BYTES
-    return frozenset(b for b in _BYTES if one.fullmatch(b))
-
-
-def _delimited(content: str) -> bool:
-    r"""Whether a group's content starts or ends with a single character that nothing else in it can match:
-    ``\r?\n``, ``\.\d{1,3}``, ``[a-z]+_``. Repeating such a group splits a text in one way only, so it
-    does not backtrack the way ``(a+)+`` does."""
-    content = content[2:] if content.startswith("?:") else content
-    atoms: list[tuple[frozenset[str], bool]] = []  # (the bytes it matches, quantified)
-    pos = 0
-    while pos < len(content):
-        m = _ATOM.match(content, pos)
-        if not m or m.group(1) in ("(", ")", "|", "^", "$"):
-            return False  # nested groups, alternatives and anchors: not analysed
-        atoms.append((_bytes_of(m.group(1)), bool(m.group(2))))
-        pos = m.end()
-    for edge, rest in ((atoms[:1], atoms[1:]), (atoms[-1:], atoms[:-1])):
-        if edge and not edge[0][1] and edge[0][0] and rest and not any(edge[0][0] & other for other, _ in rest):
-            return True
-    return False
+    DEEP_STACK.run(lib.llama_sampler_reset, grammar)
 
 
 def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
@@ -360,8 +205,9 @@ class SamplingParams:
             raise InvalidArgumentError(f"grammar_lazy_triggers={self.grammar_lazy_triggers!r}: expected regex strings")
         if triggers and self.grammar is None:
             raise InvalidArgumentError("grammar_lazy_triggers need a grammar (or json_schema)")
+        triggers = tuple(normalize_trigger(t) for t in triggers)
         for trigger in triggers:
-            _check_trigger_pattern(trigger)
+            check_trigger_pattern(trigger)
         object.__setattr__(self, "grammar_lazy_triggers", triggers)
         if not isinstance(self.grammar_prefill, str):
             raise ArgumentTypeError("grammar_prefill must be a str")
@@ -718,8 +564,14 @@ class Sampler(NativeHandle):
         # llama.cpp's GBNF parser and its left-recursion check recurse once per nesting level: a grammar
         # check_gbnf allows (2000 levels) overflows a small thread stack (256 KiB), so the parse runs on a
         # thread with a large one.
-        smpl = DEEP_STACK.submit(lib.lcx_sampler_init_grammar, vocab, grammar, root, arr, len(patterns),
-                                 ctypes.byref(error)).result()
+        def discard(made) -> None:  # (an interrupt came while it was made)
+            if made:
+                lib.llama_sampler_free(made)
+            if error.value:
+                lib.lcx_string_free(error.value)
+
+        smpl = DEEP_STACK.run(lib.lcx_sampler_init_grammar, vocab, grammar, root, arr, len(patterns),
+                              ctypes.byref(error), cleanup=discard)
         if error.value:  # a C++ exception, e.g. a trigger pattern std::regex cannot parse
             message = ctypes.string_at(error.value).decode("utf-8", errors="replace")
             lib.lcx_string_free(error.value)

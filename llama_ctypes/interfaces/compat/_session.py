@@ -112,7 +112,8 @@ class Session:
         self._last_scores: np.ndarray | None = None  # the logits after input_ids[n_tokens - 1]
 
     def _context(self) -> Context:
-        if self._ctx is None:
+        ctx = self._ctx
+        if ctx is None:
             if self._closed:
                 raise ClosedError("this Llama was closed")
             ctx = Context.create(self._model, **self._ctx_opts)
@@ -125,9 +126,9 @@ class Session:
                 self.close()
                 raise ClosedError("this Llama was closed")
             if self._loras:
-                with self._ctx.lease() as lease:
+                with ctx.lease() as lease:  # (a ClosedError if close() came meanwhile)
                     lease.set_loras(self._loras)
-        return self._ctx
+        return ctx
 
     # ---- the low-level methods ------------------------------------------------------------------
 

@@ -273,8 +273,9 @@ class Llama:
             if fim is None:  # (no FIM tokens: the suffix follows the generated text)
                 out = self.create_completion(**args)
                 return _fim.with_tail(out, suffix) if stream else _fim.appended(out, suffix)
-            if echo and isinstance(prompt, str):
-                return _fim.echoed(prompt, self.create_completion(**{**args, "prompt": fim, "echo": False}), stream)
+            if echo:  # (the prompt as given, not the FIM layout)
+                shown = prompt if isinstance(prompt, str) else self._model.vocab.detokenize([int(t) for t in prompt])
+                return _fim.echoed(shown, self.create_completion(**{**args, "prompt": fim, "echo": False}), stream)
             prompt = fim
         opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
