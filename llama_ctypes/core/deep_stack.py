@@ -81,7 +81,6 @@ class DeepStackThreads:
             q.put((future, fn, args))
         return future
 
-
     def run(self, fn: Callable[..., Any], *args: Any, cleanup: Callable[[Any], None] | None = None) -> Any:
         """``fn(*args)`` on one of the threads, waited for to the end: an interrupt (Ctrl-C) that comes
         meanwhile is raised once the call returned (a native call keeps running whatever Python does;

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import random
-import re
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
