@@ -26,7 +26,6 @@ import sys
 import tarfile
 import tempfile
 import venv
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import build_llama  # noqa: E402
+import junit  # noqa: E402
 import llama_cpp_python_env  # noqa: E402
 import llama_source  # noqa: E402
 
@@ -136,18 +136,7 @@ def run_side(side: str, work: Path, models: dict[str, str]) -> dict[str, tuple[s
     subprocess.run([str(python), "-m", "pytest", "-p", "harness_plugin", "-p", "no:cacheprovider", "-q",
                     f"--junitxml={report}", "tests"],
                    cwd=here, env=env, check=False)
-    outcomes: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            node = case.find(kind)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
-                message = (node.get("message") or "").splitlines()[0][:300] if node.get("message") else ""
-                break
-        outcomes[name] = (outcome, message)
-    return outcomes
+    return junit.outcomes(report)
 
 
 def main() -> None:

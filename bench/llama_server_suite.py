@@ -31,11 +31,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import junit  # noqa: E402
 
 DEFAULT_FILES = ("test_basic.py", "test_chat_completion.py", "test_compat_anthropic.py")
 
@@ -97,17 +99,7 @@ def _run(target: str, workdir: Path, files: list[str], keyword: str | None, log:
         cmd += ["-k", keyword]
     with open(log, "w") as fh:
         subprocess.run(cmd, cwd=workdir, env=env, stdout=fh, stderr=subprocess.STDOUT, check=False)
-    results = {}
-    for case in ET.parse(report).iter("testcase"):
-        name = f"{case.get('classname', '').removeprefix('unit.')}::{case.get('name')}"
-        outcome, detail = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                detail = (node.get("message") or "").strip().splitlines()[0][:160] if node.get("message") else ""
-        results[name] = (outcome, detail)
-    return results
+    return junit.outcomes(report, strip_prefix="unit.", max_len=160)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,13 @@ def _ones(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
+def _add_lm_ends(writer, w, n_vocab: int, n_embd: int) -> None:
+    """The token embeddings, the output norm and the output projection of a decoder."""
+    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
+    writer.add_tensor("output_norm.weight", _ones(n_embd))
+    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+
+
 def write_tiny_llama(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_ctx_train: int = 2048, seed: int = 0,
                      chat_template: str | None = None, fim_tokens: tuple[int, ...] | None = None,
@@ -123,9 +130,7 @@ def write_tiny_mamba(path: Path, vocab_path: Path, *, n_layer: int = 2, n_embd: 
     n_vocab = copy_tokenizer(writer, vocab_path)
     w = _random(rng, 0.3)
     # (numpy shapes are llama.cpp's {ne0, ne1} reversed)
-    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", _ones(n_embd))
-    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    _add_lm_ends(writer, w, n_vocab, n_embd)
     for i in range(n_layer):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
         writer.add_tensor(f"blk.{i}.ssm_in.weight", w(2 * d_inner, n_embd))
@@ -246,9 +251,7 @@ def write_tiny_qwen35(path: Path, vocab_path: Path, *, n_embd: int = 64, n_head:
 
     w = _random(rng, 0.3)
 
-    writer.add_tensor("token_embd.weight", w(n_vocab, n_embd))
-    writer.add_tensor("output_norm.weight", _ones(n_embd))
-    writer.add_tensor("output.weight", w(n_vocab, n_embd, scale=2.0))
+    _add_lm_ends(writer, w, n_vocab, n_embd)
     # layer 0: gated delta net
     writer.add_tensor("blk.0.attn_norm.weight", _ones(n_embd))
     writer.add_tensor("blk.0.post_attention_norm.weight", _ones(n_embd))
