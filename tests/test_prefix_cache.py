@@ -120,6 +120,32 @@ def test_ram_cache_restores_an_evicted_prefix_within_budget(tiny_model):
     assert stats["ram_cache_entries"] == 1 and 0 < stats["ram_cache_bytes"] <= budget
 
 
+def test_the_ram_tier_is_on_by_default_bounded_by_the_machine(tiny_model, monkeypatch):
+    from llama_ctypes.engines.server import params
+
+    expected = params.default_prompt_cache_ram_mb()
+    assert 0 < expected <= params.LLAMA_SERVER_CACHE_RAM_MB
+    a = SYSTEM + " First conversation about rivers and mountains?"
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024) as srv:  # (no prompt_cache_ram_mb given)
+        assert srv.prompt_cache_ram_mb == expected
+        _greedy(srv, a)
+        _greedy(srv, "A completely different prompt about cooking pasta and tomatoes.")
+        warm = _greedy(srv, a + " More?")
+        assert srv.stats()["cache_restored"] == 1 and warm.timings.cached_tokens > 20
+    with lc.Server(model=tiny_model, n_parallel=1, n_ctx=1024, prompt_cache_ram_mb=0) as off:
+        assert off.prompt_cache_ram_mb == 0
+        _greedy(off, a)
+        _greedy(off, "A completely different prompt about cooking pasta and tomatoes.")
+        assert off.stats()["ram_cache_entries"] == 0
+    # llama-server's 8192 MiB, but never more than 1/8 of the machine's memory
+    monkeypatch.setattr(params, "detect_system_memory", lambda: 16 * 2**30)
+    assert params.default_prompt_cache_ram_mb() == 2048
+    monkeypatch.setattr(params, "detect_system_memory", lambda: 256 * 2**30)
+    assert params.default_prompt_cache_ram_mb() == 8192
+    monkeypatch.setattr(params, "detect_system_memory", lambda: None)
+    assert params.default_prompt_cache_ram_mb() == 1024
+
+
 def test_prefix_instability_event_fires_when_history_is_rewritten(tiny_model):
     events = []
     lc.telemetry.attach("instab", ["server.prefix_instability"], lambda e, m, md: events.append((m, md)))

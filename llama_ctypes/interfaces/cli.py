@@ -240,7 +240,7 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--no-cache-prompt", action="store_true", help="do not reuse cached prompt prefixes")
     p.add_argument("--cache-ram", "-cram", type=int, metavar="MiB",
                    help="RAM for a cache of prompt prefixes evicted from the slots, per model (as llama-server; "
-                        "default 0 here: off; -1: up to the machine's RAM)")
+                        "default 8192, at most 1/8 of the machine's memory; 0: off; -1: up to the machine's RAM)")
     # Request defaults, as llama-server's sampling flags (a request's own fields win).
     p.add_argument("--temp", type=float, help="default temperature of a request")
     p.add_argument("--seed", "-s", type=int, help="default sampling seed of a request (-1: random)")

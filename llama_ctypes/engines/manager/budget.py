@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any, Literal, Protocol, Tuple, Union
 
+from ...core.memory import detect_system_memory
 from ...errors import ArgumentTypeError, InsufficientMemoryError, InvalidArgumentError
 
 logger = logging.getLogger(__name__)
@@ -298,38 +298,6 @@ def _as_footprint(value: Any, name: str) -> Footprint:
     if isinstance(value, Mapping):
         return Footprint(value)
     raise ArgumentTypeError(f"{name}={value!r}: expected a Footprint or a mapping {{pool: bytes}}")
-
-
-# ---------------------------------------------------------------------------------------------
-# system memory
-
-
-# Inside a container the cgroup limit, not the host's RAM, is what the OOM killer enforces.
-_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
-
-
-def detect_system_memory() -> int | None:
-    """Physical memory in bytes (``sysconf``), lowered to the cgroup memory limit where one applies.
-
-    None where the platform cannot say (no ``os.sysconf``, e.g. Windows).
-    """
-    try:
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-    if pages <= 0 or page_size <= 0:  # sysconf answers -1 when the value is indeterminate
-        return None
-    memory = pages * page_size
-    for path in _CGROUP_LIMITS:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        # "max" (v2) and v1's huge "no limit" value are not limits.
-        if text.isdigit() and 0 < int(text) < memory:
-            memory = int(text)
-    return memory
 
 
 # ---------------------------------------------------------------------------------------------

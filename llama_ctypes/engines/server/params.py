@@ -11,16 +11,31 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ...core.memory import detect_system_memory
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ..speculative.drafters import Drafter
 from ..speculative.session import MAX_DRAFT
 from .strategies import DecodeMaximal
 
-__all__ = ["DEFAULT_MAX_QUEUE", "ServerParams"]
+__all__ = ["DEFAULT_MAX_QUEUE", "ServerParams", "default_prompt_cache_ram_mb"]
 
 #: Requests that may wait for a slot by default: a flood fails fast (QueueFullError) instead of growing the
 #: queue (~20 KB each) without bound. ``max_queue=0`` lifts the bound.
 DEFAULT_MAX_QUEUE = 256
+
+#: llama-server's ``--cache-ram`` default (MiB): the most the RAM tier of evicted prefixes takes by default.
+LLAMA_SERVER_CACHE_RAM_MB = 8192
+#: ...and at most this share of the machine's memory (a laptop keeps its RAM; each loaded model has a tier).
+CACHE_RAM_SHARE = 1 / 8
+
+
+def default_prompt_cache_ram_mb() -> float:
+    """The RAM tier's budget when none is given (MiB): llama-server's 8192, at most 1/8 of this machine's memory
+    (cgroup limit included); 1024 where the platform cannot say. Memory is taken only as prefixes are evicted."""
+    total = detect_system_memory()
+    if total is None:
+        return 1024.0
+    return float(min(LLAMA_SERVER_CACHE_RAM_MB, total * CACHE_RAM_SHARE / 2**20))
 
 
 @dataclass(frozen=True)
@@ -33,7 +48,7 @@ class ServerParams:
     batch_strategy: Any = DecodeMaximal
     max_queue: int = DEFAULT_MAX_QUEUE
     cache_prompt: bool = True
-    prompt_cache_ram_mb: float = 0
+    prompt_cache_ram_mb: float | None = None  # None: default_prompt_cache_ram_mb(); 0: off
     kv_unified: bool = True
     share_kv: bool = False
     speculative: Any = None
@@ -49,8 +64,9 @@ class ServerParams:
         if self.share_kv and not self.kv_unified:
             raise InvalidArgumentError("share_kv=True needs kv_unified=True (slots can only share one KV buffer)")
         ram = self.prompt_cache_ram_mb
-        if isinstance(ram, bool) or not isinstance(ram, (int, float)) or not 0 <= ram < 2**40:  # (NaN fails too)
-            raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0")
+        if ram is not None and (isinstance(ram, bool) or not isinstance(ram, (int, float))
+                                or not 0 <= ram < 2**40):  # (NaN fails too)
+            raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0 (MiB), or None")
         if self.speculative is not None:
             n = self.n_draft
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:

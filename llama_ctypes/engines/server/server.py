@@ -43,7 +43,7 @@ from ..speculative.drafters import Drafter, DraftModel, NgramDraft, rollback_sna
 from ..speculative.mtp import MTPDraft
 from .adapters import ServedAdapters
 from .engine import Engine
-from .params import DEFAULT_MAX_QUEUE, ServerParams
+from .params import DEFAULT_MAX_QUEUE, ServerParams, default_prompt_cache_ram_mb
 from .request import Channel, Request
 from .scheduler import QueueFullError, ServerClosedError
 from .speculation import SlotDrafter, slot_drafter
@@ -94,7 +94,9 @@ class Server:
             is queued whole or not at all.
         cache_prompt: keep finished requests' KV and reuse the longest common prefix (default True;
             per-request override with ``cache_prompt=``).
-        prompt_cache_ram_mb: RAM for a second-level cache of evicted prefixes (0 = off).
+        prompt_cache_ram_mb: RAM (MiB) for a second-level cache of the prefixes evicted from the slots;
+            default None: llama-server's 8192, at most 1/8 of the machine's memory
+            (:func:`default_prompt_cache_ram_mb`; taken only as prefixes are evicted); 0 = off.
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
         share_kv: let every slot fill the whole KV pool (``n_ctx * n_parallel`` tokens, at most the
@@ -123,7 +125,7 @@ class Server:
                  n_parallel: int = _DEFAULTS.n_parallel, n_ctx: int = _DEFAULTS.n_ctx,
                  n_batch: int = _DEFAULTS.n_batch, batch_strategy: Any = _DEFAULTS.batch_strategy,
                  max_queue: int = _DEFAULTS.max_queue, cache_prompt: bool = _DEFAULTS.cache_prompt,
-                 prompt_cache_ram_mb: float = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
+                 prompt_cache_ram_mb: float | None = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
                  share_kv: bool = _DEFAULTS.share_kv, speculative: Drafter | str | os.PathLike | None = None,
                  n_draft: int = _DEFAULTS.n_draft,
                  loras: Sequence[Any] = (), control_vector: Any = None, **opts: Any):
@@ -214,11 +216,13 @@ class Server:
             self.n_ctx = min(ctx.n_ctx_seq, model.n_ctx_train or ctx.n_ctx_seq) if params.share_kv \
                 else min(n_ctx, ctx.n_ctx_seq)
             self.n_batch = n_batch
+            self.prompt_cache_ram_mb = params.prompt_cache_ram_mb if params.prompt_cache_ram_mb is not None \
+                else default_prompt_cache_ram_mb()
             self.batch_strategy = strategy
             self.speculative = speculative
             self.n_draft = n_draft if speculative is not None else 0
             self._engine = Engine(lease, strategy, params.max_queue, n_ctx_seq=self.n_ctx,
-                                  prompt_cache_bytes=int(params.prompt_cache_ram_mb * 2**20),
+                                  prompt_cache_bytes=int(self.prompt_cache_ram_mb * 2**20),
                                   drafter=self._drafter, n_draft=self.n_draft)
         except BaseException:
             if lease is not None:
