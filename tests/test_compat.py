@@ -171,6 +171,23 @@ def test_chat_completion_shapes_formats_and_tools(llm):
     assert by_function["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "lookup"
 
 
+def test_chat_completion_logprobs(llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    out = llm.create_chat_completion(messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] == 5
+    assert all(set(e) == {"token", "logprob", "bytes", "top_logprobs"} and len(e["top_logprobs"]) == 2
+               and e["top_logprobs"][0]["token"] == e["token"] for e in content)
+    assert llm.create_chat_completion(messages, max_tokens=2, temperature=0)["choices"][0]["logprobs"] is None
+    chunks = list(llm.create_chat_completion(messages, max_tokens=5, temperature=0, logprobs=True, stream=True))
+    streamed = [e for c in chunks if c["choices"][0].get("logprobs") for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    with pytest.raises(lc.InvalidArgumentError, match="top_logprobs"):
+        llm.create_chat_completion(messages, max_tokens=2, logprobs=True, top_logprobs=-1)
+    with pytest.raises(lc.InvalidArgumentError, match="logprobs with logits_processor"):
+        llm.create_chat_completion(messages, max_tokens=2, logprobs=True, logits_processor=[lambda ids, s: s])
+
+
 def test_a_model_without_a_chat_template_falls_back_to_llama_2(tiny_model_path):
     """As llama-cpp-python does for a model with no template in its metadata (Gemma 3 270M's Q4_K_M has
     none), where lc.chat would refuse; a format given is kept."""
@@ -208,13 +225,13 @@ def test_embeddings_shapes_and_usage(llm, tiny_model):
 
 
 def test_what_is_not_carried_over_is_refused_by_name(llm, tiny_model_path):
-    for kwargs, name in (({"tfs_z": 0.9}, "tfs_z"), ({"echo": True, "logprobs": 2}, "echo")):
+    for kwargs, name in (({"tfs_z": 0.9}, "tfs_z"), ({"echo": True, "logprobs": 2}, "logits_all=True")):
         with pytest.raises(lc.InvalidArgumentError, match=name):
             llm(PROMPT, max_tokens=2, **kwargs)
     with pytest.raises(lc.ArgumentTypeError, match="bogus"):
         Llama(str(tiny_model_path), bogus=1)
     for kwargs, name in (({"numa": True}, "numa"), ({"draft_model": object()}, "draft_model"),
-                         ({"chat_format": "no-such-format"}, "chat_format"), ({"logits_all": True}, "logits_all")):
+                         ({"chat_format": "no-such-format"}, "chat_format")):
         with pytest.raises(lc.InvalidArgumentError, match=name):
             Llama(str(tiny_model_path), verbose=False, **kwargs)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -223,6 +240,59 @@ def test_what_is_not_carried_over_is_refused_by_name(llm, tiny_model_path):
                                    tools=[tool])
     with pytest.raises(lc.ArgumentTypeError, match="logits_processor"):
         llm(PROMPT, max_tokens=2, logits_processor=42)
+
+
+def test_logits_all_keeps_every_row_for_scores_sample_state_and_echo_logprobs(tiny_model_path):
+    def log_softmax(row):
+        row = row.astype(np.float64)
+        return row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+
+    with Llama(str(tiny_model_path), verbose=False, logits_all=True, n_ctx=256, n_batch=4) as llm, \
+            Llama(str(tiny_model_path), verbose=False, n_ctx=256) as plain:
+        tokens = llm.tokenize(PROMPT.encode())
+        assert len(tokens) > 4  # (decoded in runs of n_batch rows)
+        llm.eval(tokens)
+        rows = np.array(llm.scores)
+        assert rows.shape == (len(tokens), llm.n_vocab()) and not llm.scores.flags.writeable
+        for i in (0, 3, len(tokens) - 1):  # each row is the logits after that token, as a cold prefix gives
+            plain.reset()
+            plain.eval(tokens[:i + 1])
+            np.testing.assert_allclose(rows[i], plain.scores[0], rtol=1e-3, atol=1e-3)
+        assert llm.sample(temp=0.0, idx=3) == int(np.argmax(rows[3]))
+        with pytest.raises(lc.InvalidArgumentError, match="idx"):
+            llm.sample(temp=0.0, idx=len(tokens))
+        state = llm.save_state()
+        assert state.scores.shape == (len(tokens), llm.n_vocab())
+        with Llama(str(tiny_model_path), verbose=False, logits_all=True, n_ctx=256, n_batch=4) as other:
+            other.load_state(state)
+            np.testing.assert_array_equal(other.scores, rows)
+            plain.load_state(state)  # (a logits_all state into a Llama without: its last row)
+            np.testing.assert_array_equal(plain.scores[0], rows[-1])
+        llm.reset()
+        out = llm(PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2)
+        choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+        assert choice["text"].startswith(PROMPT)
+        shown = [t for t in tokens if t != llm.token_bos()]
+        assert len(lp["tokens"]) == len(shown) + 4 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        held = np.array(llm.scores)  # (prompt and generated tokens: their rows)
+        for j in range(1, len(shown)):
+            i = tokens.index(shown[j], j)  # the token's position in the prompt
+            assert lp["token_logprobs"][j] == pytest.approx(log_softmax(held[i - 1])[shown[j]], abs=1e-4)
+            assert len(lp["top_logprobs"][j]) >= 2
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+        assert all(v is not None for v in lp["token_logprobs"][len(shown):])
+        streamed = list(llm(PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=2, stream=True))
+        assert streamed[-1]["choices"][0]["logprobs"]["tokens"] == lp["tokens"]
+
+
+def test_logits_all_that_cannot_fit_in_memory_is_refused(tiny_model_path, monkeypatch):
+    from llama_ctypes.interfaces.compat import llama as compat_llama
+
+    monkeypatch.setattr(compat_llama, "detect_system_memory", lambda: 64 << 20)
+    with pytest.raises(lc.InvalidArgumentError, match="smaller n_ctx"):
+        Llama(str(tiny_model_path), verbose=False, logits_all=True, n_ctx=2048)
+    with Llama(str(tiny_model_path), verbose=False, logits_all=True, n_ctx=64) as small:  # (8 MiB of rows)
+        assert small.n_ctx() == 64
 
 
 def test_reset_set_cache_and_threads(llm, tiny_model):

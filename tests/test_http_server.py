@@ -596,7 +596,7 @@ def test_finish_reason_length_wins_over_a_cut_tool_call():
 
 def test_non_finite_logprobs_stay_json():
     from llama_ctypes.core.logprobs import TokenLogprob
-    from llama_ctypes.interfaces.http.generation import chat_logprobs, completion_logprobs
+    from llama_ctypes.features.openai.shapes import chat_logprobs, completion_logprobs
 
     lps = [TokenLogprob(5, b"a", -math.inf, (TokenLogprob(6, b"b", math.nan),))]
     for shape in (chat_logprobs(lps), completion_logprobs(lps)):

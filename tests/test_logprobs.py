@@ -547,6 +547,33 @@ def test_chat_reply_carries_logprobs(tiny_model):
     assert lc.chat(tiny_model, messages, chat_template="chatml", max_tokens=2, temp=0).logprobs is None
 
 
+def test_chat_completion_carries_openai_logprobs_whole_and_streamed(tiny_model):
+    messages = [{"role": "user", "content": "Hello"}]
+    opts = dict(chat_template="chatml", max_tokens=6, temp=0, ignore_eos=True)
+    reply = lc.chat(tiny_model, messages, logprobs=2, **opts)
+    out = lc.chat_completion(tiny_model, messages, logprobs=2, **opts)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [e.text for e in reply.logprobs]
+    assert all(len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+               and e["logprob"] == e["top_logprobs"][0]["logprob"] for e in content)
+    assert "".join(e["token"] for e in content) == out["choices"][0]["message"]["content"]
+    assert lc.chat_completion(tiny_model, messages, **opts)["choices"][0]["logprobs"] is None
+    # logprobs=0: the chosen tokens, no alternatives
+    assert all(e["top_logprobs"] == [] for e in
+               lc.chat_completion(tiny_model, messages, logprobs=0, **opts)["choices"][0]["logprobs"]["content"])
+    # streamed: each token's entry arrives once, in order, on the chunks (none on the role chunk)
+    chunks = list(lc.stream_chat_completion(tiny_model, messages, logprobs=2, **opts))
+    assert chunks[0]["choices"][0]["logprobs"] is None
+    streamed = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"enum": ["a", "b"]}}, "required": ["q"]}}}
+    called = lc.chat_completion(tiny_model, messages, tools=[tool], logprobs=1, chat_template="chatml",
+                                max_tokens=40, temp=0, tool_choice={"type": "function", "function": {"name": "lookup"}})
+    assert called["choices"][0]["logprobs"]["content"]  # (the tool path: llama.cpp plans the prompt)
+    assert len(called["choices"][0]["logprobs"]["content"]) == called["usage"]["completion_tokens"]
+
+
 def test_asubmit_from_a_worker_thread_for_a_loop(server):
     async def main():
         loop = asyncio.get_running_loop()

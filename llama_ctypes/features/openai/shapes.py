@@ -8,14 +8,15 @@ nothing of the library, so chat, tool calls and the HTTP routes can all use it.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, Sequence, TypedDict
 
 __all__ = ["role_delta", "ChatCompletionMessage", "ChatCompletionChoice", "PromptTokensDetails", "CompletionUsage",
            "ChatCompletion", "ChatCompletionChunk", "Envelope", "FINISH_REASONS", "finish_reason", "usage",
-           "input_usage", "timings", "new_id", "new_call_id"]
+           "input_usage", "timings", "new_id", "new_call_id", "logprob_value", "chat_logprobs", "completion_logprobs"]
 
 
 class ChatCompletionMessage(TypedDict, total=False):
@@ -73,6 +74,38 @@ def finish_reason(reason: str | None, has_tool_calls: bool = False) -> str:
     if reason is None or reason == "length":
         return "length"
     return "tool_calls" if has_tool_calls else "stop"
+
+
+#: What a log-probability of -inf (or NaN) becomes: JSON has no infinities (OpenAI sends -9999.0 too).
+NO_LOGPROB = -9999.0
+
+
+def logprob_value(value: float) -> float:
+    """A log-probability as JSON can carry it."""
+    return value if math.isfinite(value) else NO_LOGPROB
+
+
+def _logprob_entry(lp: Any) -> dict[str, Any]:
+    return {"token": lp.text, "logprob": logprob_value(lp.logprob), "bytes": list(lp.bytes)}
+
+
+def chat_logprobs(lps: Sequence[Any]) -> dict[str, Any]:
+    """Chat completions' ``logprobs`` from :class:`~llama_ctypes.TokenLogprob` entries:
+    ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": None}``."""
+    return {"content": [{**_logprob_entry(lp), "top_logprobs": [_logprob_entry(alt) for alt in lp.top]}
+                        for lp in lps],
+            "refusal": None}
+
+
+def completion_logprobs(lps: Sequence[Any], offset: int = 0) -> dict[str, Any]:
+    """Text completions' ``logprobs``: parallel lists of tokens, logprobs, top alternatives, text offsets."""
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {"tokens": [lp.text for lp in lps], "token_logprobs": [logprob_value(lp.logprob) for lp in lps],
+            "top_logprobs": [{alt.text: logprob_value(alt.logprob) for alt in lp.top} for lp in lps],
+            "text_offset": offsets}
 
 
 def role_delta() -> dict[str, Any]:

@@ -97,9 +97,14 @@ class Busy:
 
 
 class Session:
-    """The context a ``Llama`` owns for its low-level methods (created on first use)."""
+    """The context a ``Llama`` owns for its low-level methods (created on first use).
 
-    def __init__(self, model: Model, ctx_opts: dict[str, Any], loras: dict | None) -> None:
+    ``logits_all``: the logits after every token held are kept (an ``n_ctx`` x ``n_vocab`` float32 array,
+    allocated on first use, as llama-cpp-python's ``scores``), so any held position can be sampled
+    from and a prompt's own log-probabilities read; otherwise only the last row is kept.
+    """
+
+    def __init__(self, model: Model, ctx_opts: dict[str, Any], loras: dict | None, logits_all: bool = False) -> None:
         self._model = model
         self._ctx_opts = ctx_opts
         self._loras = loras
@@ -110,6 +115,9 @@ class Session:
         self.input_ids = np.zeros(self.n_ctx, dtype=np.intc)
         self.n_tokens = 0
         self._last_scores: np.ndarray | None = None  # the logits after input_ids[n_tokens - 1]
+        self.logits_all = bool(logits_all)
+        self._rows: np.ndarray | None = None  # logits_all: row i = the logits after input_ids[i]
+        self._rows_valid = 0  # how many leading rows of _rows belong to what is held
 
     def _context(self) -> Context:
         ctx = self._ctx
@@ -144,15 +152,53 @@ class Session:
         with ctx.lease() as lease:
             held = lease.tokens
             if len(held) != self.n_tokens:  # (a failed decode cleared it: our record follows)
-                self.n_tokens = 0
+                self.n_tokens = self._rows_valid = 0
             try:
-                lease.extend(tokens)
+                if self.logits_all:
+                    self._eval_all_rows(lease, ctx, tokens)
+                else:
+                    lease.extend(tokens)
             except BaseException:
-                self.n_tokens, self._last_scores = 0, None
+                self.n_tokens, self._last_scores, self._rows_valid = 0, None, 0
                 raise
             self.input_ids[self.n_tokens:self.n_tokens + len(tokens)] = tokens
             self.n_tokens += len(tokens)
             self._last_scores = lease.logits(-1)
+
+    def _eval_all_rows(self, lease: Any, ctx: Context, tokens: list[int]) -> None:
+        """Decode tokens in runs with a logits row for each, stored after the rows held."""
+        if self._rows is None:
+            self._rows = np.zeros((self.n_ctx, self._model.n_vocab), dtype=np.float32)
+        step = max(1, min(ctx.max_batch, ctx.n_outputs_max))
+        at = self.n_tokens
+        for start in range(0, len(tokens), step):
+            run = tokens[start:start + step]
+            lease.decode_run(run)
+            for i in range(len(run)):
+                self._rows[at + start + i] = lease.logits(i)
+        if self._rows_valid == at:  # (rows before `at` unknown, e.g. after a state without them: stay so)
+            self._rows_valid = at + len(tokens)
+
+    def rows(self) -> np.ndarray:
+        """logits_all: the logits after each token held, ``(n_tokens, n_vocab)`` (a read-only view that a
+        later eval overwrites, as llama-cpp-python's ``scores``)."""
+        if self._rows is None or self._rows_valid < self.n_tokens:
+            raise InvalidArgumentError("no logits for every token held: eval() them with logits_all=True")
+        view = self._rows[:self.n_tokens]
+        view.flags.writeable = False
+        return view
+
+    def row(self, idx: int) -> np.ndarray:
+        """A copy of the logits after token ``idx`` held (any with logits_all, else only the last)."""
+        if not -self.n_tokens <= idx < self.n_tokens:
+            raise InvalidArgumentError(f"idx={idx}: {self.n_tokens} tokens are held")
+        idx %= self.n_tokens
+        if idx == self.n_tokens - 1:
+            return self.scores()
+        if not self.logits_all:
+            raise InvalidArgumentError(f"idx={idx}: only the logits after the last token held "
+                                       f"(idx={self.n_tokens - 1}) are kept (Llama(logits_all=True) keeps every row)")
+        return self.rows()[idx].copy()
 
     def truncate(self, n: int) -> bool:
         """Keep only the first ``n`` tokens; False (everything dropped) when the memory cannot cut there."""
@@ -162,9 +208,12 @@ class Session:
         with ctx.lease() as lease:
             if len(lease.tokens) == self.n_tokens and lease.truncate(n):
                 self.n_tokens, self._last_scores = n, None
+                self._rows_valid = min(self._rows_valid, n)
+                if self.logits_all and n and self._rows_valid == n:
+                    self._last_scores = self._rows[n - 1].copy()  # (kept: the prefix's last row is known)
                 return True
             lease.clear()
-        self.n_tokens, self._last_scores = 0, None
+        self.n_tokens, self._last_scores, self._rows_valid = 0, None, 0
         return False
 
     def reset(self) -> None:
@@ -176,8 +225,8 @@ class Session:
             raise InvalidArgumentError("no logits: eval() some tokens first")
         return self._last_scores.copy()
 
-    def sample(self, sampler: Sampler, logits_processor: LogitsProcessor | None) -> int:
-        row = self.scores()
+    def sample(self, sampler: Sampler, logits_processor: LogitsProcessor | None, idx: int | None = None) -> int:
+        row = self.scores() if idx is None else self.row(idx)
         if logits_processor is not None:
             row = np.asarray(logits_processor(self.input_ids[:self.n_tokens], row), dtype=np.float32)
         return sampler.sample_logits(row)
@@ -197,6 +246,8 @@ class Session:
                 if a != b:
                     break
                 common += 1
+            if self.logits_all:  # (the prompt's rows are needed: reuse only what has them)
+                common = min(common, self._rows_valid)
             if common == len(tokens) == self.n_tokens and self._last_scores is not None:
                 tokens = []  # everything held, with its logits: sample at once
             else:
@@ -226,7 +277,10 @@ class Session:
         ctx = self._context()
         with ctx.lease() as lease:
             data = lease.state_get()
-        scores = self._last_scores if self._last_scores is not None else np.zeros(0, dtype=np.float32)
+        if self.logits_all and self.n_tokens and self._rows_valid >= self.n_tokens:
+            scores = self._rows[:self.n_tokens]  # (every row, as llama-cpp-python's logits_all state)
+        else:
+            scores = self._last_scores if self._last_scores is not None else np.zeros(0, dtype=np.float32)
         return LlamaState(input_ids=self.input_ids[:self.n_tokens].copy(), scores=scores.copy(),
                           n_tokens=self.n_tokens, llama_state=data, llama_state_size=len(data), seed=seed,
                           model_path=model_path)
@@ -236,7 +290,9 @@ class Session:
             raise InvalidArgumentError(f"load_state takes a LlamaState, not {type(state).__name__}")
         if state.n_tokens > self.n_ctx or len(state.input_ids) != state.n_tokens:
             raise InvalidArgumentError(f"a state of {state.n_tokens} tokens does not fit n_ctx={self.n_ctx}")
-        if state.scores.size not in (0, self._model.n_vocab):
+        n_vocab = self._model.n_vocab
+        all_rows = state.scores.ndim == 2 and state.scores.shape == (state.n_tokens, n_vocab) and state.n_tokens > 0
+        if not all_rows and (state.scores.ndim != 1 or state.scores.size not in (0, n_vocab)):
             raise InvalidArgumentError("the state's logits are not of this model's vocabulary")
         ctx = self._context()
         tokens = state.input_ids.tolist()
@@ -248,7 +304,16 @@ class Session:
                 raise
         self.input_ids[:state.n_tokens] = state.input_ids
         self.n_tokens = state.n_tokens
-        self._last_scores = state.scores.copy() if state.scores.size else None
+        self._rows_valid = 0
+        if all_rows:
+            self._last_scores = state.scores[-1].astype(np.float32)
+            if self.logits_all:
+                if self._rows is None:
+                    self._rows = np.zeros((self.n_ctx, n_vocab), dtype=np.float32)
+                self._rows[:state.n_tokens] = state.scores
+                self._rows_valid = state.n_tokens
+        else:
+            self._last_scores = state.scores.copy() if state.scores.size else None
 
     def close(self) -> None:
         """Free the own context (a generation still running in another thread fails with ClosedError at its
@@ -257,4 +322,4 @@ class Session:
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.close()
-        self.n_tokens, self._last_scores = 0, None
+        self.n_tokens, self._last_scores, self._rows_valid, self._rows = 0, None, 0, None

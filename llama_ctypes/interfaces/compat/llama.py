@@ -13,7 +13,6 @@ What is not carried over raises at once, naming the argument (see docs/compat.md
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import os
@@ -29,13 +28,14 @@ import numpy as np
 from ...core.model import Model, load_model
 from ...core.sampler import SamplingParams
 from ...core.one_call import stream as lc_stream
-from ...errors import ArgumentTypeError, InvalidArgumentError, LlamaError
-from ...features.chat import ChatParams, prompt_tokens, render_prompt
+from ...core.memory import detect_system_memory
+from ...errors import ArgumentTypeError, InvalidArgumentError
 from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
 from ...features.openai.chat import chat_completion, stream_chat_completion
 from ...features.structured import generate as lc_generate
 from . import _fim
+from ._hooked import HookedCalls, _collect, _usage
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_grammar import LlamaGrammar
 from .llama_tokenizer import LlamaModelHandle, LlamaTokenizer, llama_model_get_vocab, llama_token_to_piece
@@ -64,7 +64,7 @@ CHAT_FORMATS = {
 # Constructor arguments taken only at these values (anything else: refused, naming it).
 _ONLY = {
     "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,),
-    "chat_handler": (None,), "logits_all": (False,),
+    "chat_handler": (None,),
 }
 # Arguments of older llama-cpp-python versions that frameworks still pass (LangChain: n_parts, f16_kv; its
 # embeddings: device), taken at the values that mean what llama.cpp does now; llama-cpp-python ignores them.
@@ -75,7 +75,7 @@ def _refuse(name: str, why: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"llama_ctypes.compat does not support {name}: {why}")
 
 
-class Llama:
+class Llama(HookedCalls):
     """A model, as llama-cpp-python's ``Llama(model_path, ...)`` loads it (its defaults: n_ctx=512,
     n_batch=512, all layers on the CPU unless ``n_gpu_layers``)."""
 
@@ -141,6 +141,8 @@ class Llama:
                 yarn_attn_factor=yarn_attn_factor, yarn_beta_fast=yarn_beta_fast, yarn_beta_slow=yarn_beta_slow,
                 yarn_orig_ctx=yarn_orig_ctx, offload_kqv=offload_kqv, flash_attn=flash_attn, op_offload=op_offload,
                 swa_full=swa_full, type_k=type_k, type_v=type_v)
+            if logits_all:
+                self._check_logits_all_fits()
         except BaseException:
             self._model.close()
             raise
@@ -153,7 +155,7 @@ class Llama:
         self.last_n_tokens_size = int(last_n_tokens_size)
         self._cold_next = threading.Event()  # reset(): the next call starts from an empty context
         self.cache: Any = None
-        self._session = Session(self._model, dict(self._ctx_opts), self._lora)
+        self._session = Session(self._model, dict(self._ctx_opts), self._lora, logits_all=bool(logits_all))
         self._is_recurrent = self._model.is_recurrent
         self._is_hybrid = self._model.is_hybrid
         # (read by frameworks: LlamaIndex's LlamaCPP reads context_params.n_ctx)
@@ -165,6 +167,17 @@ class Llama:
                                             vocab_only=vocab_only, use_mmap=use_mmap, use_mlock=use_mlock)
 
     # ---- options ------------------------------------------------------------------------------------
+
+    def _check_logits_all_fits(self) -> None:
+        """logits_all keeps n_ctx x n_vocab float32 rows (filled as tokens are decoded): refused when that
+        is more than half this machine's memory, rather than growing until the process is killed."""
+        need = int(self._ctx_opts["n_ctx"]) * self._model.n_vocab * 4
+        total = detect_system_memory()
+        if total and need > total // 2:
+            raise InvalidArgumentError(
+                f"logits_all=True keeps a row of {self._model.n_vocab} logits per context position: "
+                f"{need / 2**30:.1f} GiB for n_ctx={self._ctx_opts['n_ctx']}, more than half of this machine's "
+                f"{total / 2**30:.1f} GiB; give a smaller n_ctx")
 
     def _context_options(self, *, n_ctx: int, type_k: int | None, type_v: int | None, rope_scaling_type: int | None,
                          pooling_type: int, attention_type: int, flash_attn: bool, op_offload: bool | None,
@@ -263,8 +276,6 @@ class Llama:
         ``[FIM_PRE] prompt [FIM_SUF] suffix [FIM_MID]`` (suffix first with ``spm_infill``) and the text is the
         middle; with one that has none, the suffix is appended to the generated text (llama-cpp-python's
         documented meaning; its 0.3 releases put token 0 where the FIM tokens go)."""
-        if echo and logprobs is not None:
-            raise _refuse("echo with logprobs", "the prompt's own logprobs are not computed")
         if suffix is not None:
             if not isinstance(suffix, str):
                 raise ArgumentTypeError("suffix must be a str")
@@ -277,12 +288,16 @@ class Llama:
                 shown = prompt if isinstance(prompt, str) else self._model.vocab.detokenize([int(t) for t in prompt])
                 return _fim.echoed(shown, self.create_completion(**{**args, "prompt": fim, "echo": False}), stream)
             prompt = fim
+        prompt_logprobs = echo and logprobs is not None
+        if prompt_logprobs and not self._session.logits_all:  # (llama-cpp-python's rule for any logprobs)
+            raise InvalidArgumentError("echo with logprobs needs Llama(logits_all=True): the prompt's own "
+                                       "logprobs are read from the logits after every prompt token")
         opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                               mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
                               grammar=grammar)
-        hooked = bool(logits_processor) or bool(stopping_criteria) or self.cache is not None
+        hooked = bool(logits_processor) or bool(stopping_criteria) or self.cache is not None or prompt_logprobs
         if not hooked:
             opts.update(self._run_options())
         opts["max_tokens"] = self._max_tokens(max_tokens)
@@ -306,7 +321,8 @@ class Llama:
                     "model": model or self.model_path}
         prefix = prompt_text if echo else ""
         if hooked:
-            chunks = self._hooked_completion(envelope, prompt, prefix, opts, logits_processor, stopping_criteria)
+            chunks = self._hooked_completion(envelope, prompt, prefix, opts, logits_processor, stopping_criteria,
+                                             prompt_logprobs=prompt_logprobs)
             return chunks if stream else _collect(chunks)
         if stream:
             return self._stream_completion(envelope, prompt, prefix, opts)
@@ -358,8 +374,9 @@ class Llama:
                                top_logprobs: int | None = None) -> Any:
         """A ``chat.completion`` dict (or an iterator of ``chat.completion.chunk`` dicts), rendered with
         ``chat_format`` or the model's own template, tool calls parsed from the model's format."""
-        if logprobs or top_logprobs:
-            raise _refuse("logprobs on chat completions", "not carried over yet (docs/compat.md)")
+        if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+                                         or top_logprobs < 0):
+            raise InvalidArgumentError(f"top_logprobs={top_logprobs!r}: expected an integer >= 0")
         opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
@@ -369,11 +386,16 @@ class Llama:
             if tools or functions or response_format is not None:
                 raise _refuse("logits_processor with tools, functions or response_format",
                               "the processor decides what the model may write (docs/compat.md)")
+            if logprobs:
+                raise _refuse("logprobs with logits_processor on chat completions", "not carried over yet (docs/compat.md)")
             return self._hooked_chat(messages, opts, max_tokens, stop, stream, logits_processor,
-                                     model or self.model_path)
+                                     model or self.model_path,
+                                     CHAT_FORMATS[self.chat_format] if self.chat_format else None)
         opts.update(self._run_options())
         opts["max_tokens"] = self._max_tokens(max_tokens)
         opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        if logprobs:  # (OpenAI's meaning: the chosen tokens' logprobs, with top_logprobs alternatives each)
+            opts["logprobs"] = top_logprobs or 0
         if self.chat_format is not None:
             opts["chat_template"] = CHAT_FORMATS[self.chat_format]
         if functions:  # (OpenAI's deprecated form: each function a tool)
@@ -518,8 +540,11 @@ class Llama:
 
     @property
     def scores(self) -> np.ndarray:
-        """The logits after the last token held, as a (1, n_vocab) array (``logits_all`` is not carried over)."""
+        """The logits after each token held, ``(n_tokens, n_vocab)``, with ``logits_all=True`` (a read-only
+        view that the next eval overwrites); else those after the last one, as a (1, n_vocab) array."""
         with self._session.lock:
+            if self._session.logits_all:
+                return self._session.rows()
             return self._session.scores()[None, :]
 
     def eval(self, tokens: Sequence[int]) -> None:
@@ -543,20 +568,17 @@ class Llama:
                presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
                mirostat_eta: float = 0.1, mirostat_tau: float = 5.0, penalize_nl: bool = True,
                logits_processor: Any = None, grammar: LlamaGrammar | None = None, idx: int | None = None) -> int:
-        """One token from the logits after the last token held (``idx``, if given, must name that row:
-        only the last row is kept, as with llama-cpp-python's ``logits_all=False``)."""
+        """One token from the logits after the last token held, or after token ``idx`` (any held one with
+        ``logits_all=True``; without it only the last row is kept, as in llama-cpp-python)."""
         from ...core.sampler import Sampler
 
         with self._session.lock:
-            if idx is not None and idx != self._session.n_tokens - 1:
-                raise InvalidArgumentError(f"sample(idx={idx}): only the logits after the last token held "
-                                           f"(idx={self._session.n_tokens - 1}) are kept")
             params = self._params(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                                   repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                                   presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                                   mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
             with Sampler(self._model, params) as sampler:
-                return self._session.sample(sampler, logits_processor)
+                return self._session.sample(sampler, logits_processor, idx)
 
     def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
@@ -590,134 +612,6 @@ class Llama:
             with self._seed_lock:
                 self._seed = int(state.seed)
 
-    def _hooked_completion(self, envelope: dict[str, Any], prompt: Any, prefix: str, opts: dict[str, Any],
-                           logits_processor: Any, stopping_criteria: Any) -> Iterator[dict[str, Any]]:
-        """A completion on the own context, chunk by chunk: Python hooks between tokens, the cache."""
-        if isinstance(logits_processor, (list, tuple)) and not callable(logits_processor):
-            logits_processor = LogitsProcessorList(logits_processor)  # (a plain list of processors)
-        if isinstance(stopping_criteria, (list, tuple)) and not callable(stopping_criteria):
-            stopping_criteria = StoppingCriteriaList(stopping_criteria)
-        for name, hook in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
-            if hook is not None and not callable(hook):
-                raise ArgumentTypeError(f"{name} must be callable (or a list of callables)")
-        vocab = self._model.vocab
-        tokens = vocab.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) \
-            else vocab.check_tokens(prompt).tolist()
-        max_tokens, stops = opts.pop("max_tokens"), [s for s in opts.pop("stop") if s]
-        n_logprobs = opts.pop("logprobs", None)
-        params = SamplingParams(**opts)
-        if len(tokens) >= self.n_ctx():
-            raise InvalidArgumentError(f"a prompt of {len(tokens)} tokens does not fit n_ctx={self.n_ctx()}")
-        last_row: list[np.ndarray] = []  # the raw logits of the step being sampled (logprobs; one row kept)
-        entries: list[tuple[float, dict[int, float]]] = []
-
-        def processor(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-            if n_logprobs is not None:
-                last_row[:] = [scores.copy()]
-            return logits_processor(ids, scores) if logits_processor else scores
-
-        def chunks() -> Iterator[dict[str, Any]]:
-            if self.cache is not None:
-                self._load_from_cache(tokens)
-            with self._session.lock:
-                out: list[int] = []
-                text, sent, finish = "", 0, "length"
-                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # (as the plain path: U+FFFD)
-                gen = self._session.generate(tokens, params, logits_processor=processor,
-                                             stopping_criteria=stopping_criteria)
-                try:
-                    if prefix:
-                        yield _chunk(envelope, prefix, None, None)
-                    while len(out) < max_tokens and len(tokens) + len(out) < self.n_ctx():
-                        tok = next(gen, None)
-                        if tok is None or vocab.is_eog(tok):
-                            finish = "stop"
-                            break
-                        out.append(tok)
-                        if n_logprobs is not None and last_row:
-                            entries.append(_logprob_entry(last_row.pop(), tok, n_logprobs))
-                        text += decoder.decode(vocab.token_bytes(tok))
-                        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                        if cut >= 0:
-                            text, finish = text[:cut], "stop"
-                            break
-                        safe = len(text) - max((n for s in stops for n in range(len(s) - 1, 0, -1)
-                                                if text.endswith(s[:n])), default=0)
-                        if safe > sent:
-                            yield _chunk(envelope, text[sent:safe], None, None)
-                            sent = safe
-                finally:
-                    gen.close()
-            if self.cache is not None:
-                state = self.save_state()
-                try:
-                    self.cache[state.input_ids.tolist()] = state
-                except OSError:  # (a full or unwritable cache directory: the completion stands)
-                    logger.warning("the prompt cache could not store a state", exc_info=True)
-            text += decoder.decode(b"", final=True)
-            logprobs = _raw_logprobs(vocab, out, entries, len(prefix)) if n_logprobs is not None else None
-            if text[sent:]:
-                yield _chunk(envelope, text[sent:], None, None)
-            yield {**_chunk(envelope, "", logprobs, finish), "usage": _usage(len(tokens), len(out))}
-
-        return chunks()
-
-    def _hooked_chat(self, messages: list[dict[str, Any]], opts: dict[str, Any], max_tokens: int | None,
-                     stop: Any, stream: bool, logits_processor: Any, name: str) -> Any:
-        """A chat completion on the own context with a logits processor (outlines' chat mode): the messages
-        rendered as create_chat_completion renders them, the reply not parsed (no tools, no reasoning)."""
-        params = ChatParams(chat_template=CHAT_FORMATS[self.chat_format] if self.chat_format else None)
-        text, _ = render_prompt(self._model, messages, params)
-        tokens = prompt_tokens(self._model, text)
-        opts["max_tokens"] = self._max_tokens(max_tokens)
-        if opts["max_tokens"] == -1:
-            opts["max_tokens"] = max(1, self.n_ctx() - len(tokens))
-        opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
-        envelope = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": name}
-        chunks = self._hooked_completion(envelope, tokens, "", opts, logits_processor, None)
-
-        def deltas() -> Iterator[dict[str, Any]]:
-            yield {**envelope, "object": "chat.completion.chunk",
-                   "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]}
-            for chunk in chunks:
-                choice = chunk["choices"][0]
-                if choice["text"]:
-                    yield {**envelope, "object": "chat.completion.chunk", "choices": [
-                        {"index": 0, "delta": {"content": choice["text"]}, "logprobs": None, "finish_reason": None}]}
-                if choice["finish_reason"] is not None:
-                    yield {**envelope, "object": "chat.completion.chunk", "choices": [
-                        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}
-
-        if stream:
-            return deltas()
-        done = _collect(chunks)
-        choice = done["choices"][0]
-        return {**envelope, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": choice["text"]}, "logprobs": None,
-            "finish_reason": choice["finish_reason"]}], "usage": done["usage"]}
-
-    def _load_from_cache(self, tokens: list[int]) -> None:
-        """Restore the cached state that shares the longest prefix with ``tokens`` when it beats what the own
-        context holds. A state of another model or context size, or an unreadable entry, is a miss."""
-        held = self._session.input_ids[:self._session.n_tokens].tolist()
-        have = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
-        try:
-            state = self.cache[tokens]
-        except KeyError:
-            return
-        except Exception:  # noqa: BLE001 - a corrupt disk entry: a miss, not a failed completion
-            logger.warning("the prompt cache could not read an entry; treated as a miss", exc_info=True)
-            return
-        if not isinstance(state, LlamaState) or state.model_path != self.model_path or state.n_tokens > self.n_ctx():
-            return
-        ids = state.input_ids.tolist()
-        common = next((i for i, (a, b) in enumerate(zip(ids, tokens)) if a != b), min(len(ids), len(tokens)))
-        if common > have:
-            try:
-                self.load_state(state)
-            except LlamaError:  # (saved by another context shape: llama.cpp refuses it) a miss
-                logger.warning("the prompt cache's state does not fit this Llama; treated as a miss")
-
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str, *, local_dir: str | None = None,
                         cache_dir: str | None = None, **kwargs: Any) -> "Llama":
@@ -748,56 +642,12 @@ class Llama:
                 pass
 
 
-def _chunk(envelope: dict[str, Any], text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-    return {**envelope, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
-
-
-def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    """A streamed completion's chunks as the one ``text_completion`` dict."""
-    text, last = [], None
-    for last in chunks:
-        text.append(last["choices"][0]["text"])
-    assert last is not None
-    choice = dict(last["choices"][0], text="".join(text))
-    return {**{k: v for k, v in last.items() if k != "choices"}, "choices": [choice]}
-
-
-def _logprob_entry(row: np.ndarray, tok: int, n: int) -> tuple[float, dict[int, float]]:
-    """The chosen token's log-probability and the ``n`` best, from one raw logits row (then dropped)."""
-    row = row.astype(np.float64)
-    logp = row - (np.max(row) + np.log(np.sum(np.exp(row - np.max(row)))))
-    top = np.argpartition(-logp, n)[:n] if 0 < n < logp.size else np.arange(logp.size if n else 0)
-    top = top[np.argsort(-logp[top])]
-    return float(logp[tok]), {int(t): float(logp[t]) for t in top}
-
-
-def _raw_logprobs(vocab: Any, tokens: list[int], entries: list[tuple[float, dict[int, float]]],
-                  offset: int) -> dict[str, Any]:
-    """llama-cpp-python's completion logprobs, from the logits before the processors ran."""
-    out: dict[str, Any] = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-    for tok, (chosen, top) in zip(tokens, entries):
-        piece = vocab.token_bytes(tok).decode("utf-8", "replace")
-        out["tokens"].append(piece)
-        out["text_offset"].append(offset)
-        out["token_logprobs"].append(chosen)
-        entry = {vocab.token_bytes(t).decode("utf-8", "replace"): lp for t, lp in top.items()}
-        entry[piece] = chosen
-        out["top_logprobs"].append(entry)
-        offset += len(piece)
-    return out
-
-
 def _id(token: int | None) -> int:
     return -1 if token is None else int(token)
 
 
 def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _logprobs(entries: Any, offset: int) -> dict[str, Any]:

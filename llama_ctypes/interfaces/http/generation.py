@@ -8,7 +8,6 @@ one unit), how a finished request is counted, and the two logprobs shapes.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -197,31 +196,3 @@ def new_logprobs(stream: Any, sent: int) -> tuple[list[Any], int]:
     if not lps or len(lps) <= sent:
         return [], sent
     return list(lps[sent:]), len(lps)
-
-
-#: What a log-probability of -inf (or NaN) becomes: JSON has no infinities (OpenAI sends -9999.0 too).
-_NO_LOGPROB = -9999.0
-
-
-def _logprob(value: float) -> float:
-    return value if math.isfinite(value) else _NO_LOGPROB
-
-
-def _entry(lp: Any) -> dict[str, Any]:
-    return {"token": lp.text, "logprob": _logprob(lp.logprob), "bytes": list(lp.bytes)}
-
-
-def chat_logprobs(lps: Sequence[Any]) -> dict[str, Any]:
-    """Chat completions' ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
-    return {"content": [{**_entry(lp), "top_logprobs": [_entry(alt) for alt in lp.top]} for lp in lps],
-            "refusal": None}
-
-
-def completion_logprobs(lps: Sequence[Any], offset: int = 0) -> dict[str, Any]:
-    """Text completions' ``logprobs``: parallel lists of tokens, logprobs, top alternatives, text offsets."""
-    offsets = []
-    for lp in lps:
-        offsets.append(offset)
-        offset += len(lp.text)
-    return {"tokens": [lp.text for lp in lps], "token_logprobs": [_logprob(lp.logprob) for lp in lps],
-            "top_logprobs": [{alt.text: _logprob(alt.logprob) for alt in lp.top} for lp in lps], "text_offset": offsets}

@@ -21,13 +21,12 @@ from ....core.json_schema.limits import SchemaLimits, check_schema_size
 from ....core.media import MediaLimits
 from ....errors import SchemaError
 from ....features.chat_template import RESERVED_VARIABLES
-from ....features.openai.shapes import Envelope, finish_reason, role_delta, timings, usage
+from ....features.openai.shapes import Envelope, chat_logprobs, finish_reason, role_delta, timings, usage
 from ....features.tool_calls import plan_chat
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
 from ..generation import (
     cancel_all,
-    chat_logprobs,
     gather_all,
     items,
     merge_options,

@@ -18,10 +18,10 @@ from ....core.generation import GenerationParams
 from ....core.json_schema.convert import json_schema_to_gbnf
 from ....core.prompt import prompt_tokens
 from ....errors import SchemaError
-from ....features.openai.shapes import Envelope, finish_reason, timings, usage
+from ....features.openai.shapes import Envelope, completion_logprobs, finish_reason, timings, usage
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
-from ..generation import cancel_all, completion_logprobs, gather_all, new_logprobs, sampling_options, submit
+from ..generation import cancel_all, gather_all, new_logprobs, sampling_options, submit
 from ..limits import over_limit
 from ..schemas import CompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
