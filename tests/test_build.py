@@ -124,6 +124,55 @@ def test_backend_flags():
     assert "-DGGML_METAL=ON" in build_llama.backend_cmake_args("metal")
 
 
+def test_cross_build_targets_aarch64_with_a_compiler_that_takes_every_variant(monkeypatch):
+    monkeypatch.setattr(build_llama, "host_machine", lambda: "x86_64")
+    monkeypatch.delenv("LLAMA_CTYPES_TARGET_ARCH", raising=False)
+    host_key = build_llama.cache_key("src", "cpu", ["-DA=1"], with_adapter=False)
+    monkeypatch.setenv("LLAMA_CTYPES_TARGET_ARCH", "arm64")  # Apple's and Windows' name for it
+    assert build_llama.target_machine() == "aarch64" and build_llama.is_cross()
+    monkeypatch.setenv("LLAMA_CTYPES_TARGET_ARCH", "riscv64")
+    with pytest.raises(build_llama.BuildError, match="aarch64 only"):
+        build_llama.target_machine()
+    monkeypatch.setenv("LLAMA_CTYPES_TARGET_ARCH", "aarch64")
+    monkeypatch.delenv("LLAMA_CTYPES_PORTABLE", raising=False)
+    with pytest.raises(build_llama.BuildError, match="portable CPU build"):
+        build_llama.backend_cmake_args("cpu")  # -march=native of another machine means nothing
+    monkeypatch.setenv("LLAMA_CTYPES_PORTABLE", "1")
+    with pytest.raises(build_llama.BuildError, match="portable CPU build"):
+        build_llama.backend_cmake_args("cuda")
+    monkeypatch.setattr(build_llama.sys, "platform", "linux")
+    # Which compiler: the cross gcc if it compiles the armv9.2 (SME) variants, else clang 16+.
+    for gcc_takes_sme in (True, False):
+        def fake_compiles(cmd, takes=gcc_takes_sme):
+            return takes or "clang" in cmd[0]
+        monkeypatch.setattr(build_llama, "_compiles", fake_compiles)
+        monkeypatch.setattr(build_llama.shutil, "which", lambda name: f"/usr/bin/{name}")
+        args = build_llama.backend_cmake_args("cpu")
+        assert "-DCMAKE_SYSTEM_PROCESSOR=aarch64" in args and "-DGGML_CPU_ALL_VARIANTS=ON" in args
+        assert not any("amx" in a for a in args)
+        compiler = next(a for a in args if a.startswith("-DCMAKE_CXX_COMPILER="))
+        if gcc_takes_sme:
+            assert compiler.endswith("aarch64-linux-gnu-g++") and "-DGGML_OPENMP=OFF" not in args
+        else:
+            assert "clang++-" in compiler and "-DCMAKE_CXX_COMPILER_TARGET=aarch64-linux-gnu" in args
+            assert "-DGGML_OPENMP=OFF" in args  # no libomp to link for the target
+    assert build_llama.cache_key("src", "cpu", ["-DA=1"], with_adapter=False) != host_key
+    monkeypatch.setattr(build_llama, "_compiles", lambda cmd: False)
+    with pytest.raises(build_llama.BuildError, match="clang 16 or later"):
+        build_llama.backend_cmake_args("cpu")
+
+
+def test_cross_built_wheel_is_tagged_for_its_target(monkeypatch):
+    import build_wheel
+
+    monkeypatch.setattr(build_llama, "host_machine", lambda: "x86_64")
+    monkeypatch.delenv("LLAMA_CTYPES_TARGET_ARCH", raising=False)
+    assert build_wheel._cross_env() == {}
+    monkeypatch.setenv("LLAMA_CTYPES_TARGET_ARCH", "aarch64")
+    assert build_wheel._cross_env() == {"_PYTHON_HOST_PLATFORM": "linux-aarch64"}
+    assert build_wheel.main(["--arch", "aarch64", "--no-base", "--plugin", "cuda13"]) == 1  # refused, not built
+
+
 def test_cache_key_depends_on_every_input():
     base = build_llama.cache_key("src-1", "cpu", ["-DA=1"])
     assert base == build_llama.cache_key("src-1", "cpu", ["-DA=1"])

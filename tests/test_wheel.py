@@ -67,8 +67,21 @@ _READ_ONLY_PROBE = textwrap.dedent(
 )
 
 
+#: A folder of prebuilt wheels to test instead of building them: tests/test_arm64.py runs this module in an
+#: emulated arm64 root on the aarch64 wheels cross-built on the x86-64 host.
+PREBUILT_WHEELS_ENV = "LLAMA_CTYPES_TEST_WHEELS"
+
+
 @pytest.fixture(scope="session")
 def wheels(tmp_path_factory) -> dict[str, Path]:
+    prebuilt = os.environ.get(PREBUILT_WHEELS_ENV)
+    if prebuilt:
+        machine = platform.machine()
+        found = {kind: sorted(Path(prebuilt).glob(f"{prefix}-*{machine}.whl"))
+                 for kind, prefix in (("base", "llama_ctypes"), ("rpc", "llama_ctypes_rpc"))}
+        missing = [kind for kind, paths in found.items() if not paths]
+        assert not missing, f"${PREBUILT_WHEELS_ENV}={prebuilt}: no {machine} wheel for {missing}"
+        return {kind: paths[-1] for kind, paths in found.items()}
     out = tmp_path_factory.mktemp("wheelhouse")
     return {"base": build_wheel.build_base_wheel(out), "rpc": build_wheel.build_plugin_wheel("rpc", out)}
 
@@ -211,7 +224,7 @@ def _generate(venv, models: dict[str, Path], max_tokens: int = 24, **env) -> dic
 
 EXPECTED_VARIANTS = {
     "x86_64": {"x64", "sse42", "haswell", "skylakex", "icelake", "zen4", "sapphirerapids"},
-    "aarch64": {"armv8.0_1", "armv8.2_1", "armv8.6_1", "armv9.2_1"},
+    "aarch64": {"armv8.0_1", "armv8.2_1", "armv8.2_2", "armv8.2_3", "armv8.6_1", "armv8.6_2", "armv9.2_1", "armv9.2_2"},
 }
 
 
@@ -333,6 +346,35 @@ def test_amx_kernels_are_left_out(venv, wheels, tmp_path):
         assert res["variant"] != "sapphirerapids"
 
 
+@pytest.mark.skipif(platform.machine() != "aarch64", reason="ARM variants (x86: the test below)")
+def test_arm_variant_this_cpu_cannot_run_is_refused(venv):
+    # tests/test_arm64.py runs this on an emulated ARMv8.2 core: the SVE/SME variants score 0 there.
+    script = """
+        import json, os
+        from pathlib import Path
+        import llama_ctypes
+        from llama_ctypes.native.backends import cpu_variant_files, variant_score
+        files = cpu_variant_files(Path(llama_ctypes.__file__).parent / "lib")
+        print(json.dumps({name: variant_score(path) for name, path in files.items()}))
+    """
+    scores = run_in_venv(venv, script)
+    assert set(scores) >= EXPECTED_VARIANTS["aarch64"] and scores["armv8.0_1"] > 0
+    unrunnable = sorted(name for name, score in scores.items() if score == 0)
+    if not unrunnable:
+        pytest.fail(f"every ARM variant runs on this CPU ({scores}): run it on a lower one (QEMU_CPU=neoverse-n1)")
+    res = run_in_venv(venv, """
+        import json, llama_ctypes as lc
+        try:
+            lc.init()
+        except lc.NativeLibraryError as exc:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            print(json.dumps({"error": None}))
+    """, LLAMA_CTYPES_CPU_VARIANT=unrunnable[-1])
+    assert res["error"] and "lacks" in res["error"]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the sapphirerapids variant is x86's")
 def test_variant_this_cpu_cannot_run_is_refused(venv):
     # What the sapphirerapids variant needs beyond its ggml score, hidden from the check
     # as a hypervisor may hide it: forcing it is refused instead of faulting.
@@ -382,7 +424,8 @@ def test_unknown_or_unsupported_cpu_variant_is_a_clear_error(venv):
     """
     res = run_in_venv(venv, script, LLAMA_CTYPES_CPU_VARIANT="pentium4")
     assert res["error"] == "NativeLibraryError"
-    assert "pentium4" in res["message"] and "haswell" in res["message"]  # names what exists
+    assert "pentium4" in res["message"]
+    assert all(v in res["message"] for v in EXPECTED_VARIANTS[platform.machine()])  # names what exists
 
 
 def test_broken_and_mismatched_plugins_leave_the_cpu_path_working(venv, tmp_path, tiny_model_path):
