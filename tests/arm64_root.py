@@ -206,7 +206,10 @@ def run(args: Sequence[str], *, cpu: str = "max", env: Mapping[str, str] | None 
     binds: host folders bound at guest paths (read-write) for this command only.
     """
     root = ensure_root()
-    mounts = [f"mount -t proc proc {shlex.quote(str(root / 'proc'))}",
+    # (the root bound onto itself first: in a chroot whose / is no mount point, a nested
+    # `unshare --mount` cannot make / private and fails, as test_wheel.py's read-only installs do)
+    mounts = [f"mount --bind {shlex.quote(str(root))} {shlex.quote(str(root))}",
+              f"mount -t proc proc {shlex.quote(str(root / 'proc'))}",
               f"mount --rbind /dev {shlex.quote(str(root / 'dev'))}"]
     for host, guest in (binds or {}).items():
         target = root / guest.lstrip("/")

@@ -2,10 +2,10 @@
 
 A :class:`GenerationTarget` streams a prompt (text or token ids), generates it to a
 :class:`~llama_ctypes.core.generation.Completion`, and names the :class:`Model` whose
-vocabulary and templates the caller uses. Two implement it: :class:`LocalTarget`,
+vocabulary and templates the caller uses. Three implement it: :class:`LocalTarget`,
 the one-call API over the model's context pool (each call runs on its own context),
-and the batching ``Server`` (engines), which needs nothing from this module; callers
-take either through :func:`as_target`, which also takes a bare Model.
+the batching ``Server`` (engines), which needs nothing from this module, and a ``SpeculativeSession``
+(through :class:`StreamTarget`); callers take any through :func:`as_target`, which also takes a bare Model.
 
 Thread safety: a LocalTarget may be shared; each call checks a context out of the
 model's pool.
@@ -21,12 +21,12 @@ from .generation import Completion, TextStream
 from .model import Model
 from .one_call import stream
 
-__all__ = ["GenerationTarget", "LocalTarget", "as_target", "iterate_in_thread"]
+__all__ = ["GenerationTarget", "LocalTarget", "StreamTarget", "as_target", "iterate_in_thread"]
 
 
 @runtime_checkable
 class GenerationTarget(Protocol):
-    """Something that generates for a model: a :class:`LocalTarget` or a ``Server``."""
+    """Something that generates for a model: a :class:`LocalTarget`, a ``Server`` or a ``SpeculativeSession``."""
 
     @property
     def model(self) -> Model: ...
@@ -47,7 +47,31 @@ class GenerationTarget(Protocol):
         """:meth:`stream` as an async iterator."""
 
 
-class LocalTarget:
+class StreamTarget:
+    """The :class:`GenerationTarget` methods that follow from ``stream``: a class with ``model`` and
+    ``stream(prompt, **opts)`` gets ``stream_tokens``, ``generate``, ``agenerate`` and ``astream``."""
+
+    def stream(self, prompt: str | Sequence[int], **opts: Any) -> TextStream:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def stream_tokens(self, tokens: Sequence[int], *, session: Any = None, **opts: Any) -> TextStream:
+        if session is not None:
+            raise ArgumentTypeError("session= needs a Server (it keeps a conversation on its slot)")
+        # (a MediaPrompt stays one: its media spans go with it)
+        return self.stream(tokens if getattr(tokens, "spans", None) is not None else list(tokens), **opts)
+
+    def generate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
+        return self.stream(prompt, **opts).completion()
+
+    async def agenerate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
+        return await asyncio.to_thread(self.generate, prompt, **opts)
+
+    async def astream(self, prompt: str | Sequence[int], **opts: Any) -> AsyncIterator[str]:
+        async for piece in iterate_in_thread(await asyncio.to_thread(self.stream, prompt, **opts)):
+            yield piece
+
+
+class LocalTarget(StreamTarget):
     """The one-call API as a target: every call runs on a context of ``model``'s pool.
 
     options: given to every call, before the call's own (e.g. the context options a manager fixes
@@ -66,22 +90,6 @@ class LocalTarget:
 
     def stream(self, prompt: str | Sequence[int], **opts: Any) -> TextStream:
         return stream(self._model, prompt, **{**self._options, **opts})
-
-    def stream_tokens(self, tokens: Sequence[int], *, session: Any = None, **opts: Any) -> TextStream:
-        if session is not None:
-            raise ArgumentTypeError("session= needs a Server (it keeps a conversation on its slot)")
-        # (a MediaPrompt stays one: its media spans go with it)
-        return self.stream(tokens if getattr(tokens, "spans", None) is not None else list(tokens), **opts)
-
-    def generate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
-        return self.stream(prompt, **opts).completion()
-
-    async def agenerate(self, prompt: str | Sequence[int], **opts: Any) -> Completion:
-        return await asyncio.to_thread(self.generate, prompt, **opts)
-
-    async def astream(self, prompt: str | Sequence[int], **opts: Any) -> AsyncIterator[str]:
-        async for piece in iterate_in_thread(await asyncio.to_thread(self.stream, prompt, **opts)):
-            yield piece
 
     def __repr__(self) -> str:
         return f"LocalTarget({self._model!r})"

@@ -16,6 +16,7 @@ from ...core.model import Model
 from ...core.params import ContextParams, split_options
 from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
+from ...core.target import StreamTarget
 from ...core.text import RunControl, TextAssembler, assemble
 from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
 from .drafters import Drafter, rollback_snapshots
@@ -29,7 +30,7 @@ __all__ = ["SpeculativeSession", "SpeculativeStream", "SpeculativeEventStream", 
 MAX_DRAFT = 32
 
 
-class SpeculativeSession(Closeable):
+class SpeculativeSession(StreamTarget, Closeable):
     """Speculative decoding of one sequence at a time: a drafter proposes, ``model`` verifies.
 
     ``drafter``: :class:`DraftModel` (a small model sharing the vocabulary) or
@@ -42,7 +43,8 @@ class SpeculativeSession(Closeable):
     Greedy output is the target's own greedy output; sampled output follows the target's
     sampling distribution (see docs/speculative.md). Reuse one session across prompts:
     each call starts from a clean sequence (or the shared prefix, with ``cache_prompt``).
-    One generation runs at a time (a second concurrent one raises ``BusyError``).
+    One generation runs at a time (a second concurrent one raises ``BusyError``). A session is a
+    :class:`~llama_ctypes.GenerationTarget`: ``lc.chat``, tool calls and structured output run on it.
     """
 
     def __init__(self, model: Model, drafter: Drafter, n_draft: int = 4, **ctx_opts: Any) -> None:

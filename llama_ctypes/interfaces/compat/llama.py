@@ -27,14 +27,16 @@ import numpy as np
 
 from ...core.model import Model, load_model
 from ...core.sampler import SamplingParams
-from ...core.one_call import stream as lc_stream
+from ...core.target import GenerationTarget, LocalTarget
 from ...core.memory import detect_system_memory
 from ...errors import ArgumentTypeError, InvalidArgumentError
 from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
 from ...features.openai.chat import chat_completion, stream_chat_completion
 from ...features.structured import generate as lc_generate
+from ...engines.speculative.session import SpeculativeSession
 from . import _fim
+from ._draft import CallableDraft, draft_length
 from ._hooked import HookedCalls, _collect, _usage
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_grammar import LlamaGrammar
@@ -63,8 +65,7 @@ CHAT_FORMATS = {
 
 # Constructor arguments taken only at these values (anything else: refused, naming it).
 _ONLY = {
-    "numa": (False, 0), "lora_base": (None,), "draft_model": (None,), "tokenizer": (None,),
-    "chat_handler": (None,),
+    "numa": (False, 0), "lora_base": (None,), "tokenizer": (None,), "chat_handler": (None,),
 }
 # Arguments of older llama-cpp-python versions that frameworks still pass (LangChain: n_parts, f16_kv; its
 # embeddings: device), taken at the values that mean what llama.cpp does now; llama-cpp-python ignores them.
@@ -156,6 +157,16 @@ class Llama(HookedCalls):
         self._cold_next = threading.Event()  # reset(): the next call starts from an empty context
         self.cache: Any = None
         self._session = Session(self._model, dict(self._ctx_opts), self._lora, logits_all=bool(logits_all))
+        self.draft_model = draft_model
+        self._spec: SpeculativeSession | None = None
+        if draft_model is not None:
+            try:
+                n_ubatch = int(self._ctx_opts.get("n_ubatch", n_ubatch))
+                self._spec = SpeculativeSession(self._model, CallableDraft(draft_model),
+                                                n_draft=draft_length(draft_model, n_ubatch), **self._ctx_opts)
+            except BaseException:
+                self._model.close()
+                raise
         self._is_recurrent = self._model.is_recurrent
         self._is_hybrid = self._model.is_hybrid
         # (read by frameworks: LlamaIndex's LlamaCPP reads context_params.n_ctx)
@@ -244,8 +255,13 @@ class Llama(HookedCalls):
             opts["grammar"] = grammar.grammar
         return opts
 
+    def _target(self) -> GenerationTarget:
+        """What the plain (not hooked) calls generate on: the model's context pool, or with a
+        ``draft_model`` the speculative session (one call at a time: a concurrent one raises BusyError)."""
+        return self._spec if self._spec is not None else LocalTarget(self._model)
+
     def _run_options(self) -> dict[str, Any]:
-        opts = dict(self._ctx_opts)
+        opts = dict(self._ctx_opts) if self._spec is None else {}  # (a session has its context already)
         if self._lora is not None:
             opts["lora"] = self._lora
         if self._cold_next.is_set():
@@ -326,7 +342,7 @@ class Llama(HookedCalls):
             return chunks if stream else _collect(chunks)
         if stream:
             return self._stream_completion(envelope, prompt, prefix, opts)
-        done = lc_generate(self._model, prompt, **opts)
+        done = lc_generate(self._target(), prompt, **opts)
         return {**envelope, "choices": [{
             "text": prefix + done.text, "index": 0,
             "logprobs": _logprobs(done.logprobs, len(prefix)) if logprobs is not None else None,
@@ -335,7 +351,7 @@ class Llama(HookedCalls):
 
     def _stream_completion(self, envelope: dict[str, Any], prompt: Any, prefix: str,
                            opts: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        text_stream = lc_stream(self._model, prompt, **opts)
+        text_stream = self._target().stream(prompt, **opts)
         want_logprobs = "logprobs" in opts
 
         def chunks() -> Iterator[dict[str, Any]]:
@@ -415,8 +431,8 @@ class Llama(HookedCalls):
             if grammar is not None:
                 raise InvalidArgumentError("pass response_format or grammar, not both")
             opts["json_schema"] = schema
-        out = stream_chat_completion(self._model, messages, **opts) if stream else \
-            chat_completion(self._model, messages, **opts)
+        out = stream_chat_completion(self._target(), messages, **opts) if stream else \
+            chat_completion(self._target(), messages, **opts)
         name = model or self.model_path  # (llama-cpp-python names the model by its path)
         if stream:
             return (_restamp(chunk, name) for chunk in out)
@@ -624,6 +640,8 @@ class Llama(HookedCalls):
         return cls(model_path=os.fspath(path), **kwargs)
 
     def close(self) -> None:
+        if getattr(self, "_spec", None) is not None:
+            self._spec.close()
         self._session.close()
         self._model.close()
 

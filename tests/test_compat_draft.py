@@ -1,0 +1,141 @@
+"""``Llama(draft_model=...)`` (issue 43): llama-cpp-python's draft models verified by our speculative session.
+
+The invariant: greedy output with a draft model is the model's own greedy output (up to a near tie in the
+reference: a verification batch rounds apart from one-token decodes), and the drafts are really used.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import llama_ctypes as lc
+from llama_ctypes.compat import Llama
+from llama_ctypes.interfaces.compat.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+from margins import assert_same_greedy
+
+# Repetitive text: prompt lookup finds what follows, so drafts are proposed and accepted.
+PROMPT = "one two three four five six seven eight. one two three four five six seven eight. one two three"
+
+
+def _check(out, model, n, what, **opts):
+    """out (a compat completion with logprobs) against our plain greedy run, cold, with compat's context
+    defaults (llama-cpp-python's flash_attn=False: flash attention alone moves Gemma's logits by ~0.2 nats)."""
+    opts = {"n_ctx": 512, "n_batch": 512, "flash_attn": "disabled", **opts}
+    ref = lc.generate(model, PROMPT, max_tokens=n, temp=0, logprobs=3, cache_prompt=False, **opts)
+    pieces = out["choices"][0]["logprobs"]["tokens"]
+    assert_same_greedy(pieces, [e.text for e in ref.logprobs],
+                       [[(a.text, a.logprob) for a in e.top] for e in ref.logprobs], what=what)
+    return ref
+
+
+class Oracle(LlamaDraftModel):
+    """Proposes the plain greedy run's next tokens (so drafts are accepted), recording what it was given."""
+
+    def __init__(self, n_prompt: int, greedy: list[int], k: int = 6) -> None:
+        self.n_prompt, self.greedy, self.k = n_prompt, greedy, k
+        self.calls: list[np.ndarray] = []
+
+    def __call__(self, input_ids, /, **kwargs):
+        self.calls.append(np.array(input_ids))
+        done = len(input_ids) - self.n_prompt
+        return np.array(self.greedy[done:done + self.k], dtype=np.intc)
+
+
+def test_greedy_with_a_draft_model_is_the_model_s_own_greedy(tiny_model_path, tiny_model):
+    greedy = lc.generate(tiny_model, PROMPT, max_tokens=24, temp=0, cache_prompt=False, n_ctx=512,
+                         flash_attn="disabled").tokens
+    draft = Oracle(len(tiny_model.vocab.tokenize(PROMPT, add_special=True)), list(greedy))
+    with Llama(str(tiny_model_path), verbose=False, draft_model=draft) as llm:
+        assert llm.draft_model is draft
+        out = llm(PROMPT, max_tokens=24, temperature=0, logprobs=1)
+        assert draft.calls, "the draft model was never asked"
+        ids = llm.tokenize(PROMPT.encode())
+        # given every token held so far, prompt first, as llama-cpp-python passes input_ids
+        assert draft.calls[0].dtype == np.intc and list(draft.calls[0][:len(ids)]) == ids
+        assert len(draft.calls[-1]) > len(ids)
+        stats = llm._spec.stats()
+        assert stats.drafted > 0 and stats.accepted > 0, stats
+        ref = _check(out, tiny_model, 24, "compat draft_model vs plain greedy")
+        assert out["usage"]["completion_tokens"] == len(ref.tokens)
+        # streamed: the same text as the whole call (same session, same greedy path)
+        chunks = list(llm(PROMPT, max_tokens=24, temperature=0, stream=True))
+        assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == out["choices"][0]["finish_reason"]
+        # chat, JSON schema included, runs on the session too
+        chat = llm.create_chat_completion([{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0)
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        calls = len(draft.calls)
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        reply = llm.create_chat_completion([{"role": "user", "content": "a?"}], max_tokens=24, temperature=0,
+                                           response_format={"type": "json_object", "schema": schema})
+        assert len(draft.calls) > calls
+        content = reply["choices"][0]["message"]["content"]
+        assert content.startswith("{") and '"a"' in content
+
+
+class Faulty(LlamaDraftModel):
+    """Proposes what llama.cpp must never see: ids out of the vocabulary, negative ids, floats."""
+
+    def __init__(self, n_vocab: int) -> None:
+        self.n_vocab = n_vocab
+        self.n = 0
+
+    def __call__(self, input_ids, /, **kwargs):
+        self.n += 1
+        kind = self.n % 4
+        if kind == 0:
+            return np.array([int(input_ids[-1]), self.n_vocab + 5], dtype=np.int64)
+        if kind == 1:
+            return np.array([-1, 3], dtype=np.int64)
+        if kind == 2:
+            return np.array([1.5, 2.0])
+        return [2 ** 40]
+
+
+def test_a_faulty_draft_model_cannot_reach_llama_cpp_and_its_errors_surface(tiny_model_path, tiny_model):
+    with Llama(str(tiny_model_path), verbose=False, draft_model=Faulty(tiny_model.n_vocab)) as llm:
+        out = llm(PROMPT, max_tokens=16, temperature=0, logprobs=1)
+        _check(out, tiny_model, 16, "faulty drafts")
+
+    class Raising(LlamaDraftModel):
+        def __call__(self, input_ids, /, **kwargs):
+            raise RuntimeError("draft model broke")
+
+    with Llama(str(tiny_model_path), verbose=False, draft_model=Raising()) as llm:
+        with pytest.raises(RuntimeError, match="draft model broke"):
+            llm(PROMPT, max_tokens=8, temperature=0)
+        # the session is free again: the hooked path and another call still work
+        with pytest.raises(RuntimeError, match="draft model broke"):
+            llm(PROMPT, max_tokens=8, temperature=0)
+        assert llm(PROMPT, max_tokens=3, temperature=0, logits_processor=[lambda i, s: s])["choices"][0]["text"]
+
+
+def test_one_call_at_a_time_and_close_under_a_running_stream(tiny_model_path):
+    llm = Llama(str(tiny_model_path), verbose=False, draft_model=LlamaPromptLookupDecoding())
+    stream = llm(PROMPT, max_tokens=32, temperature=0, stream=True)
+    next(stream)
+    with pytest.raises(lc.BusyError):
+        llm(PROMPT, max_tokens=4, temperature=0)
+    llm.close()  # the running stream keeps what it needs until it ends
+    rest = list(stream)
+    assert rest and rest[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    with pytest.raises(lc.ClosedError):
+        llm(PROMPT, max_tokens=4)
+
+
+def test_draft_length_follows_the_draft_model_and_the_micro_batch(tiny_model_path):
+    with Llama(str(tiny_model_path), verbose=False, n_ubatch=4,
+               draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)) as llm:
+        assert llm._spec.n_draft == 3
+    with pytest.raises(lc.InvalidArgumentError, match="n_ubatch"):
+        Llama(str(tiny_model_path), verbose=False, n_ubatch=1, draft_model=LlamaPromptLookupDecoding())
+
+
+@pytest.mark.gemma
+def test_gemma_greedy_with_prompt_lookup_is_its_own_greedy(gemma_path, gemma):
+    with Llama(str(gemma_path), verbose=False, n_ctx=1024,
+               draft_model=LlamaPromptLookupDecoding(num_pred_tokens=8)) as llm:
+        out = llm(PROMPT, max_tokens=24, temperature=0, logprobs=1)
+        _check(out, gemma, 24, "Gemma draft_model vs plain greedy", n_ctx=1024)
+        assert llm._spec.stats().accepted > 0
