@@ -39,6 +39,7 @@ from . import _fim
 from ._draft import CallableDraft, draft_length
 from ._hooked import HookedCalls, _collect, _usage
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
+from .llama_chat_format import Llava15ChatHandler
 from .llama_grammar import LlamaGrammar
 from .llama_tokenizer import LlamaModelHandle, LlamaTokenizer, llama_model_get_vocab, llama_token_to_piece
 
@@ -65,7 +66,7 @@ CHAT_FORMATS = {
 
 # Constructor arguments taken only at these values (anything else: refused, naming it).
 _ONLY = {
-    "numa": (False, 0), "lora_base": (None,), "tokenizer": (None,), "chat_handler": (None,),
+    "numa": (False, 0), "lora_base": (None,), "tokenizer": (None,),
 }
 # Arguments of older llama-cpp-python versions that frameworks still pass (LangChain: n_parts, f16_kv; its
 # embeddings: device), taken at the values that mean what llama.cpp does now; llama-cpp-python ignores them.
@@ -122,8 +123,15 @@ class Llama(HookedCalls):
             raise _refuse(f"chat_format={chat_format!r}", f"known formats: {', '.join(sorted(CHAT_FORMATS))}")
         if split_mode not in _SPLIT:
             raise InvalidArgumentError(f"split_mode={split_mode!r}: expected one of {sorted(_SPLIT)}")
+        if chat_handler is not None and not callable(chat_handler):
+            raise ArgumentTypeError(f"chat_handler must be a callable (llama_chat_format.LlamaChatCompletionHandler), "
+                                    f"not {type(chat_handler).__name__}")
+        self.chat_handler = chat_handler
+        # (a projector handler: the projector is loaded with the model and our chat path reads the images)
+        self._projector_handler = isinstance(chat_handler, Llava15ChatHandler)
         self._model: Model = load_model(
-            self.model_path, n_gpu_layers=n_gpu_layers, split_mode=_SPLIT[split_mode], main_gpu=main_gpu,
+            self.model_path, mmproj=chat_handler.clip_model_path if self._projector_handler else None,
+            n_gpu_layers=n_gpu_layers, split_mode=_SPLIT[split_mode], main_gpu=main_gpu,
             tensor_split=tensor_split, vocab_only=vocab_only, use_mmap=use_mmap, use_mlock=use_mlock,
             kv_overrides=kv_overrides)
         if self.chat_format is None and self._model.chat_template is None:
@@ -389,7 +397,18 @@ class Llama(HookedCalls):
                                logit_bias: Mapping[int, float] | None = None, logprobs: bool | None = None,
                                top_logprobs: int | None = None) -> Any:
         """A ``chat.completion`` dict (or an iterator of ``chat.completion.chunk`` dicts), rendered with
-        ``chat_format`` or the model's own template, tool calls parsed from the model's format."""
+        ``chat_format`` or the model's own template, tool calls parsed from the model's format. With a
+        ``chat_handler`` (other than a projector's), the handler is called instead, with ``llama=self`` and
+        these arguments, as llama-cpp-python does."""
+        if self.chat_handler is not None and not self._projector_handler:
+            return self.chat_handler(
+                llama=self, messages=messages, functions=functions, function_call=function_call, tools=tools,
+                tool_choice=tool_choice, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                typical_p=typical_p, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream, stop=stop,
+                seed=seed, response_format=response_format, max_tokens=max_tokens, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
+                mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+                logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
                                          or top_logprobs < 0):
             raise InvalidArgumentError(f"top_logprobs={top_logprobs!r}: expected an integer >= 0")

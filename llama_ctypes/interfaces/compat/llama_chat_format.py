@@ -1,4 +1,4 @@
-"""llama-cpp-python's ``llama_chat_format``: chat formatters that turn messages into a prompt.
+"""llama-cpp-python's ``llama_chat_format``: chat formatters that turn messages into a prompt, and chat handlers.
 
 ``Llama.create_chat_completion`` renders with the model's own template (or ``chat_format``) itself;
 these are for code that formats prompts by hand. Templates render in llama_ctypes' Jinja sandbox
@@ -7,6 +7,7 @@ these are for code that formats prompts by hand. Templates render in llama_ctype
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -14,7 +15,9 @@ from ...features.chat_template import ChatTemplate
 from ._session import StoppingCriteriaList
 
 __all__ = ["ChatFormatterResponse", "ChatFormatter", "Jinja2ChatFormatter", "hf_tokenizer_config_to_chat_formatter",
-           "format_mistral_instruct"]
+           "format_mistral_instruct", "LlamaChatCompletionHandler", "Llava15ChatHandler", "Llava16ChatHandler",
+           "MoondreamChatHandler", "NanoLlavaChatHandler", "Llama3VisionAlphaChatHandler", "MiniCPMv26ChatHandler",
+           "Qwen25VLChatHandler"]
 
 
 @dataclass
@@ -99,3 +102,54 @@ def format_mistral_instruct(messages: list[Mapping[str, Any]], **kwargs: Any) ->
         elif role == "assistant" and content:
             prompt += content + eos
     return ChatFormatterResponse(prompt=prompt, stop=eos)
+
+
+class LlamaChatCompletionHandler(Protocol):
+    """A ``chat_handler``: ``Llama.create_chat_completion`` calls it with ``llama=`` and all its own arguments
+    (messages, tools, sampling, stream, ...) and returns what it returns."""
+
+    def __call__(self, *, llama: Any, messages: list[Mapping[str, Any]], **kwargs: Any) -> Any: ...
+
+
+class Llava15ChatHandler:
+    """A multimodal projector for ``Llama(chat_handler=...)``: ``Llama`` loads ``clip_model_path`` as the
+    model's projector (libmtmd), and image parts in chat messages (``image_url``: a data URL, a file path
+    or URL as :func:`llama_ctypes.chat` takes it) reach the model.
+
+    Unlike llama-cpp-python's handler classes, which each hard-code one prompt format, the prompt is
+    rendered with the model's own chat template (or ``chat_format``), as llama-server does; the subclasses
+    differ only by name.
+    """
+
+    def __init__(self, clip_model_path: str, verbose: bool = True) -> None:
+        if not isinstance(clip_model_path, (str, os.PathLike)):
+            raise TypeError(f"clip_model_path must be a path, not {type(clip_model_path).__name__}")
+        self.clip_model_path = os.fspath(clip_model_path)
+        self.verbose = verbose
+
+    def __call__(self, *, llama: Any, messages: list[Mapping[str, Any]], **kwargs: Any) -> Any:
+        return llama.create_chat_completion(messages, **kwargs)
+
+
+class Llava16ChatHandler(Llava15ChatHandler):
+    pass
+
+
+class MoondreamChatHandler(Llava15ChatHandler):
+    pass
+
+
+class NanoLlavaChatHandler(Llava15ChatHandler):
+    pass
+
+
+class Llama3VisionAlphaChatHandler(Llava15ChatHandler):
+    pass
+
+
+class MiniCPMv26ChatHandler(Llava15ChatHandler):
+    pass
+
+
+class Qwen25VLChatHandler(Llava15ChatHandler):
+    pass

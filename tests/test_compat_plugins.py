@@ -1,4 +1,6 @@
-"""``Llama(draft_model=...)`` (issue 43): llama-cpp-python's draft models verified by our speculative session.
+"""``Llama(draft_model=...)`` and ``Llama(chat_handler=...)`` (issue 43): llama-cpp-python's plug-ins of a Llama.
+
+Draft models are verified by our speculative session; projector chat handlers load the projector.
 
 The invariant: greedy output with a draft model is the model's own greedy output (up to a near tie in the
 reference: a verification batch rounds apart from one-token decodes), and the drafts are really used.
@@ -57,7 +59,8 @@ def test_greedy_with_a_draft_model_is_the_model_s_own_greedy(tiny_model_path, ti
         stats = llm._spec.stats()
         assert stats.drafted > 0 and stats.accepted > 0, stats
         ref = _check(out, tiny_model, 24, "compat draft_model vs plain greedy")
-        assert out["usage"]["completion_tokens"] == len(ref.tokens)
+        assert out["usage"]["completion_tokens"] == len(out["choices"][0]["logprobs"]["tokens"]) <= 24
+        assert out["usage"]["prompt_tokens"] == len(ids) == ref.prompt_tokens
         # streamed: the same text as the whole call (same session, same greedy path)
         chunks = list(llm(PROMPT, max_tokens=24, temperature=0, stream=True))
         assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
@@ -139,3 +142,58 @@ def test_gemma_greedy_with_prompt_lookup_is_its_own_greedy(gemma_path, gemma):
         out = llm(PROMPT, max_tokens=24, temperature=0, logprobs=1)
         _check(out, gemma, 24, "Gemma draft_model vs plain greedy", n_ctx=1024)
         assert llm._spec.stats().accepted > 0
+
+
+# ---- chat_handler (in this file: both are llama-cpp-python's plug-ins of a Llama) --------------------------
+
+
+def test_a_projector_chat_handler_loads_it_and_images_reach_the_model(tmp_path, tiny_model_path):
+    import base64
+
+    from llama_ctypes.interfaces.compat.llama_chat_format import Llava15ChatHandler, Qwen25VLChatHandler
+    from media_files import png
+    from tiny_models import write_tiny_mmproj
+
+    mmproj = write_tiny_mmproj(tmp_path / "mmproj.gguf")
+    image = np.random.default_rng(3).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                               {"type": "image_url", "image_url": {"url": url}}]}]
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "What is"}]}]
+    assert issubclass(Qwen25VLChatHandler, Llava15ChatHandler)
+    with Llama(str(tiny_model_path), verbose=False, chat_format="chatml",
+               chat_handler=Llava15ChatHandler(clip_model_path=str(mmproj))) as llm:
+        reply = llm.create_chat_completion(with_image, max_tokens=3, temperature=0)
+        plain = llm.create_chat_completion(text_only, max_tokens=3, temperature=0)
+        ref = lc.load_model(tiny_model_path, mmproj=mmproj)
+        try:
+            ours = lc.chat(ref, with_image, chat_template="chatml", max_tokens=3, temp=0, n_ctx=512)
+        finally:
+            ref.close()
+        # the image's embeddings are in the prompt, as lc.chat on a model with that projector puts them
+        assert reply["usage"]["prompt_tokens"] == ours.prompt_tokens > plain["usage"]["prompt_tokens"] + 8
+    with pytest.raises(lc.LlamaError):
+        Llama(str(tiny_model_path), verbose=False, chat_handler=Llava15ChatHandler(str(tmp_path / "missing.gguf")))
+
+
+def test_any_other_chat_handler_is_called_with_the_llama_and_the_arguments(tiny_model_path):
+    seen = {}
+
+    def handler(*, llama, messages, **kwargs):
+        seen.update(kwargs, llama=llama, messages=messages)
+        # a handler that formats its own prompt and completes it, as llama-cpp-python's formatter handlers do
+        out = llama.create_completion("[user] " + messages[-1]["content"] + "\n[assistant]",
+                                      max_tokens=kwargs["max_tokens"], temperature=kwargs["temperature"])
+        return {"id": "chat" + out["id"], "object": "chat.completion", "created": out["created"],
+                "model": out["model"], "usage": out["usage"],
+                "choices": [{"index": 0, "finish_reason": out["choices"][0]["finish_reason"],
+                             "message": {"role": "assistant", "content": out["choices"][0]["text"]}}]}
+
+    with Llama(str(tiny_model_path), verbose=False, chat_handler=handler) as llm:
+        reply = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+                                           top_k=7)
+        assert seen["llama"] is llm and seen["messages"][-1]["content"] == "Hi"
+        assert seen["top_k"] == 7 and seen["stream"] is False and seen["tools"] is None
+        assert 1 <= reply["usage"]["completion_tokens"] <= 4
+    with pytest.raises(lc.ArgumentTypeError, match="chat_handler"):
+        Llama(str(tiny_model_path), verbose=False, chat_handler="chatml")
