@@ -172,6 +172,8 @@ def test_a_projector_chat_handler_loads_it_and_images_reach_the_model(tmp_path, 
             ref.close()
         # the image's embeddings are in the prompt, as lc.chat on a model with that projector puts them
         assert reply["usage"]["prompt_tokens"] == ours.prompt_tokens > plain["usage"]["prompt_tokens"] + 8
+        with pytest.raises(lc.InvalidArgumentError, match="image or audio"):  # (never dropped silently)
+            llm.create_chat_completion(with_image, max_tokens=3, logits_processor=[lambda i, s: s])
     with pytest.raises(lc.LlamaError):
         Llama(str(tiny_model_path), verbose=False, chat_handler=Llava15ChatHandler(str(tmp_path / "missing.gguf")))
 

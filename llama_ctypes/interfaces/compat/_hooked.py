@@ -17,6 +17,7 @@ from ...core.sampler import SamplingParams
 from ...errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from ...features.chat import ChatParams, prompt_tokens, render_prompt
 from ._session import LlamaState, LogitsProcessorList, StoppingCriteriaList
+from ._shapes import _chunk, _collect, _usage
 
 logger = logging.getLogger(__name__.rsplit(".", 1)[0] + ".llama")
 
@@ -161,20 +162,6 @@ class HookedCalls:
                 logger.warning("the prompt cache's state does not fit this Llama; treated as a miss")
 
 
-def _chunk(envelope: dict[str, Any], text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
-    return {**envelope, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
-
-
-def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
-    """A streamed completion's chunks as the one ``text_completion`` dict."""
-    text, last = [], None
-    for last in chunks:
-        text.append(last["choices"][0]["text"])
-    assert last is not None
-    choice = dict(last["choices"][0], text="".join(text))
-    return {**{k: v for k, v in last.items() if k != "choices"}, "choices": [choice]}
-
-
 def _logprob_entry(row: np.ndarray, tok: int, n: int) -> tuple[float, dict[int, float]]:
     """The chosen token's log-probability and the ``n`` best, from one raw logits row (then dropped)."""
     row = row.astype(np.float64)
@@ -198,11 +185,6 @@ def _raw_logprobs(vocab: Any, tokens: list[int], entries: list[tuple[float, dict
         out["top_logprobs"].append(entry)
         offset += len(piece)
     return out
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _prompt_logprobs(vocab: Any, tokens: list[int], rows: np.ndarray, n: int) -> dict[str, Any]:

@@ -13,7 +13,6 @@ What is not carried over raises at once, naming the argument (see docs/compat.md
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -37,7 +36,8 @@ from ...features.structured import generate as lc_generate
 from ...engines.speculative.session import SpeculativeSession
 from . import _fim
 from ._draft import CallableDraft, draft_length
-from ._hooked import HookedCalls, _collect, _usage
+from ._hooked import HookedCalls
+from ._shapes import _collect, _finish, _logprobs, _response_schema, _restamp, _usage
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_chat_format import Llava15ChatHandler
 from .llama_grammar import LlamaGrammar
@@ -423,6 +423,11 @@ class Llama(HookedCalls):
                               "the processor decides what the model may write (docs/compat.md)")
             if logprobs:
                 raise _refuse("logprobs with logits_processor on chat completions", "not carried over yet (docs/compat.md)")
+            if any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
+                   and any(isinstance(p, Mapping) and p.get("type") != "text" for p in m["content"])
+                   for m in messages):
+                raise _refuse("logits_processor on chat messages with image or audio parts",
+                              "not carried over yet (docs/compat.md)")
             return self._hooked_chat(messages, opts, max_tokens, stop, stream, logits_processor,
                                      model or self.model_path,
                                      CHAT_FORMATS[self.chat_format] if self.chat_format else None)
@@ -681,43 +686,3 @@ class Llama(HookedCalls):
 
 def _id(token: int | None) -> int:
     return -1 if token is None else int(token)
-
-
-def _finish(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _logprobs(entries: Any, offset: int) -> dict[str, Any]:
-    """llama-cpp-python's completion logprobs: parallel lists, ``top_logprobs`` a dict per token."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries or ():
-        offsets.append(offset)
-        text = entry.text
-        tokens.append(text)
-        token_logprobs.append(float(entry.logprob))
-        alternatives = {alt.text: float(alt.logprob) for alt in entry.top}
-        alternatives.setdefault(text, float(entry.logprob))
-        top.append(alternatives)
-        offset += len(text)
-    return {"tokens": tokens, "text_offset": offsets, "token_logprobs": token_logprobs, "top_logprobs": top}
-
-
-def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    """llama-cpp-python's ``{"type": "json_object", "schema": ...}`` and OpenAI's ``json_schema`` form."""
-    if not response_format:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        schema = response_format.get("schema")
-        return json.loads(schema) if isinstance(schema, str) else (schema or {"type": "object"})
-    if kind == "json_schema":
-        inner = response_format.get("json_schema") or {}
-        return inner.get("schema") or {"type": "object"}
-    raise InvalidArgumentError(f"response_format type {kind!r}: expected text, json_object or json_schema")
-
-
-def _restamp(out: Any, model: str) -> Any:
-    out["model"] = model
-    return out
