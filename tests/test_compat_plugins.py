@@ -114,17 +114,31 @@ def test_a_faulty_draft_model_cannot_reach_llama_cpp_and_its_errors_surface(tiny
         assert llm(PROMPT, max_tokens=3, temperature=0, logits_processor=[lambda i, s: s])["choices"][0]["text"]
 
 
-def test_one_call_at_a_time_and_close_under_a_running_stream(tiny_model_path):
+def test_a_stream_left_open_does_not_block_the_next_call_and_close_waits_for_it(tiny_model_path):
     llm = Llama(str(tiny_model_path), verbose=False, draft_model=LlamaPromptLookupDecoding())
     stream = llm(PROMPT, max_tokens=32, temperature=0, stream=True)
     next(stream)
-    with pytest.raises(lc.BusyError):
-        llm(PROMPT, max_tokens=4, temperature=0)
+    calls = llm._spec.stats().calls
+    # the session is held by the open stream: this call runs on the pooled contexts, without drafts
+    assert llm(PROMPT, max_tokens=4, temperature=0)["usage"]["completion_tokens"] >= 1
+    assert llm._spec.stats().calls == calls
     llm.close()  # the running stream keeps what it needs until it ends
     rest = list(stream)
     assert rest and rest[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     with pytest.raises(lc.ClosedError):
         llm(PROMPT, max_tokens=4)
+
+
+def test_the_session_reuses_the_prompt_prefix_as_the_pool_does(tiny_model_path):
+    with Llama(str(tiny_model_path), verbose=False, draft_model=LlamaPromptLookupDecoding()) as llm:
+        target = llm._target()
+        assert target is llm._spec
+        opts = llm._run_options(target)
+        first = target.generate(PROMPT, max_tokens=2, temp=0, **opts)
+        again = target.generate(PROMPT + " four five", max_tokens=2, temp=0, **llm._run_options(target))
+        assert first.timings.cached_tokens == 0 and again.timings.cached_tokens >= len(llm.tokenize(PROMPT.encode())) - 1
+        llm.reset()  # llama-cpp-python's reset: the next call starts cold
+        assert llm._run_options(target)["cache_prompt"] is False
 
 
 def test_draft_length_follows_the_draft_model_and_the_micro_batch(tiny_model_path):

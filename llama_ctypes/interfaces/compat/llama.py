@@ -28,7 +28,7 @@ from ...core.model import Model, load_model
 from ...core.sampler import SamplingParams
 from ...core.target import GenerationTarget, LocalTarget
 from ...core.memory import detect_system_memory
-from ...errors import ArgumentTypeError, InvalidArgumentError
+from ...errors import ArgumentTypeError, BusyError, InvalidArgumentError
 from ...features.embeddings import EmbedUsage
 from ...features.embeddings import embed as lc_embed
 from ...features.openai.chat import chat_completion, stream_chat_completion
@@ -127,6 +127,7 @@ class Llama(HookedCalls):
             raise ArgumentTypeError(f"chat_handler must be a callable (llama_chat_format.LlamaChatCompletionHandler), "
                                     f"not {type(chat_handler).__name__}")
         self.chat_handler = chat_handler
+        drafter = CallableDraft(draft_model) if draft_model is not None else None  # (checked before the load)
         # (a projector handler: the projector is loaded with the model and our chat path reads the images)
         self._projector_handler = isinstance(chat_handler, Llava15ChatHandler)
         self._model: Model = load_model(
@@ -170,7 +171,7 @@ class Llama(HookedCalls):
         if draft_model is not None:
             try:
                 n_ubatch = int(self._ctx_opts.get("n_ubatch", n_ubatch))
-                self._spec = SpeculativeSession(self._model, CallableDraft(draft_model),
+                self._spec = SpeculativeSession(self._model, drafter,
                                                 n_draft=draft_length(draft_model, n_ubatch), **self._ctx_opts)
             except BaseException:
                 self._model.close()
@@ -263,13 +264,24 @@ class Llama(HookedCalls):
             opts["grammar"] = grammar.grammar
         return opts
 
-    def _target(self) -> GenerationTarget:
-        """What the plain (not hooked) calls generate on: the model's context pool, or with a
-        ``draft_model`` the speculative session (one call at a time: a concurrent one raises BusyError)."""
-        return self._spec if self._spec is not None else LocalTarget(self._model)
+    def _target(self, media: bool = False) -> GenerationTarget:
+        """What the plain (not hooked) calls generate on: with a ``draft_model``, the speculative session
+        while it is free; the model's context pool otherwise (a stream left unfinished keeps the session,
+        and prompts with images are not drafted for). Two threads that find it free at once: one gets
+        BusyError."""
+        if self._spec is not None and not media:
+            try:
+                with self._spec.context.lease():
+                    return self._spec
+            except BusyError:
+                logger.debug("the speculative session is in use: this call runs without drafts")
+        return LocalTarget(self._model)
 
-    def _run_options(self) -> dict[str, Any]:
-        opts = dict(self._ctx_opts) if self._spec is None else {}  # (a session has its context already)
+    def _run_options(self, target: GenerationTarget) -> dict[str, Any]:
+        if target is self._spec:  # (a session has its context already; it reuses prefixes as the pool does)
+            opts: dict[str, Any] = {"cache_prompt": not self._model.uses_rpc}
+        else:
+            opts = dict(self._ctx_opts)
         if self._lora is not None:
             opts["lora"] = self._lora
         if self._cold_next.is_set():
@@ -322,8 +334,9 @@ class Llama(HookedCalls):
                               mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, seed=seed, logit_bias=logit_bias,
                               grammar=grammar)
         hooked = bool(logits_processor) or bool(stopping_criteria) or self.cache is not None or prompt_logprobs
-        if not hooked:
-            opts.update(self._run_options())
+        target = None if hooked else self._target()
+        if target is not None:
+            opts.update(self._run_options(target))
         opts["max_tokens"] = self._max_tokens(max_tokens)
         if opts["max_tokens"] == -1:  # (llama-cpp-python: what the context leaves after the prompt)
             n_prompt = len(prompt) if not isinstance(prompt, str) else len(
@@ -349,17 +362,17 @@ class Llama(HookedCalls):
                                              prompt_logprobs=prompt_logprobs)
             return chunks if stream else _collect(chunks)
         if stream:
-            return self._stream_completion(envelope, prompt, prefix, opts)
-        done = lc_generate(self._target(), prompt, **opts)
+            return self._stream_completion(target, envelope, prompt, prefix, opts)
+        done = lc_generate(target, prompt, **opts)
         return {**envelope, "choices": [{
             "text": prefix + done.text, "index": 0,
             "logprobs": _logprobs(done.logprobs, len(prefix)) if logprobs is not None else None,
             "finish_reason": _finish(done.finish_reason)}],
             "usage": _usage(done.prompt_tokens, len(done.tokens))}
 
-    def _stream_completion(self, envelope: dict[str, Any], prompt: Any, prefix: str,
+    def _stream_completion(self, target: GenerationTarget, envelope: dict[str, Any], prompt: Any, prefix: str,
                            opts: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        text_stream = self._target().stream(prompt, **opts)
+        text_stream = target.stream(prompt, **opts)
         want_logprobs = "logprobs" in opts
 
         def chunks() -> Iterator[dict[str, Any]]:
@@ -423,15 +436,14 @@ class Llama(HookedCalls):
                               "the processor decides what the model may write (docs/compat.md)")
             if logprobs:
                 raise _refuse("logprobs with logits_processor on chat completions", "not carried over yet (docs/compat.md)")
-            if any(isinstance(m, Mapping) and isinstance(m.get("content"), list)
-                   and any(isinstance(p, Mapping) and p.get("type") != "text" for p in m["content"])
-                   for m in messages):
+            if _has_media(messages):
                 raise _refuse("logits_processor on chat messages with image or audio parts",
                               "not carried over yet (docs/compat.md)")
             return self._hooked_chat(messages, opts, max_tokens, stop, stream, logits_processor,
                                      model or self.model_path,
                                      CHAT_FORMATS[self.chat_format] if self.chat_format else None)
-        opts.update(self._run_options())
+        target = self._target(media=_has_media(messages))
+        opts.update(self._run_options(target))
         opts["max_tokens"] = self._max_tokens(max_tokens)
         opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
         if logprobs:  # (OpenAI's meaning: the chosen tokens' logprobs, with top_logprobs alternatives each)
@@ -455,8 +467,7 @@ class Llama(HookedCalls):
             if grammar is not None:
                 raise InvalidArgumentError("pass response_format or grammar, not both")
             opts["json_schema"] = schema
-        out = stream_chat_completion(self._target(), messages, **opts) if stream else \
-            chat_completion(self._target(), messages, **opts)
+        out = stream_chat_completion(target, messages, **opts) if stream else chat_completion(target, messages, **opts)
         name = model or self.model_path  # (llama-cpp-python names the model by its path)
         if stream:
             return (_restamp(chunk, name) for chunk in out)
@@ -682,6 +693,13 @@ class Llama(HookedCalls):
                 model.close()
             except Exception:  # noqa: BLE001 - interpreter shutdown
                 pass
+
+
+def _has_media(messages: Any) -> bool:
+    """Whether chat messages carry image or audio parts."""
+    return isinstance(messages, Sequence) and any(
+        isinstance(m, Mapping) and isinstance(m.get("content"), list)
+        and any(isinstance(p, Mapping) and p.get("type") != "text" for p in m["content"]) for m in messages)
 
 
 def _id(token: int | None) -> int:
