@@ -136,7 +136,8 @@ def test_the_session_reuses_the_prompt_prefix_as_the_pool_does(tiny_model_path):
         opts = llm._run_options(target)
         first = target.generate(PROMPT, max_tokens=2, temp=0, **opts)
         again = target.generate(PROMPT + " four five", max_tokens=2, temp=0, **llm._run_options(target))
-        assert first.timings.cached_tokens == 0 and again.timings.cached_tokens >= len(llm.tokenize(PROMPT.encode())) - 1
+        n_prompt = len(llm.tokenize(PROMPT.encode()))
+        assert first.timings.cached_tokens == 0 and again.timings.cached_tokens >= n_prompt - 1
         llm.reset()  # llama-cpp-python's reset: the next call starts cold
         assert llm._run_options(target)["cache_prompt"] is False
 

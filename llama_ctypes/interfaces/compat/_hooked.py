@@ -17,7 +17,7 @@ from ...core.sampler import SamplingParams
 from ...errors import ArgumentTypeError, InvalidArgumentError, LlamaError
 from ...features.chat import ChatParams, prompt_tokens, render_prompt
 from ._session import LlamaState, LogitsProcessorList, StoppingCriteriaList
-from ._shapes import _chunk, _collect, _usage
+from ._shapes import collect, completion_chunk, token_usage
 
 logger = logging.getLogger(__name__.rsplit(".", 1)[0] + ".llama")
 
@@ -66,7 +66,7 @@ class HookedCalls:
                                              stopping_criteria=stopping_criteria)
                 try:
                     if prefix:
-                        yield _chunk(envelope, prefix, None, None)
+                        yield completion_chunk(envelope, prefix, None, None)
                     while len(out) < max_tokens and len(tokens) + len(out) < self.n_ctx():
                         tok = next(gen, None)
                         if tok is None or vocab.is_eog(tok):
@@ -83,7 +83,7 @@ class HookedCalls:
                         safe = len(text) - max((n for s in stops for n in range(len(s) - 1, 0, -1)
                                                 if text.endswith(s[:n])), default=0)
                         if safe > sent:
-                            yield _chunk(envelope, text[sent:safe], None, None)
+                            yield completion_chunk(envelope, text[sent:safe], None, None)
                             sent = safe
                 finally:
                     gen.close()
@@ -100,8 +100,8 @@ class HookedCalls:
             if prompt_logprobs and logprobs is not None:
                 logprobs = _joined(prompt_part, logprobs)
             if text[sent:]:
-                yield _chunk(envelope, text[sent:], None, None)
-            yield {**_chunk(envelope, "", logprobs, finish), "usage": _usage(len(tokens), len(out))}
+                yield completion_chunk(envelope, text[sent:], None, None)
+            yield {**completion_chunk(envelope, "", logprobs, finish), "usage": token_usage(len(tokens), len(out))}
 
         return chunks()
 
@@ -133,7 +133,7 @@ class HookedCalls:
 
         if stream:
             return deltas()
-        done = _collect(chunks)
+        done = collect(chunks)
         choice = done["choices"][0]
         return {**envelope, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": choice["text"]}, "logprobs": None,

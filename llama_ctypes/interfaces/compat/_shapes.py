@@ -7,14 +7,15 @@ from typing import Any, Iterator, Mapping
 
 from ...errors import InvalidArgumentError
 
-__all__ = ["_chunk", "_collect", "_usage", "_finish", "_logprobs", "_response_schema", "_restamp"]
+__all__ = ["completion_chunk", "collect", "token_usage", "finish_reason", "completion_logprobs", "response_schema",
+           "restamp"]
 
 
-def _chunk(envelope: dict[str, Any], text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+def completion_chunk(envelope: dict[str, Any], text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
     return {**envelope, "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
+def collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
     """A streamed completion's chunks as the one ``text_completion`` dict."""
     text, last = [], None
     for last in chunks:
@@ -24,16 +25,16 @@ def _collect(chunks: Iterator[dict[str, Any]]) -> dict[str, Any]:
     return {**{k: v for k, v in last.items() if k != "choices"}, "choices": [choice]}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def token_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _finish(reason: str | None) -> str:
+def finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _logprobs(entries: Any, offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: Any, offset: int) -> dict[str, Any]:
     """llama-cpp-python's completion logprobs: parallel lists, ``top_logprobs`` a dict per token."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries or ():
@@ -48,7 +49,7 @@ def _logprobs(entries: Any, offset: int) -> dict[str, Any]:
     return {"tokens": tokens, "text_offset": offsets, "token_logprobs": token_logprobs, "top_logprobs": top}
 
 
-def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+def response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     """llama-cpp-python's ``{"type": "json_object", "schema": ...}`` and OpenAI's ``json_schema`` form."""
     if not response_format:
         return None
@@ -64,6 +65,6 @@ def _response_schema(response_format: Mapping[str, Any] | None) -> Mapping[str, 
     raise InvalidArgumentError(f"response_format type {kind!r}: expected text, json_object or json_schema")
 
 
-def _restamp(out: Any, model: str) -> Any:
+def restamp(out: Any, model: str) -> Any:
     out["model"] = model
     return out

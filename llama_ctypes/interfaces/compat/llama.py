@@ -37,7 +37,7 @@ from ...engines.speculative.session import SpeculativeSession
 from . import _fim
 from ._draft import CallableDraft, draft_length
 from ._hooked import HookedCalls
-from ._shapes import _collect, _finish, _logprobs, _response_schema, _restamp, _usage
+from ._shapes import collect, finish_reason, completion_logprobs, response_schema, restamp, token_usage
 from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_chat_format import Llava15ChatHandler
 from .llama_grammar import LlamaGrammar
@@ -360,15 +360,15 @@ class Llama(HookedCalls):
         if hooked:
             chunks = self._hooked_completion(envelope, prompt, prefix, opts, logits_processor, stopping_criteria,
                                              prompt_logprobs=prompt_logprobs)
-            return chunks if stream else _collect(chunks)
+            return chunks if stream else collect(chunks)
         if stream:
             return self._stream_completion(target, envelope, prompt, prefix, opts)
         done = lc_generate(target, prompt, **opts)
         return {**envelope, "choices": [{
             "text": prefix + done.text, "index": 0,
-            "logprobs": _logprobs(done.logprobs, len(prefix)) if logprobs is not None else None,
-            "finish_reason": _finish(done.finish_reason)}],
-            "usage": _usage(done.prompt_tokens, len(done.tokens))}
+            "logprobs": completion_logprobs(done.logprobs, len(prefix)) if logprobs is not None else None,
+            "finish_reason": finish_reason(done.finish_reason)}],
+            "usage": token_usage(done.prompt_tokens, len(done.tokens))}
 
     def _stream_completion(self, target: GenerationTarget, envelope: dict[str, Any], prompt: Any, prefix: str,
                            opts: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -388,9 +388,9 @@ class Llama(HookedCalls):
                                                     "finish_reason": None}]}
                     offset += len(piece)
                 done = text_stream.completion()
-            last = {"text": "", "index": 0, "logprobs": None, "finish_reason": _finish(done.finish_reason)}
+            last = {"text": "", "index": 0, "logprobs": None, "finish_reason": finish_reason(done.finish_reason)}
             if want_logprobs:
-                last["logprobs"] = _logprobs(done.logprobs, len(prefix))
+                last["logprobs"] = completion_logprobs(done.logprobs, len(prefix))
             yield {**envelope, "choices": [last]}
 
         return chunks()
@@ -435,7 +435,8 @@ class Llama(HookedCalls):
                 raise _refuse("logits_processor with tools, functions or response_format",
                               "the processor decides what the model may write (docs/compat.md)")
             if logprobs:
-                raise _refuse("logprobs with logits_processor on chat completions", "not carried over yet (docs/compat.md)")
+                raise _refuse("logprobs with logits_processor on chat completions",
+                              "not carried over yet (docs/compat.md)")
             if _has_media(messages):
                 raise _refuse("logits_processor on chat messages with image or audio parts",
                               "not carried over yet (docs/compat.md)")
@@ -462,7 +463,7 @@ class Llama(HookedCalls):
             opts["tools"] = list(tools)
             if tool_choice is not None:
                 opts["tool_choice"] = tool_choice
-        schema = _response_schema(response_format)
+        schema = response_schema(response_format)
         if schema is not None:
             if grammar is not None:
                 raise InvalidArgumentError("pass response_format or grammar, not both")
@@ -470,8 +471,8 @@ class Llama(HookedCalls):
         out = stream_chat_completion(target, messages, **opts) if stream else chat_completion(target, messages, **opts)
         name = model or self.model_path  # (llama-cpp-python names the model by its path)
         if stream:
-            return (_restamp(chunk, name) for chunk in out)
-        return _restamp(out, name)
+            return (restamp(chunk, name) for chunk in out)
+        return restamp(out, name)
 
     def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any) -> Any:
         """:meth:`create_chat_completion` as the ``openai`` package's types (``ChatCompletion``, or an
