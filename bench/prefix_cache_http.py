@@ -167,7 +167,7 @@ def main() -> int:
                 else:
                     cmd = [str(exe), "-m", str(args.model), "--host", "127.0.0.1", "--no-webui", "--parallel",
                            str(args.slots), "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
-                           "--chat-template", "gemma", "--port", str(port)]
+                           "--chat-template", "gemma", "--no-jinja", "--port", str(port)]
                 if not cache:
                     cmd += ["--cache-ram", "0"]
                 proc, log = start(cmd, port)

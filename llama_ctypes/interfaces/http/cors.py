@@ -26,7 +26,11 @@ class CorsPolicy:
         self.exact = frozenset(p.rstrip("/") for p in parts if p not in ("*", "localhost"))
 
     def allows(self, origin: str) -> bool:
-        return self.any or origin in self.exact or (self.localhost and bool(_LOCALHOST.match(origin)))
+        return self.any or self.names(origin)
+
+    def names(self, origin: str) -> bool:
+        """Whether the origin is named (or ``localhost`` is and it is one), ``*`` aside."""
+        return origin in self.exact or (self.localhost and bool(_LOCALHOST.match(origin)))
 
     def headers(self, origin: str | None) -> list[tuple[bytes, bytes]]:
         if origin is None or not self.allows(origin):

@@ -15,9 +15,10 @@ from starlette.responses import JSONResponse, Response
 
 from ....errors import AlreadyLoadedError, BusyError, InvalidArgumentError, LlamaError, ModelLoadError
 from ..common import AppContext, endpoint, json_body, read_body
-from ..errors import APIError, BadRequest, NotSupported, Unavailable
+from ..errors import APIError, BadRequest, NotFound, NotSupported, Unavailable
 from ..limits import over_limit
 from ..metrics import CONTENT_TYPE
+from ..origin import check_origin
 from ..schemas import DetokenizeRequest, ModelRequest, TokenizeRequest, parse
 
 
@@ -64,9 +65,24 @@ async def _model_field(request: Request, app: AppContext) -> str:
     return body.model
 
 
+def _admin(request: Request, app: AppContext, what: str) -> None:
+    """An endpoint that changes what the server serves: no page of another site may call it (a "simple"
+    cross-site POST needs no preflight; ``--cors-origins *`` does not count here, named origins do)."""
+    check_origin(request, app, wildcard=False, what=what)
+
+
+def _router_only(app: AppContext) -> None:
+    if not app.router_mode:  # (llama-server serves these in router mode only: with one model they only harm)
+        raise NotFound("/models/load and /models/unload are served in router mode (a server started without a "
+                       "model: --models-dir, --models-preset or --config)")
+
+
 @endpoint
 async def load_model(request: Request, app: AppContext) -> Response:
-    """llama-server's POST /models/load ``{"model": id}``: starts loading a catalog entry (poll /models)."""
+    """llama-server's POST /models/load ``{"model": id}``: starts loading a catalog entry (poll /models).
+    Router mode only; refused to pages of other sites."""
+    _router_only(app)
+    _admin(request, app, "/models/load")
     model_id = await _model_field(request, app)
     try:
         await anyio.to_thread.run_sync(app.router.catalog.load, model_id)  # (an eviction blocks)
@@ -77,7 +93,10 @@ async def load_model(request: Request, app: AppContext) -> Response:
 
 @endpoint
 async def unload_model(request: Request, app: AppContext) -> Response:
-    """llama-server's POST /models/unload ``{"model": id}``: frees a model (its requests end with 503)."""
+    """llama-server's POST /models/unload ``{"model": id}``: frees a model (its requests end with 503).
+    Router mode only; refused to pages of other sites."""
+    _router_only(app)
+    _admin(request, app, "/models/unload")
     model_id = await _model_field(request, app)
     await anyio.to_thread.run_sync(app.router.catalog.unload, model_id)
     return JSONResponse({"success": True})
@@ -312,6 +331,7 @@ async def slot_action(request: Request, app: AppContext) -> Response:
     on the model named by ``?model=``; 501 unless started with ``--slot-save-path``."""
     if app.slot_save_path is None:
         raise NotSupported("this server does not support slots actions: start it with --slot-save-path")
+    _admin(request, app, "slot actions")
     raw_id = request.path_params["id_slot"]
     if not _SLOT_ID.fullmatch(raw_id):
         raise BadRequest("Invalid slot ID", param="id_slot")  # (llama-server's message)
@@ -368,6 +388,7 @@ async def lora_adapters(request: Request, app: AppContext) -> Response:
     sets those scales (adapters not listed get 0) and answers ``{"success": true}``."""
     _, server = app.router.server(request.query_params.get("model") or None)
     if request.method == "POST":
+        _admin(request, app, "/lora-adapters")
         body = await _json_body(request, app, list, "Request body must be an array")
         scales: dict[Any, float] = {}
         for entry in body:
@@ -376,6 +397,8 @@ async def lora_adapters(request: Request, app: AppContext) -> Response:
             if isinstance(key, bool) or not isinstance(key, (int, str)) or isinstance(scale, bool) \
                     or not isinstance(scale, (int, float)):
                 raise BadRequest('each entry is {"id": <adapter id>, "scale": <number>}')
+            if key in scales:  # (as a request's own "lora" list: one scale per adapter)
+                raise BadRequest(f"the adapter {key!r} is listed twice")
             scales[key] = float(scale)
         try:
             server.set_lora_scales(scales)
@@ -394,6 +417,7 @@ async def _json_body(request: Request, app: AppContext, kind: type, refusal: str
 
 
 async def _lora_admin_body(request: Request, app: AppContext) -> dict[str, Any]:
+    _admin(request, app, "/lora-adapters/load and /unload")
     if not app.api_keys:
         # (it names files on this machine: never offered to anyone who can reach the port)
         raise NotSupported("loading and unloading LoRA adapters over HTTP needs the server started with an API key")

@@ -4,11 +4,9 @@ MCP servers, and a CORS pass-through), each off unless enabled, answering 403 th
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import threading
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 from starlette.requests import Request
@@ -17,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from ..common import AppContext, endpoint, json_body, read_body
 from ..cors_proxy import LOOP_HEADER, proxy
 from ..errors import APIError, BadRequest, InternalError
+from ..origin import OriginRefused, check_origin
 from ..streaming import EventStream, until_disconnect
 from ..tools.base import ToolCallError, ToolNotFound, ToolParamError, tool_limiter
 
@@ -34,54 +33,12 @@ class ToolMissing(APIError):
     status, type, code = 404, "invalid_request_error", None
 
 
-class OriginRefused(APIError):
-    status, type, code = 403, "invalid_request_error", "origin_not_allowed"
-
-
 class MethodRefused(APIError):
     status, type, code = 405, "invalid_request_error", None
 
 
 def _disabled() -> FeatureDisabled:
     return FeatureDisabled("this feature is disabled")
-
-
-def _check_origin(request: Request, app: AppContext) -> None:
-    """Refuse a browser page of another origin than ``--cors-origins`` lets in (or the server's own).
-
-    CORS only hides an answer from such a page; a "simple" cross-site POST (``text/plain``, no preflight)
-    still runs. For generation that costs compute; here it would run commands or reach hosts for any
-    web page the user visits, so these endpoints refuse it outright (llama-server does not).
-
-    The server's own page is let in when it was reached by an IP address: a page reached by a host name
-    sends that name as both ``Origin`` and ``Host``, which is also what a page of an attacker's domain
-    sends once the domain resolves to this server (DNS rebinding). Such names go in ``--cors-origins``.
-
-    A browser sends no ``Origin`` with a link, an image or a ``no-cors`` fetch; its ``Sec-Fetch-Site``
-    (which no page can set) still says whether another site's page sent it: such a request is refused.
-    Clients that are no browser send neither header."""
-    origin = request.headers.get("origin")
-    if origin is None:
-        if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
-            raise OriginRefused("a request from a page of another site (a link, an image, a no-cors fetch) "
-                                "is not allowed here")
-        return
-    if app.cors.allows(origin):
-        return
-    host = request.headers.get("host", "")
-    if _ip_host(host) and origin in (f"http://{host}", f"https://{host}"):
-        return
-    raise OriginRefused(f"requests from pages of {origin} are not allowed here: add the origin to "
-                        "--cors-origins to let its pages use the tools and the proxy")
-
-
-def _ip_host(host: str) -> bool:
-    """Whether a ``Host`` header names an IP address (with or without a port), not a host name."""
-    try:
-        ipaddress.ip_address(urlsplit("//" + host).hostname or "")
-    except ValueError:
-        return False
-    return True
 
 
 #: the headers that steer a call, decoded as the UTF-8 clients send (Starlette reads headers as latin-1)
@@ -108,7 +65,7 @@ async def tools(request: Request, app: AppContext) -> Response:
         # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
         # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells; /cors-proxy answers 508)
         raise OriginRefused("a request that came through /cors-proxy is not allowed here")
-    _check_origin(request, app)
+    check_origin(request, app)
     if request.method == "GET":
         return JSONResponse(box.listing())
     data = json_body(await read_body(request, app.max_body_bytes))
@@ -200,5 +157,5 @@ async def cors_proxy(request: Request, app: AppContext) -> Response:
         raise _disabled()
     if request.method not in ("GET", "POST"):  # (Starlette adds HEAD to a GET route)
         raise MethodRefused(f"{request.method} is not proxied: GET and POST are")
-    _check_origin(request, app)
+    check_origin(request, app)
     return await proxy(request, await read_body(request, app.max_body_bytes))

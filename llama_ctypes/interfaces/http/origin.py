@@ -1,0 +1,63 @@
+"""Which browser pages may make the server act: endpoints that run commands or change what it serves.
+
+CORS only hides an answer from a page of another origin; a "simple" cross-site POST (``text/plain``, no
+preflight) still runs, and a link, an image or a ``no-cors`` fetch sends no ``Origin`` at all. For
+generation that costs compute; for ``/tools`` and ``/cors-proxy`` it would run commands or reach hosts,
+and for the administrative endpoints (``/models/load``, ``/models/unload``, slot actions, adapter changes)
+it would let any web page the user visits unload the model or overwrite slots. Those refuse such pages
+outright (llama-server does not).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from starlette.requests import Request
+
+from .common import AppContext
+from .errors import APIError
+
+
+class OriginRefused(APIError):
+    status, type, code = 403, "invalid_request_error", "origin_not_allowed"
+
+
+def own_host(host: str) -> bool:
+    """Whether a ``Host`` header names an IP address or ``localhost`` (with or without a port): names that no
+    other site's page can make a browser send (DNS rebinding needs the attacker's own host name)."""
+    name = urlsplit("//" + host).hostname or ""
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, what: str = "the tools and the proxy") \
+        -> None:
+    """Refuse a browser page of another origin than ``--cors-origins`` lets in (or the server's own).
+
+    ``wildcard=False``: ``--cors-origins *`` (the default) does not count; only origins named there (or
+    ``localhost``) and the server's own page. The server's own page is let in when it was reached by an IP
+    address or ``localhost``: a page reached by another host name sends that name as both ``Origin`` and
+    ``Host``, which is also what a page of an attacker's domain sends once the domain resolves to this
+    server (DNS rebinding). Such names go in ``--cors-origins``.
+
+    A browser's ``Sec-Fetch-Site`` (which no page can set) says whether another site's page sent a request
+    that carries no ``Origin``: such a request is refused. Clients that are no browser send neither header."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            raise OriginRefused("a request from a page of another site (a link, an image, a no-cors fetch) "
+                                "is not allowed here")
+        return
+    if app.cors.allows(origin) if wildcard else app.cors.names(origin):
+        return
+    host = request.headers.get("host", "")
+    if own_host(host) and origin in (f"http://{host}", f"https://{host}"):
+        return
+    raise OriginRefused(f"requests from pages of {origin} are not allowed here: add the origin to "
+                        f"--cors-origins to let its pages use {what}")
