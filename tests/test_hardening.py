@@ -282,6 +282,34 @@ def test_a_json_schema_pattern_of_copies_of_the_empty_is_refused(tiny_model):
         lc.generate(tiny_model, PROMPT, json_schema=schema, max_tokens=20)
 
 
+GEMMA_VOCAB = 262144
+
+
+def test_a_grammar_too_broad_for_the_vocabulary_is_refused(tiny_model):
+    """Where the model's pick is refused, llama.cpp tests every token against every parse stack (and each of a
+    class's ranges): 10,000 alternatives took 1.5 to 2.5 s per token on the tiny model's 32k vocabulary, and a
+    Server's other requests waited. The bound scales with the vocabulary; 1,000 alternatives (a JSON-schema
+    enum's most) pass on Gemma's 262k."""
+    from llama_ctypes.core.grammar_check import check_breadth
+
+    words = lambda n: "root ::= (" + " | ".join(f'"w{i} "' for i in range(n)) + ")+"  # noqa: E731
+    for grammar in (words(10_000), "root ::= [" + "".join(chr(0x4E00 + 2 * i) for i in range(20_000)) + "]+",
+                    # spread over rules, behind something that can match nothing
+                    'root ::= " "? (' + " | ".join(f"r{j}" for j in range(10)) + ")+\n"
+                    + "\n".join(f"r{j} ::= " + " | ".join(f'"x{j}y{i}"' for i in range(1000)) for j in range(10))):
+        t0 = time.perf_counter()
+        with pytest.raises(lc.GrammarError, match="too broad for this model's vocabulary of 32000"):
+            lc.generate(tiny_model, PROMPT, grammar=grammar, max_tokens=4)
+        assert time.perf_counter() - t0 < 2.0
+    out = lc.generate(tiny_model, PROMPT, grammar=words(1000), max_tokens=6, ignore_eos=True)
+    assert out.text.startswith("w")
+    check_breadth(words(1024), GEMMA_VOCAB)
+    with pytest.raises(lc.GrammarError, match="at most 1024"):
+        check_breadth(words(1025), GEMMA_VOCAB)
+    enum = lc.grammar.from_json_schema({"enum": [f"value {i}" for i in range(1000)]})
+    check_breadth(enum, GEMMA_VOCAB)
+
+
 def test_what_llama_cpp_generates_is_never_refused():
     """No false refusals: every schema of llama.cpp's converter tests, every grammar they expect, its grammars/
     files, and the tool-call grammars and triggers of every chat template it ships pass the checks."""
@@ -290,7 +318,7 @@ def test_what_llama_cpp_generates_is_never_refused():
     import re
 
     from conftest import llama_cpp_dir
-    from llama_ctypes.core.grammar_check import check_gbnf
+    from llama_ctypes.core.grammar_check import check_breadth, check_gbnf
     from llama_ctypes.core.trigger_check import check_trigger_pattern as _check_trigger_pattern
     from llama_ctypes.features.chat_native import ChatFormatter
 
@@ -300,6 +328,7 @@ def test_what_llama_cpp_generates_is_never_refused():
     assert len(grammars) > 50
     for grammar in grammars:
         check_gbnf(grammar)
+        check_breadth(grammar, GEMMA_VOCAB)
     schemas = 0
     for block in blocks:
         try:
@@ -309,9 +338,9 @@ def test_what_llama_cpp_generates_is_never_refused():
         if isinstance(schema, dict):
             schemas += 1
             try:
-                lc.grammar.from_json_schema(schema)
+                check_breadth(lc.grammar.from_json_schema(schema), GEMMA_VOCAB)
             except lc.LlamaError as exc:
-                assert "nothing" not in str(exc) and "deep" not in str(exc), (exc, block)
+                assert "nothing" not in str(exc) and "deep" not in str(exc) and "broad" not in str(exc), (exc, block)
     assert schemas > 50
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -325,6 +354,7 @@ def test_what_llama_cpp_generates_is_never_refused():
                 continue  # (a template that cannot render this; the parity tests cover templates)
             if fmt.grammar:
                 check_gbnf(fmt.grammar)
+                check_breadth(fmt.grammar, GEMMA_VOCAB)
             for pattern in fmt.trigger_patterns:
                 _check_trigger_pattern(pattern)
                 triggers += 1

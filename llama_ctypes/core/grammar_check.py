@@ -14,11 +14,17 @@ where each copy may also be empty every way of spreading the input over them is 
 parse stack of its own. 20 tokens took 8 s at ``{0,100}`` and minutes beyond, in
 the sampler, where nothing can interrupt it: every request of the model waited.
 ``x*`` on a nullable ``x`` says nothing that ``x*`` on its non-empty part does not.
+
+And the breadth of a grammar (:func:`check_breadth`): where the model's pick is refused, llama.cpp
+tests every token of the vocabulary against every parse stack, and each stack's next character against
+each range of its class. A rule of 10,000 alternatives took 1.5 to 2.5 s per token on a 32k vocabulary
+(a class of 20,000 scattered characters about the same): every request of the server waited.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Iterator
 
 from ..errors import GrammarError
 from .deep_stack import DEEP_STACK
@@ -28,6 +34,10 @@ from .deep_stack import DEEP_STACK
 MAX_DEPTH = 2000
 #: Most rules in one grammar.
 MAX_RULES = 20000
+#: Most (parse stacks x class ranges at one position) x vocabulary size: a full-vocabulary grammar check then
+#: costs at most what a JSON-schema enum of 1,000 values (json_schema.limits) costs on a 262k vocabulary,
+#: about 1.5 s on a 2-core CPU. 10,000 alternatives on a 32k vocabulary are over it.
+MAX_BREADTH_WORK = 1024 * 262144
 
 _IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -318,19 +328,7 @@ def _check_repetitions(text: str) -> None:
     Longer units count together only when their text is the same: ambiguity in general is undecidable, and
     this bounds the shapes that were seen to take seconds to minutes per token."""
     rules = _parse_rules(text)
-    nullable: set[str] = set()
-
-    def item_nullable(item: _Item) -> bool:
-        kind, key, ops = item
-        return kind == "empty" or (kind == "ref" and key in nullable) or any(lo == 0 for lo, _ in ops)
-
-    changed = True
-    while changed:
-        changed = False
-        for name, alts in rules.items():
-            if name not in nullable and any(all(map(item_nullable, seq)) for seq in alts):
-                nullable.add(name)
-                changed = True
+    nullable = _nullable_rules(rules)
 
     units: dict[str, _Profile] = {}  # per rule: what it takes as one item, and by how many paths
     signature: dict[str, str] = {}  # per rule: its normalized body (what makes two rules copies)
@@ -389,31 +387,96 @@ def _check_repetitions(text: str) -> None:
         return most
 
     # rules after the rules they refer to (a reference back up a cycle counts 0: recursion is not copies)
+    for name in _dependency_order(rules):
+        n = analyse(name)
+        if n > MAX_EMPTY_COPIES:
+            where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
+            raise GrammarError(
+                f"grammar puts {n} copies of something that can match nothing side by side (in {where}; at most "
+                f"{MAX_EMPTY_COPIES}): llama.cpp would follow every way of spreading the text over them (minutes "
+                "per token); repeat its non-empty part, or use * or + (x{0,100} with x ::= \"a\"? is \"a\"*)")
+
+
+def _nullable_rules(rules: dict[str, list[list[_Item]]]) -> set[str]:
+    """The rules (and groups) that can match nothing."""
+    nullable: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, alts in rules.items():
+            if name not in nullable and any(all(_item_nullable(item, nullable) for item in seq) for seq in alts):
+                nullable.add(name)
+                changed = True
+    return nullable
+
+
+def _item_nullable(item: _Item, nullable: set[str]) -> bool:
+    kind, key, ops = item
+    return kind == "empty" or (kind == "ref" and key in nullable) or any(lo == 0 for lo, _ in ops)
+
+
+def _dependency_order(rules: dict[str, list[list[_Item]]]) -> list[str]:
+    """Every rule after the rules it refers to, but for references back up a cycle (without recursion:
+    rules may nest MAX_DEPTH deep)."""
+    def refs(name: str) -> Iterator[str]:
+        return iter({k for seq in rules[name] for kind, k, _ in seq if kind == "ref" and k in rules})
+
+    order: list[str] = []
     done: set[str] = set()
     for root in rules:
         if root in done:
             continue
-        stack = [(root, iter({k for seq in rules[root] for kind, k, _ in seq if kind == "ref" and k in rules}))]
+        stack = [(root, refs(root))]
         on_path = {root}
         while stack:
-            name, refs = stack[-1]
-            ref = next(refs, None)
+            name, pending = stack[-1]
+            ref = next(pending, None)
             if ref is not None:
                 if ref not in done and ref not in on_path:
                     on_path.add(ref)
-                    stack.append((ref, iter({k for seq in rules[ref] for kind, k, _ in seq
-                                             if kind == "ref" and k in rules})))
+                    stack.append((ref, refs(ref)))
                 continue
             stack.pop()
             on_path.discard(name)
             done.add(name)
-            n = analyse(name)
-            if n > MAX_EMPTY_COPIES:
-                where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
-                raise GrammarError(
-                    f"grammar puts {n} copies of something that can match nothing side by side (in {where}; at most "
-                    f"{MAX_EMPTY_COPIES}): llama.cpp would follow every way of spreading the text over them (minutes "
-                    "per token); repeat its non-empty part, or use * or + (x{0,100} with x ::= \"a\"? is \"a\"*)")
+            order.append(name)
+    return order
+
+
+def check_breadth(text: str, n_vocab: int) -> None:
+    """Raise :class:`GrammarError` when a grammar is too broad for a vocabulary of ``n_vocab`` tokens: more
+    than ``MAX_BREADTH_WORK / n_vocab`` parse stacks (a class counting one per range) can stand at one
+    position. That is what llama.cpp's check of the whole vocabulary costs, per token, where the model's
+    pick is refused: on the thread that samples every request of a server."""
+    rules = _parse_rules(text)
+    nullable = _nullable_rules(rules)
+    breadth: dict[str, int] = {}
+
+    def item_breadth(item: _Item) -> int:
+        kind, key, _ = item
+        if kind == "ref":
+            return breadth.get(key, 1)  # (a reference back up a cycle: its stacks are counted where it starts)
+        if kind == "empty":
+            return 0
+        unit, what = _unit(kind, key)
+        return max(1, len(what)) if unit == "c" else 1  # type: ignore[arg-type]
+
+    limit = max(1, MAX_BREADTH_WORK // max(1, n_vocab))
+    for name in _dependency_order(rules):
+        total = 0
+        for seq in rules[name]:
+            for item in seq:  # the items that can come first: up to the first that must match something
+                total += item_breadth(item)
+                if not _item_nullable(item, nullable):
+                    break
+        breadth[name] = total
+        if total > limit:
+            where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
+            raise GrammarError(
+                f"grammar is too broad for this model's vocabulary of {n_vocab} tokens: {total} alternatives (a "
+                f"character class counts one per range) can start at one place in {where}; at most {limit}. "
+                "llama.cpp tests every token against each of them where the model's pick is refused (seconds per "
+                "token for every request); split the choice into a prefix tree of rules, or shorten the list")
 
 
 def _literal(item: _Item) -> str | None:

@@ -16,7 +16,7 @@ from ..errors import ArgumentTypeError, ClosedError, GrammarError, IndexOutOfRan
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .deep_stack import DEEP_STACK
-from .grammar_check import check_gbnf
+from .grammar_check import check_breadth, check_gbnf
 from .trigger_check import check_trigger_pattern, normalize_trigger
 from .handle import NativeHandle
 from .params import INT32_MAX, split_options
@@ -555,6 +555,7 @@ class Sampler(NativeHandle):
 
     def _grammar_sampler(self, vocab):
         lib, p = self._lib, self.params
+        check_breadth(p.grammar, self.model.n_vocab)
         grammar, root = p.grammar.encode(), p.grammar_root.encode()
         clear_native_error()
         patterns = [t.encode() for t in p.grammar_lazy_triggers]
