@@ -690,3 +690,34 @@ def test_suffix_fills_in_the_middle_with_the_model_s_tokens_or_is_appended(tmp_p
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         with pytest.raises(lc.ArgumentTypeError):
             no_fim.create_completion("Hello", suffix=3)
+
+
+def test_logprobs_seeds_and_states_are_checked_before_they_cost(llm, tiny_model_path):
+    """From a hostile review: logprobs=10**9 with a logits processor kept a dict of the whole vocabulary per
+    token (54 MB per token on Gemma); a state or seed set to anything failed later, in the sampler."""
+    hook = [lambda ids, scores: scores]
+    for extra in ({}, {"logits_processor": hook}):
+        with pytest.raises(lc.InvalidArgumentError, match="0..20"):
+            llm.create_completion("Hi", max_tokens=2, logprobs=21, **extra)
+    with pytest.raises(lc.InvalidArgumentError, match="0..20"):
+        llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=2, logprobs=True, top_logprobs=21)
+    assert len(llm.create_completion("Hi", max_tokens=2, logprobs=20, logits_processor=hook)
+               ["choices"][0]["logprobs"]["top_logprobs"][0]) == 20
+    for seed in (2**70, -2, 1.5, True):
+        with pytest.raises(lc.InvalidArgumentError, match="seed"):
+            llm.set_seed(seed)
+        with pytest.raises(lc.InvalidArgumentError, match="seed"):
+            Llama(model_path=str(tiny_model_path), seed=seed, verbose=False)
+    llm.reset()
+    llm.eval(llm.tokenize(b"Hello there"))
+    good = llm.save_state()
+    fields = dict(input_ids=good.input_ids, scores=good.scores, n_tokens=good.n_tokens,
+                  llama_state=good.llama_state, llama_state_size=good.llama_state_size, seed=good.seed)
+    bad = {"seed": 2**70, "scores": np.full(llm.n_vocab(), np.nan, dtype=np.float32), "n_tokens": 2**40,
+           "input_ids": [10**9] * good.n_tokens}
+    for name, value in bad.items():
+        with pytest.raises(lc.LlamaError):
+            llm.load_state(LlamaState(**{**fields, name: value}))
+    llm.load_state(LlamaState(**{**fields, "scores": good.scores.tolist(), "input_ids": list(good.input_ids)}))
+    assert llm.n_tokens == good.n_tokens
+    assert 0 <= llm.sample() < llm.n_vocab()

@@ -347,6 +347,14 @@ def test_server_refusals(vlm, files, tmp_path):
     with lc.Server(model=vlm, n_parallel=1, n_ctx=256, speculative="ngram") as server:
         with pytest.raises(MediaError, match="speculative"):
             server.generate_tokens(prompt, max_tokens=2)
+    # a single-sequence session too (it read the media spans' placeholder ids as tokens before)
+    from llama_ctypes.engines.speculative.drafters import NgramDraft
+    from llama_ctypes.engines.speculative.session import SpeculativeSession
+
+    with SpeculativeSession(vlm, NgramDraft(), n_ctx=256) as session:
+        with pytest.raises(MediaError, match="SpeculativeSession does not take images"):
+            session.stream_tokens(prompt, max_tokens=2)
+        assert len(session.generate("Hi", max_tokens=3, temp=0.0).tokens) == 3
     with lc.load_model(files["model"], mmproj=files["vision"]) as other:
         with lc.Server(model=other, n_parallel=1, n_ctx=256) as server:
             with pytest.raises(InvalidArgumentError, match="another model"):

@@ -18,7 +18,7 @@ from ...core.prompt import check_prompt, prompt_tokens
 from ...core.sampler import Sampler, SamplerBinding, SamplingParams
 from ...core.target import StreamTarget
 from ...core.text import RunControl, TextAssembler, assemble
-from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError
+from ...errors import ArgumentTypeError, ClosedError, InvalidArgumentError, MediaError
 from .drafters import Drafter, rollback_snapshots
 from .loop import MatchVerifier, SamplingVerifier, SpecRun, Verifier, speculative_loop
 from .stats import SpeculativeEvent, SpeculativeStats, StatsRecorder
@@ -140,6 +140,9 @@ class SpeculativeSession(StreamTarget, Closeable):
     def _start(self, prompt: str | Sequence[int], opts: dict[str, Any]) -> "_Generation":
         if self._closed:
             raise ClosedError("SpeculativeSession is closed")
+        if getattr(prompt, "spans", None) is not None:  # a MediaPrompt (Projector.tokenize): images, audio
+            raise MediaError("a SpeculativeSession does not take images or audio (its drafter follows token ids; "
+                             "its context decodes no media): use the model or a Server without speculative=")
         gen_opts, sampling_opts = split_options(opts, GenerationParams, SamplingParams,
                                                 where="SpeculativeSession: unknown")
         gparams, sparams = GenerationParams(**gen_opts), SamplingParams(**sampling_opts)

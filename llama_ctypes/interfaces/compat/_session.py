@@ -167,15 +167,16 @@ class Session:
 
     def _eval_all_rows(self, lease: Any, ctx: Context, tokens: list[int]) -> None:
         """Decode tokens in runs with a logits row for each, stored after the rows held."""
-        if self._rows is None:
-            self._rows = np.zeros((self.n_ctx, self._model.n_vocab), dtype=np.float32)
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = np.zeros((self.n_ctx, self._model.n_vocab), dtype=np.float32)
         step = max(1, min(ctx.max_batch, ctx.n_outputs_max))
         at = self.n_tokens
         for start in range(0, len(tokens), step):
             run = tokens[start:start + step]
-            lease.decode_run(run)
+            lease.decode_run(run)  # (ClosedError once close() ran in another thread, which drops self._rows)
             for i in range(len(run)):
-                self._rows[at + start + i] = lease.logits(i)
+                rows[at + start + i] = lease.logits(i)
         if self._rows_valid == at:  # (rows before `at` unknown, e.g. after a state without them: stay so)
             self._rows_valid = at + len(tokens)
 
@@ -288,32 +289,41 @@ class Session:
     def load_state(self, state: LlamaState) -> None:
         if not isinstance(state, LlamaState):
             raise InvalidArgumentError(f"load_state takes a LlamaState, not {type(state).__name__}")
-        if state.n_tokens > self.n_ctx or len(state.input_ids) != state.n_tokens:
-            raise InvalidArgumentError(f"a state of {state.n_tokens} tokens does not fit n_ctx={self.n_ctx}")
+        n_tokens = state.n_tokens
+        try:  # (a LlamaState is a plain object: its fields may have been set to anything)
+            ids = self._model.vocab.check_tokens(np.asarray(state.input_ids).reshape(-1))
+            scores = np.asarray(state.scores, dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"the state's input_ids and scores must be arrays of numbers: {exc}") from None
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or not 0 <= n_tokens <= self.n_ctx \
+                or len(ids) != n_tokens:
+            raise InvalidArgumentError(f"a state of {n_tokens!r} tokens does not fit n_ctx={self.n_ctx}")
+        if np.isnan(scores).any() or np.isposinf(scores).any():
+            raise InvalidArgumentError("the state's logits hold NaN or +inf")
         n_vocab = self._model.n_vocab
-        all_rows = state.scores.ndim == 2 and state.scores.shape == (state.n_tokens, n_vocab) and state.n_tokens > 0
-        if not all_rows and (state.scores.ndim != 1 or state.scores.size not in (0, n_vocab)):
+        all_rows = scores.ndim == 2 and scores.shape == (n_tokens, n_vocab) and n_tokens > 0
+        if not all_rows and (scores.ndim != 1 or scores.size not in (0, n_vocab)):
             raise InvalidArgumentError("the state's logits are not of this model's vocabulary")
         ctx = self._context()
-        tokens = state.input_ids.tolist()
+        tokens = ids.tolist()
         with ctx.lease() as lease:
             try:
                 lease.state_set(state.llama_state, tokens)
             except BaseException:
                 self.n_tokens, self._last_scores = 0, None
                 raise
-        self.input_ids[:state.n_tokens] = state.input_ids
-        self.n_tokens = state.n_tokens
+        self.input_ids[:n_tokens] = ids
+        self.n_tokens = int(n_tokens)
         self._rows_valid = 0
         if all_rows:
-            self._last_scores = state.scores[-1].astype(np.float32)
+            self._last_scores = scores[-1].copy()
             if self.logits_all:
                 if self._rows is None:
                     self._rows = np.zeros((self.n_ctx, n_vocab), dtype=np.float32)
-                self._rows[:state.n_tokens] = state.scores
-                self._rows_valid = state.n_tokens
+                self._rows[:n_tokens] = scores
+                self._rows_valid = int(n_tokens)
         else:
-            self._last_scores = state.scores.copy() if state.scores.size else None
+            self._last_scores = scores.copy() if scores.size else None
 
     def close(self) -> None:
         """Free the own context (a generation still running in another thread fails with ClosedError at its

@@ -27,6 +27,7 @@ import numpy as np
 from ...core.model import Model, load_model
 from ...core.sampler import SamplingParams
 from ...core.target import GenerationTarget, LocalTarget
+from ...core.logprobs import MAX_TOP_LOGPROBS
 from ...core.memory import detect_system_memory
 from ...errors import ArgumentTypeError, BusyError, InvalidArgumentError
 from ...features.embeddings import EmbedUsage
@@ -73,6 +74,13 @@ _ONLY = {
 _LEGACY = {"n_parts": (-1,), "device": (None,), "low_vram": (False,), "mul_mat_q": (True,)}
 
 
+def _checked_seed(seed: Any) -> int:
+    """A seed as llama.cpp takes it (a uint32; -1: its default, random)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -1 <= seed <= 0xFFFFFFFF:
+        raise InvalidArgumentError(f"seed={seed!r}: expected an integer 0..{0xFFFFFFFF} (or -1: random)")
+    return LLAMA_DEFAULT_SEED if seed == -1 else int(seed)
+
+
 def _refuse(name: str, why: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"llama_ctypes.compat does not support {name}: {why}")
 
@@ -109,8 +117,8 @@ class Llama(HookedCalls):
                               f"{_LEGACY[name][0]!r} (docs/compat.md)")
         if kwargs:
             raise ArgumentTypeError(f"Llama() got unknown argument(s) {sorted(kwargs)}")
-        if seed == -1:  # (older llama.cpp's LLAMA_DEFAULT_SEED as a signed int: LangChain's default)
-            seed = LLAMA_DEFAULT_SEED
+        # (-1: older llama.cpp's LLAMA_DEFAULT_SEED as a signed int, LangChain's default; checked before the load)
+        seed = LLAMA_DEFAULT_SEED if seed is None else _checked_seed(seed)
         given = locals()
         for name, allowed in _ONLY.items():
             if not any(given[name] is a or given[name] == a for a in allowed):
@@ -160,7 +168,7 @@ class Llama(HookedCalls):
         self._pooling = self._ctx_opts.pop("pooling", None)
         self._embed_opts = {k: v for k, v in self._ctx_opts.items() if k in ("n_threads", "type_k", "type_v",
                                                                              "flash_attn", "offload_kqv")}
-        self._seed = seed if seed is not None else LLAMA_DEFAULT_SEED
+        self._seed = seed
         self._seed_lock = threading.Lock()
         self.last_n_tokens_size = int(last_n_tokens_size)
         self._cold_next = threading.Event()  # reset(): the next call starts from an empty context
@@ -344,8 +352,11 @@ class Llama(HookedCalls):
             opts["max_tokens"] = max(1, self.n_ctx() - n_prompt)
         opts["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
         if logprobs is not None:
-            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0:
-                raise InvalidArgumentError(f"logprobs={logprobs!r}: expected a number of alternatives >= 0")
+            # (llama-cpp-python takes any number: past the vocabulary each token keeps a dict of all of it,
+            # ~50 MB per token on a 262k vocabulary; OpenAI's bound, as our own API)
+            if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidArgumentError(f"logprobs={logprobs!r}: expected a number of alternatives "
+                                           f"0..{MAX_TOP_LOGPROBS}")
             opts["logprobs"] = logprobs
         if isinstance(prompt, str):
             prompt_text = prompt
@@ -423,8 +434,8 @@ class Llama(HookedCalls):
                 mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
                 logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
         if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
-                                         or top_logprobs < 0):
-            raise InvalidArgumentError(f"top_logprobs={top_logprobs!r}: expected an integer >= 0")
+                                         or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidArgumentError(f"top_logprobs={top_logprobs!r}: expected an integer 0..{MAX_TOP_LOGPROBS}")
         opts = self._sampling(temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
@@ -562,8 +573,9 @@ class Llama(HookedCalls):
         return dict(self._model.metadata)
 
     def set_seed(self, seed: int) -> None:
+        seed = _checked_seed(seed)
         with self._seed_lock:
-            self._seed = LLAMA_DEFAULT_SEED if seed == -1 else int(seed)
+            self._seed = seed
 
     def reset(self) -> None:
         """The next call starts from an empty context (its prompt fully decoded); the own context of
@@ -659,10 +671,11 @@ class Llama(HookedCalls):
 
     def load_state(self, state: LlamaState) -> None:
         """Restore a :meth:`save_state` (of a ``Llama`` of the same model and context options)."""
+        seed = _checked_seed(getattr(state, "seed", None))
         with self._session.lock:
             self._session.load_state(state)
             with self._seed_lock:
-                self._seed = int(state.seed)
+                self._seed = seed
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str, *, local_dir: str | None = None,
