@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     table: list[tuple[str, float | None, float | None]] = []
     env = {"LLAMA_CTYPES_TOOLS": "1"}
+    if not args.no_build:  # (the checkout's package, with the libraries just built: not an installed copy)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     if args.llama_server:
         env["LLAMA_CTYPES_LLAMA_SERVER"] = str(args.llama_server)
 
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_build:
             os.environ.pop("LLAMA_CTYPES_PORTABLE", None)  # (the tools are compared with a native build)
             run.call("build", [py, "build_scripts/build_llama.py", "--backend", backend, "--tools"], env)
-        found = json.loads(run.call("devices", [py, "-c", DEVICES], capture=True).strip().splitlines()[-1])
+        found = json.loads(run.call("devices", [py, "-c", DEVICES], env, capture=True).strip().splitlines()[-1])
         print(f"libraries: backend {found['backend']}, cache key {found['cache_key']}; devices {found['devices']}")
         if not args.cpu and not any(is_gpu for _, _, is_gpu in found["devices"]):
             raise StepFailed("ggml lists no GPU device: the libraries have no CUDA backend (a CPU build, or the "
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(str(exc))
         return report(run, table, failures)
 
-    test_env = {"LLAMA_CTYPES_TEST_GPU": "cpu" if args.cpu else "require"}
+    test_env = {**env, "LLAMA_CTYPES_TEST_GPU": "cpu" if args.cpu else "require"}
     try:
         run.call("GPU tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"], test_env)
     except StepFailed as exc:
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.llama_bench:
             cmd += ["--llama-bench", str(args.llama_bench)]
         try:
-            run.call("decode/prefill vs llama-bench", cmd)
+            run.call("decode/prefill vs llama-bench", cmd, env)
             figures = json.loads(single.read_text())
             table.append(("prefill tok/s (pp512)", figures["pp"]["ours"], figures["pp"]["theirs"]))
             table.append(("decode tok/s (tg128)", figures["tg"]["ours"], figures["tg"]["theirs"]))
