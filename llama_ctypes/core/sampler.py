@@ -369,6 +369,12 @@ class SamplerBinding:
         #: operation over many rows instead (``ContextLease.logits_rows_fn``).
         self.argmax = not self.in_graph and not candidates and sampler._grammar is None \
             and sampler.params.plain_greedy
+        #: ``sample`` is one native chain over the context's logits, with state of its own only (no
+        #: grammar, no candidate arrays, not in the graph): a runner may call several bindings' at once
+        #: from worker threads (the GIL is released in C), once the rows were read on its own thread
+        #: (``ContextLease.has_logits``: llama.cpp reorders output rows at the first read).
+        self.concurrent = not self.in_graph and not candidates and sampler._grammar is None \
+            and not sampler.params.plain_greedy
 
         def sample(idx: int) -> int:
             if not self._held:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -31,6 +32,7 @@ from ...core.context import ContextLease
 from ...core.decode_status import check_decode
 from ...core.generation import in_graph_blocker, post_candidates
 from ...core.logprobs import TokenLogprob, post_sampling_logprob, token_logprob
+from ...core.params import default_threads
 from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionError
 from .prompt_cache import PromptCache
 from .request import Request, handoff_batch
@@ -42,6 +44,10 @@ from .strategies import BatchStrategy
 __all__ = ["Engine", "ContextKV", "QueueFullError", "ServerClosedError"]
 
 logger = logging.getLogger(__name__)
+
+#: Rows x vocabulary below which a tick's native-chain rows are drawn one by one: handing rows to threads
+#: costs tens of microseconds, a row of a 32k vocabulary about a hundred.
+CONCURRENT_SAMPLING_WORK = 2**17
 
 class ContextKV:
     """The slot pool's KV operations, over the server's leased context (scheduler thread only).
@@ -155,6 +161,10 @@ class Engine:
         self._calls: collections.deque[_Call] = collections.deque()
         self._on_exit: Callable[[], None] | None = None
         self._exited = False
+        # Rows sampled by native chains, drawn on the decode's threads while it waits (_sample_concurrently).
+        self._n_samplers = max(1, min(ctx.params.n_threads or default_threads(), os.cpu_count() or 1))
+        self._samplers: concurrent.futures.ThreadPoolExecutor | None = concurrent.futures.ThreadPoolExecutor(
+            self._n_samplers - 1, thread_name_prefix="llama_ctypes-sample") if self._n_samplers > 1 else None
         # Images and audio are encoded on a thread of their own, so the ticks go on meanwhile.
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
         self._encoded = 0  # encodes finished so far (guarded by the scheduler's cond)
@@ -166,6 +176,7 @@ class Engine:
         self.slot_steps = 0  # slots decoded, summed over ticks (busy slots per decode = this / ticks)
         # Requests that asked for in-graph sampling: sampled in the graph, or not (by reason).
         self.in_graph = 0
+        self.concurrent_rows = 0  # rows drawn on several threads at once (_sample_concurrently)
         self.in_graph_fallbacks: collections.Counter[str] = collections.Counter()
         self.split = TickSplit()  # where the scheduler thread's time goes
         self.thread = threading.Thread(target=self._run, name="llama_ctypes-server", daemon=True)
@@ -368,6 +379,8 @@ class Engine:
         return None
 
     def _exit(self, error: BaseException) -> None:
+        if self._samplers is not None:  # (idle: the scheduler thread waits for every draw it starts)
+            self._samplers.shutdown(wait=True)
         if self._encoder is not None:
             self._encoder.shutdown(wait=False, cancel_futures=True)
             with self.scheduler.cond:  # (a cancelled encode never runs: its prompt must not wait for it)
@@ -492,6 +505,7 @@ class Engine:
         outputs: list[int] = []
         row_errors: dict[int, BaseException] | None = None
         best = self._argmax_rows(plan)
+        drawn = self._sample_concurrently(plan, best)
         for step in plan.steps:
             sample = step.slot.sample
             if step.n_draft:
@@ -517,7 +531,9 @@ class Engine:
                     tok = best[len(outputs)]  # type: ignore[index]
                 else:
                     try:
-                        tok = sample(step.row + i)
+                        tok = drawn.pop(step.row + i) if drawn and step.row + i in drawn else sample(step.row + i)
+                        if isinstance(tok, BaseException):
+                            raise tok
                     except LlamaError as error:  # this request's sampler refused: it fails alone
                         if row_errors is None:
                             row_errors = {}
@@ -549,6 +565,43 @@ class Engine:
                 "prefill_tokens": batch.n_tokens - decode_tokens, "decode_ms": decode_ms,
                 "active_slots": self.pool.n_active})
         return outputs, logprobs, None, row_errors
+
+    def _sample_concurrently(self, plan: TickPlan, best: list[int] | None) -> dict[int, Any] | None:
+        """Row -> token (or the exception its sampler raised) for the rows whose bindings sample with a native
+        chain alone (``binding.concurrent``), drawn on up to ``n_threads`` threads at once; None when too
+        few for threads to pay. Each chain keeps its own state (RNG, penalties, candidate buffer), so the
+        draws are those of sampling the rows one by one. llama-server samples its slots one after another:
+        at many slots on a large vocabulary (Gemma: 262k candidates per row) that was a tenth of a tick."""
+        if self._samplers is None:
+            return None
+        jobs: list[tuple[int, Callable[[int], int]]] = []
+        for step in plan.steps:
+            binding = step.request.binding
+            if step.n_draft or step.request.budget is not None or not getattr(binding, "concurrent", False):
+                continue
+            jobs.extend((step.row + i, step.slot.sample) for i in step.sample)
+        if len(jobs) < 2 or len(jobs) * self.ctx.n_vocab < CONCURRENT_SAMPLING_WORK:
+            return None
+        if not self.lease.has_logits(jobs[0][0]):  # (llama.cpp reorders output rows at their first read)
+            return None
+        n = min(self._n_samplers, len(jobs))
+        chunks = [jobs[k::n] for k in range(n)]
+        self.concurrent_rows += len(jobs)
+
+        def draw(chunk: list[tuple[int, Callable[[int], int]]]) -> list[tuple[int, Any]]:
+            out: list[tuple[int, Any]] = []
+            for row, sample in chunk:
+                try:
+                    out.append((row, sample(row)))
+                except BaseException as exc:  # (raised where the row is taken, as a sequential draw would)
+                    out.append((row, exc))
+            return out
+
+        futures = [self._samplers.submit(draw, chunk) for chunk in chunks[1:]]
+        drawn = dict(draw(chunks[0]))
+        for future in futures:
+            drawn.update(future.result())
+        return drawn
 
     def _argmax_rows(self, plan: TickPlan) -> list[int] | None:
         """The argmax of every sampled row of the plan, in one numpy operation, when at least half of

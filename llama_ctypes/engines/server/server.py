@@ -649,6 +649,8 @@ class Server:
             # be, by reason (grammar, logprobs, speculative, a sampler the graph lacks, ...)
             "in_graph_requests": engine.in_graph,
             "in_graph_fallbacks": dict(engine.in_graph_fallbacks),
+            # rows drawn by native chains on several threads at once (engine._sample_concurrently)
+            "concurrent_sampled_rows": engine.concurrent_rows,
             # where the scheduler thread's time went, in seconds (engine.TickSplit; text and handoff
             # are parts of update)
             "tick_seconds": {**{name: getattr(engine.split, name) for name in engine.split.__slots__},
