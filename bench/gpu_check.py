@@ -51,7 +51,8 @@ class StepFailed(RuntimeError):
 class Run:
     """The steps' log: what ran, how long it took, and whether it failed."""
 
-    def __init__(self, deadline_s: float) -> None:
+    def __init__(self, deadline_s: float, cwd: Path) -> None:
+        self.cwd = cwd
         self.start = time.monotonic()
         self.deadline = self.start + deadline_s
         self.steps: list[tuple[str, float, str]] = []
@@ -68,7 +69,7 @@ class Run:
         print(f"\n== {name}: {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **(env or {})), timeout=budget, text=True,
+            proc = subprocess.run(cmd, cwd=self.cwd, env=dict(os.environ, **(env or {})), timeout=budget, text=True,
                                   stdout=subprocess.PIPE if capture else None, stderr=None)
         except subprocess.TimeoutExpired:
             self.steps.append((name, time.monotonic() - t0, f"timed out after {budget:.0f} s"))
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=1800.0, help="stop starting steps after this many seconds")
     args = ap.parse_args(argv)
 
-    run = Run(args.deadline)
+    # (with --no-build the children run away from the checkout: `python -c` and `-m` put the working folder
+    # first on sys.path, and the checkout's package would shadow the installed wheel)
+    run = Run(args.deadline, Path(tempfile.gettempdir()) if args.no_build else ROOT)
     gpus = nvidia_gpus()
     if args.cpu:
         print(f"--cpu: every step on the CPU backend (NVIDIA GPUs here: {gpus or 'none'})")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.no_build:
             os.environ.pop("LLAMA_CTYPES_PORTABLE", None)  # (the tools are compared with a native build)
-            run.call("build", [py, "build_scripts/build_llama.py", "--backend", backend, "--tools"], env)
+            run.call("build", [py, str(ROOT / "build_scripts" / "build_llama.py"), "--backend", backend, "--tools"], env)
         found = json.loads(run.call("devices", [py, "-c", DEVICES], env, capture=True).strip().splitlines()[-1])
         print(f"libraries: backend {found['backend']}, cache key {found['cache_key']}; devices {found['devices']}")
         if not args.cpu and not any(is_gpu for _, _, is_gpu in found["devices"]):
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
     test_env = {**env, "LLAMA_CTYPES_TEST_GPU": "cpu" if args.cpu else "require"}
     try:
-        run.call("GPU tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"], test_env)
+        run.call("GPU tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_gpu.py")], test_env)
     except StepFailed as exc:
         failures.append(str(exc))
 

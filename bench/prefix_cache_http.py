@@ -94,7 +94,9 @@ def workload(url: str, n_conv: int, turns: int, k_tokens: float, slots: int, max
     errors: list[BaseException] = []
 
     def worker() -> None:
-        with httpx.Client() as client:
+        # (a connection per request: llama-server closes idle keep-alive connections, which a client
+        # waiting for its conversation's previous turn would then reuse; a local connect costs ~0.1 ms)
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
             for k in next_item:
                 i, t = work[k]
                 if t:

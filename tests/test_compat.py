@@ -708,6 +708,10 @@ def test_logprobs_seeds_and_states_are_checked_before_they_cost(llm, tiny_model_
             llm.set_seed(seed)
         with pytest.raises(lc.InvalidArgumentError, match="seed"):
             Llama(model_path=str(tiny_model_path), seed=seed, verbose=False)
+        with pytest.raises(lc.InvalidArgumentError, match="seed"):  # (and the Llama keeps its own)
+            llm.create_completion("Hi", max_tokens=1, seed=seed)
+    assert len(llm.create_completion("Hi", max_tokens=2, seed=-1)["choices"]) == 1  # (-1: a random draw)
+    llm.set_seed(7)
     llm.reset()
     llm.eval(llm.tokenize(b"Hello there"))
     good = llm.save_state()

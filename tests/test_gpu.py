@@ -19,6 +19,7 @@ import os
 import numpy as np
 import pytest
 from margins import assert_greedy_equivalent
+from server_helpers import wait_idle
 
 import llama_ctypes as lc
 
@@ -72,8 +73,9 @@ def test_the_weights_and_the_cache_are_on_the_device(on_device, device_layers):
         return
     on_gpu = [d for d in usage.devices if d.gpu_index is not None]
     assert on_gpu, str(usage)
-    # (the token embeddings stay in host memory, as llama.cpp keeps them: the rest is on the GPU)
-    assert sum(d.model for d in on_gpu) > 0.5 * usage.model, str(usage)
+    # (the token embeddings stay in host memory, as llama.cpp keeps them: Gemma's are ~70% of its weights;
+    # the output matrix, tied to them, is copied to the GPU with the layers)
+    assert sum(d.model for d in on_gpu) > 0.3 * usage.model, str(usage)
     assert sum(d.context for d in on_gpu) == usage.context > 0, str(usage)
 
 
@@ -85,13 +87,16 @@ def test_greedy_on_the_device_is_the_cpus(on_device, on_cpu):
 
 
 def test_in_graph_sampling_on_the_device_picks_the_cpus_greedy_tokens(on_device, on_cpu):
-    for prompt in PROMPTS[:2]:
-        ref = lc.generate(on_cpu, prompt, temp=0, max_tokens=32, ignore_eos=True, logprobs=5)
-        out = lc.generate(on_device, prompt, temp=0, max_tokens=32, ignore_eos=True, backend_sampling=True)
-        assert_greedy_equivalent(out, ref, margin=GPU_MARGIN, what=prompt)
+    refs = [lc.generate(on_cpu, p, temp=0, max_tokens=32, ignore_eos=True, logprobs=5) for p in PROMPTS[:2]]
+    with lc.Server(model=on_device, n_parallel=2, n_ctx=512, backend_sampling=True) as server:
+        outs = [server.generate(p, temp=0, max_tokens=32, ignore_eos=True) for p in PROMPTS[:2]]
         # a seeded draw in the graph is reproducible
-        opts = dict(temp=0.9, top_k=40, seed=11, max_tokens=16, ignore_eos=True, backend_sampling=True)
-        assert lc.generate(on_device, prompt, **opts).tokens == lc.generate(on_device, prompt, **opts).tokens
+        opts = dict(temp=0.9, top_k=40, seed=11, max_tokens=16, ignore_eos=True)
+        assert server.generate(PROMPTS[0], **opts).tokens == server.generate(PROMPTS[0], **opts).tokens
+        stats = server.stats()
+    assert stats["in_graph_requests"] == 4 and stats["in_graph_fallbacks"] == {}, stats  # (in the graph, really)
+    for prompt, out, ref in zip(PROMPTS, outs, refs):
+        assert_greedy_equivalent(out, ref, margin=GPU_MARGIN, what=prompt)
 
 
 def test_a_server_on_the_device_serves_its_slots_as_solo_runs(on_device):
@@ -101,14 +106,19 @@ def test_a_server_on_the_device_serves_its_slots_as_solo_runs(on_device):
         long = server.stream("Tell me a long story", temp=0.8, max_tokens=100_000, ignore_eos=True)
         next(iter(long))
         long.cancel()
+        with pytest.raises(lc.CancelledError):
+            long.completion()
+        wait_idle(server)
+        before = server.stats()
+        assert before["active_slots"] == 0  # (the cancelled request gave its slot back)
         streams = [server.stream(p, **opts) for p in PROMPTS]
         outs = [s.completion() for s in streams]
-        stats = server.stats()
+        after = server.stats()
     for prompt, out, ref in zip(PROMPTS, outs, refs):
         assert_greedy_equivalent(out, ref, margin=GPU_MARGIN, what=prompt)
-    with pytest.raises(lc.CancelledError):
-        long.completion()
-    assert stats["avg_busy_slots"] > 1  # (the four ran together: the cancelled one gave its slot back)
+    ticks = after["ticks"] - before["ticks"]
+    steps = after["avg_busy_slots"] * after["ticks"] - before["avg_busy_slots"] * before["ticks"]
+    assert ticks > 0 and steps / ticks > 2, (steps, ticks)  # (the four ran together, on four slots)
 
 
 def test_embeddings_on_the_device_point_as_the_cpus(on_device, on_cpu):

@@ -310,6 +310,34 @@ def test_a_grammar_too_broad_for_the_vocabulary_is_refused(tiny_model):
     check_breadth(enum, GEMMA_VOCAB)
 
 
+def test_grammars_whose_stacks_multiply_as_text_is_read_end_their_request(tiny_model):
+    """What no look at the text sees (from a review): stacks that double with each "a" read (94 s for one token
+    after a dozen), or breadth reached behind a literal ("x" g "1" | "x" g "2" | ... multiplies g's
+    alternatives). llama.cpp's grammar bounds its stacks and its work per token (a patch); the request fails
+    with a GrammarError in seconds, and the model serves the next one."""
+    levels = 12  # (16 ways to end each "a": the stacks multiply by 16 per "a" read, past the bound at the 4th)
+    doubling = "root ::= s0\n" + "\n".join(f's{i} ::= ' + " | ".join(f'"a" s{i + 1} "{c}"' for c in "bcdefghijklmnop")
+                                           + f' | "a" s{i + 1} "q"' for i in range(levels)) + f'\ns{levels} ::= "z"'
+    g = " | ".join(f'"w{i} "' for i in range(5000))
+    behind_a_literal = "root ::= " + " | ".join(f'"x" g "{k}"' for k in range(10)) + "\ng ::= " + g
+    for grammar in (doubling, behind_a_literal):
+        t0 = time.perf_counter()
+        with pytest.raises(lc.GrammarError, match="too broad"):
+            lc.generate(tiny_model, PROMPT, grammar=grammar, max_tokens=40, ignore_eos=True)
+        assert time.perf_counter() - t0 < 60
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=256) as server:
+        bad = server.stream(PROMPT, grammar=doubling, max_tokens=40, ignore_eos=True)
+        good = server.stream(PROMPT, max_tokens=8, ignore_eos=True)
+        assert len(good.completion().tokens) == 8
+        with pytest.raises(lc.GrammarError, match="too broad"):
+            bad.completion()
+    # a class of consecutive characters is matched element by element as written: counted so
+    cls = "[" + "".join(chr(0x4E00 + i) for i in range(20_000)) + "]"
+    with pytest.raises(lc.GrammarError, match="too broad"):
+        lc.generate(tiny_model, PROMPT, grammar="root ::= " + " | ".join(f'c "{k}"' for k in range(50))
+                    + "\nc ::= " + cls, max_tokens=4)
+
+
 def test_what_llama_cpp_generates_is_never_refused():
     """No false refusals: every schema of llama.cpp's converter tests, every grammar they expect, its grammars/
     files, and the tool-call grammars and triggers of every chat template it ships pass the checks."""

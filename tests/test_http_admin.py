@@ -80,3 +80,52 @@ def test_pages_of_other_sites_cannot_act_on_slots_or_adapter_scales(manager, tmp
         # one scale per adapter, as a request's own "lora" list
         r = http.post("/lora-adapters", json=[{"id": 0, "scale": 1}, {"id": 0, "scale": 2}])
         assert r.status_code == 400 and "twice" in r.json()["error"]["message"]
+
+
+def test_a_catalog_of_several_models_is_a_router_and_reload_is_refused_to_other_sites(manager, tiny_model_path):
+    from llama_ctypes.interfaces.http.catalog import Catalog, CatalogEntry
+
+    catalog = Catalog(manager)
+    catalog.add(CatalogEntry("tiny", {"source": str(tiny_model_path)}))
+    catalog.add(CatalogEntry("other", {"source": str(tiny_model_path), "n_ctx": 256}, autoload=False))
+    with TestClient(create_app(manager, catalog=catalog), raise_server_exceptions=False) as http:
+        assert http.get("/models?reload=1", headers=EVIL[0]).status_code == 403
+        assert http.get("/models", headers=EVIL[0]).status_code == 200  # (listing is not acting)
+        assert http.post("/models/unload", json={"model": "tiny"}).json() == {"success": True}
+
+
+def test_tools_refuse_other_sites_even_with_cors_origins_star(manager, tmp_path):
+    from llama_ctypes.interfaces.http.tools.box import ToolBox
+
+    marker = tmp_path / "ran"
+    call = {"tool": "exec_shell_command", "params": {"command": f"touch {marker}"}}
+    app = create_app(manager, tools=ToolBox(["exec_shell_command"]), cors_origins="*")
+    with TestClient(app, base_url="http://127.0.0.1:8080", raise_server_exceptions=False) as http:
+        for headers in EVIL + [{"Origin": "null"}]:
+            r = http.post("/tools", content=json.dumps(call), headers=headers)
+            assert r.status_code == 403, headers
+        assert not marker.exists()
+        assert http.post("/tools", json=call).status_code == 200 and marker.exists()
+
+
+def test_a_model_that_failed_to_load_is_tried_again_by_a_request_outside_router_mode(tmp_path, tiny_model_path):
+    """A server of one model has no /models/load: a failed wake-up from --sleep-idle-seconds (the file
+    briefly gone) must not leave it answering 503 until a restart."""
+    import asyncio
+    import time
+
+    from llama_ctypes.interfaces.http.catalog import Catalog, CatalogEntry
+    from llama_ctypes.interfaces.http.errors import Unavailable
+
+    path = tmp_path / "model.gguf"
+    with lc.ModelManager() as mm:
+        catalog = Catalog(mm, retry_failed_after=0.5)
+        catalog.add(CatalogEntry("m", {"source": str(path), "mode": "server", "n_ctx": 256}))
+        with pytest.raises(Unavailable, match="failed to load"):
+            asyncio.run(catalog.ensure("m"))
+        path.symlink_to(tiny_model_path)
+        with pytest.raises(Unavailable, match="tries again in"):  # (not at once: no retry loop per request)
+            asyncio.run(catalog.ensure("m"))
+        time.sleep(0.6)
+        asyncio.run(catalog.ensure("m"))
+        assert catalog.status("m") == "loaded"

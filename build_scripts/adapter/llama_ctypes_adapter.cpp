@@ -27,7 +27,7 @@
 #endif
 
 // Bump when the meaning of an lcx_* function changes.
-#define LCX_ABI_VERSION 4
+#define LCX_ABI_VERSION 5
 
 // One device's share of a context's memory, in bytes (llama_get_memory_breakdown).
 // dev is NULL for host buffers: system RAM, pinned host memory included.
@@ -323,6 +323,22 @@ LCX_API bool lcx_sampler_accept(llama_sampler * smpl, llama_token token, char **
         *error = dup_string(e.what());
     } catch (...) {
         *error = dup_string("unknown error in llama_sampler_accept");
+    }
+    return false;
+}
+
+// llama_sampler_apply of a grammar sampler, its exceptions turned into false and *error as above: the
+// grammar-work patch (build_scripts/patches/llama-grammar-work-bound.patch) throws when checking the
+// candidates against its parse stacks would take seconds.
+LCX_API bool lcx_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p, char ** error) {
+    *error = nullptr;
+    try {
+        llama_sampler_apply(smpl, cur_p);
+        return true;
+    } catch (const std::exception & e) {
+        *error = dup_string(e.what());
+    } catch (...) {
+        *error = dup_string("unknown error in llama_sampler_apply");
     }
     return false;
 }

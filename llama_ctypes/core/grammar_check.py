@@ -23,6 +23,7 @@ each range of its class. A rule of 10,000 alternatives took 1.5 to 2.5 s per tok
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Iterator
 
@@ -42,6 +43,7 @@ MAX_BREADTH_WORK = 1024 * 262144
 _IDENT = re.compile(r"[A-Za-z0-9_-]+")
 
 
+@functools.lru_cache(maxsize=32)  # (the same grammar comes with every request of a client)
 def check_gbnf(text: str) -> None:
     """Raise :class:`GrammarError` for an empty grammar or one nested beyond what llama.cpp parses safely."""
     limit = min(MAX_DEPTH, DEEP_STACK.max_openers)
@@ -398,15 +400,41 @@ def _check_repetitions(text: str) -> None:
 
 
 def _nullable_rules(rules: dict[str, list[list[_Item]]]) -> set[str]:
-    """The rules (and groups) that can match nothing."""
+    """The rules (and groups) that can match nothing (a worklist: linear in the grammar's size; a fixed
+    point over all rules took one pass per rule of a chain, seconds on a 100 KB grammar)."""
     nullable: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for name, alts in rules.items():
-            if name not in nullable and any(all(_item_nullable(item, nullable) for item in seq) for seq in alts):
-                nullable.add(name)
-                changed = True
+    pending: dict[tuple[str, int], int] = {}  # (rule, alternative) -> references not yet known nullable
+    waiting: dict[str, list[tuple[str, int]]] = {}  # rule -> the alternatives that wait for it (per reference)
+    ready: list[str] = []
+    for name, alts in rules.items():
+        for k, seq in enumerate(alts):
+            refs = []
+            possible = True
+            for kind, key, ops in seq:
+                if kind == "empty" or any(lo == 0 for lo, _ in ops):
+                    continue
+                if kind == "ref" and key in rules:
+                    refs.append(key)
+                else:
+                    possible = False  # (a character, or a rule that does not exist)
+                    break
+            if not possible:
+                continue
+            if not refs:
+                ready.append(name)
+                continue
+            pending[(name, k)] = len(refs)
+            for ref in refs:
+                waiting.setdefault(ref, []).append((name, k))
+    while ready:
+        name = ready.pop()
+        if name in nullable:
+            continue
+        nullable.add(name)
+        for alt in waiting.get(name, ()):
+            pending[alt] -= 1
+            if pending[alt] == 0:
+                ready.append(alt[0])
     return nullable
 
 
@@ -443,11 +471,37 @@ def _dependency_order(rules: dict[str, list[list[_Item]]]) -> list[str]:
     return order
 
 
+def _class_width(text: str) -> int:
+    """The elements llama.cpp's parser makes of a [...] class, which it matches one by one: a character
+    counts 1, a range 2, as written (neither merged nor complemented: ``[aaaa]`` is 4)."""
+    body = text[1:-1]
+    if body.startswith("^"):
+        body = body[1:]
+    n, i = 0, 0
+    while i < len(body):
+        j = i + 1
+        if body[i] == "\\" and i + 1 < len(body):
+            j = i + 2 + _HEX_WIDTH.get(body[i + 1], 0)
+        n += 1
+        if body[j:j + 1] == "-" and j + 1 < len(body):  # a range: its upper end is an element of its own
+            k = j + 1
+            j = k + 1
+            if body[k] == "\\" and k + 1 < len(body):
+                j = k + 2 + _HEX_WIDTH.get(body[k + 1], 0)
+            n += 1
+        i = j
+    return max(n, 1)
+
+
+@functools.lru_cache(maxsize=32)
 def check_breadth(text: str, n_vocab: int) -> None:
     """Raise :class:`GrammarError` when a grammar is too broad for a vocabulary of ``n_vocab`` tokens: more
-    than ``MAX_BREADTH_WORK / n_vocab`` parse stacks (a class counting one per range) can stand at one
-    position. That is what llama.cpp's check of the whole vocabulary costs, per token, where the model's
-    pick is refused: on the thread that samples every request of a server."""
+    than ``MAX_BREADTH_WORK / n_vocab`` parse stacks (a class counting one per element as written) can
+    start at one place. That is what llama.cpp's check of the whole vocabulary costs, per token, where the
+    model's pick is refused: on the thread that samples every request of a server. A quick look at the text,
+    with a clear message; the bound that holds for every shape (stacks that multiply as text is read, a
+    breadth reached behind a literal) is in llama.cpp itself, where the stacks are made
+    (build_scripts/patches/llama-grammar-work-bound.patch)."""
     rules = _parse_rules(text)
     nullable = _nullable_rules(rules)
     breadth: dict[str, int] = {}
@@ -458,8 +512,7 @@ def check_breadth(text: str, n_vocab: int) -> None:
             return breadth.get(key, 1)  # (a reference back up a cycle: its stacks are counted where it starts)
         if kind == "empty":
             return 0
-        unit, what = _unit(kind, key)
-        return max(1, len(what)) if unit == "c" else 1  # type: ignore[arg-type]
+        return _class_width(key) if key.startswith("[") else 1
 
     limit = max(1, MAX_BREADTH_WORK // max(1, n_vocab))
     for name in _dependency_order(rules):
@@ -474,7 +527,7 @@ def check_breadth(text: str, n_vocab: int) -> None:
             where = "a ( ) group" if name.startswith(" ") else f"rule {name!r}"
             raise GrammarError(
                 f"grammar is too broad for this model's vocabulary of {n_vocab} tokens: {total} alternatives (a "
-                f"character class counts one per range) can start at one place in {where}; at most {limit}. "
+                f"character class counts one per element) can start at one place in {where}; at most {limit}. "
                 "llama.cpp tests every token against each of them where the model's pick is refused (seconds per "
                 "token for every request); split the choice into a prefix tree of rules, or shorten the list")
 

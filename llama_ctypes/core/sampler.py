@@ -47,10 +47,31 @@ def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
             if error.value:
                 lib.lcx_string_free(error.value)
             _reset_grammar(lib, grammar)
+            if message.startswith("grammar too broad"):  # (build_scripts/patches/llama-grammar-work-bound.patch)
+                raise GrammarError(f"{message}: the generation stops here, before the sampler takes seconds "
+                                   "per token; make the grammar unambiguous (one way to read each text)")
             raise GrammarError(f"the text from a grammar_lazy_triggers match on does not fit the grammar "
                                f"(llama.cpp: {message})")
 
     return accept
+
+
+def _grammar_apply_fn(lib) -> Callable[[object, object], None]:
+    """``apply(grammar, byref(array))`` for a grammar sampler, raising GrammarError where llama.cpp throws: the
+    check of the candidates would take seconds (build_scripts/patches/llama-grammar-work-bound.patch). Every
+    grammar apply goes through here: an exception through the C frames of ctypes ends the process."""
+    checked = lib.lcx_sampler_apply
+
+    def apply(grammar, arr_ref) -> None:
+        error = ctypes.c_void_p()
+        if not checked(grammar, arr_ref, ctypes.byref(error)):
+            message = ctypes.string_at(error.value).decode("utf-8", errors="replace") if error.value else ""
+            if error.value:
+                lib.lcx_string_free(error.value)
+            raise GrammarError(f"{message}: the generation stops here; make the grammar unambiguous (one way to "
+                               "read each text) or narrower")
+
+    return apply
 
 
 @dataclass(frozen=True)
@@ -578,9 +599,11 @@ class Sampler(NativeHandle):
 
         smpl = DEEP_STACK.run(lib.lcx_sampler_init_grammar, vocab, grammar, root, arr, len(patterns),
                               ctypes.byref(error), cleanup=discard)
-        if error.value:  # a C++ exception, e.g. a trigger pattern std::regex cannot parse
+        if error.value:  # a C++ exception: a trigger pattern std::regex cannot parse, a grammar too broad
             message = ctypes.string_at(error.value).decode("utf-8", errors="replace")
             lib.lcx_string_free(error.value)
+            if message.startswith("grammar too broad"):
+                raise GrammarError(message)
             raise GrammarError(f"invalid grammar_lazy_triggers {list(p.grammar_lazy_triggers)!r}: {message}")
         if not smpl:
             raise GrammarError("invalid GBNF grammar: " + native_error("syntax error or undefined rule"))
@@ -666,6 +689,7 @@ class Sampler(NativeHandle):
         """
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
         apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
+        apply_grammar = _grammar_apply_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         cand["id"] = np.arange(n_vocab, dtype=np.int32)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
@@ -690,10 +714,10 @@ class Sampler(NativeHandle):
             tok = selected()
             one[0] = (tok, 0.0, 0.0)
             one_arr.size, one_arr.selected, one_arr.sorted = 1, -1, False
-            apply(grammar, one_ref)
+            apply_grammar(grammar, one_ref)
             if not np.isfinite(one[0]["logit"]):
                 reset_candidates(idx)
-                apply(grammar, arr_ref)
+                apply_grammar(grammar, arr_ref)
                 apply(chain, arr_ref)
                 tok = selected()
                 if not np.isfinite(arr.data[arr.selected].logit):
@@ -717,6 +741,7 @@ class Sampler(NativeHandle):
             raise ClosedError("Sampler is closed")
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
         apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
+        apply_grammar = _grammar_apply_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
         arr_ref, logits_of, greedy = ctypes.byref(arr), lease.logits_view_fn(), self.params.greedy
@@ -729,7 +754,7 @@ class Sampler(NativeHandle):
             arr.data = cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
             arr.size, arr.selected, arr.sorted = n_vocab, -1, False
             if grammar:
-                apply(grammar, arr_ref)
+                apply_grammar(grammar, arr_ref)
             apply(chain, arr_ref)
             # (a sampler may point the array at a buffer of its own: read it through the array)
             size, sel = arr.size, arr.selected
@@ -779,7 +804,7 @@ class Sampler(NativeHandle):
             arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1,
                                            False)
             if self._grammar:
-                lib.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+                _grammar_apply_fn(lib)(self._grammar, ctypes.byref(arr))
             if not np.isfinite(cand["logit"]).any():
                 raise GrammarError("no token is left to sample (every logit is -inf, or the grammar allows none "
                                    "of the others)")
@@ -813,7 +838,7 @@ class Sampler(NativeHandle):
         one = np.zeros(1, dtype=_TOKEN_DATA)
         one[0] = (token, 0.0, 0.0)
         arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
-        self._lib.llama_sampler_apply(grammar or self._grammar, ctypes.byref(arr))
+        _grammar_apply_fn(self._lib)(grammar or self._grammar, ctypes.byref(arr))
         return bool(np.isfinite(one[0]["logit"]))
 
     def reset(self) -> None:

@@ -36,6 +36,7 @@ def measure(model: Model, n_prompt: int = 512, n_gen: int = 128, reps: int = 3,
             batch.add_sequence(prompt, 0, 0, output_last=True)
             t0 = time.perf_counter()
             ctx.decode(batch)
+            ctx.logits(-1)  # (waits for the device, as llama-bench does: llama_decode returns before a GPU ends)
             runs["pp"].append(n_prompt / (time.perf_counter() - t0))
             ctx.clear()
             with Sampler.create(model, temp=0) as smp:

@@ -17,11 +17,12 @@ from .llama_h import (
     llama_model_p,
     llama_model_params,
     llama_sampler_p,
+    llama_token_data_array,
     llama_vocab_p,
 )
 
 # Must equal LCX_ABI_VERSION in the adapter.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 class lcx_device_memory(Structure):
@@ -58,6 +59,8 @@ PROTOTYPES = [
     ("lcx_json_schema_to_grammar", [c_char_p, c_bool, POINTER(c_void_p)], c_void_p),
     # bool lcx_sampler_accept(llama_sampler * smpl, llama_token token, char ** error);
     ("lcx_sampler_accept", [llama_sampler_p, c_int32, POINTER(c_void_p)], c_bool),
+    # bool lcx_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p, char ** error);
+    ("lcx_sampler_apply", [llama_sampler_p, POINTER(llama_token_data_array), POINTER(c_void_p)], c_bool),
     # void lcx_set_embeddings_nextn(llama_context * ctx, bool value, bool masked);
     ("lcx_set_embeddings_nextn", [llama_context_p, c_bool, c_bool], None),
     # void lcx_set_nextn_layer_offset(llama_context * ctx, int32_t offset);

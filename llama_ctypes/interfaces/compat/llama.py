@@ -256,10 +256,14 @@ class Llama(HookedCalls):
         if seed is _OWN_SEED:  # (the low-level methods: the Llama's seed as it is, LLAMA_DEFAULT_SEED random)
             seed = self._seed if self._seed != LLAMA_DEFAULT_SEED else random.randint(0, 2 ** 32 - 2)
         else:
+            if seed is not None:  # (checked before it becomes the Llama's: a refused one must not stay)
+                seed = _checked_seed(seed)
             with self._seed_lock:  # (as llama-cpp-python: the call's seed becomes the Llama's, or one drawn from it)
                 if seed is None:
                     seed = random.Random(self._seed).randint(0, 2 ** 32 - 2)
                 self._seed = int(seed)
+            if seed == LLAMA_DEFAULT_SEED:  # (-1 or LLAMA_DEFAULT_SEED for this call: a random draw)
+                seed = random.randint(0, 2 ** 32 - 2)
         opts: dict[str, Any] = dict(
             temp=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p, top_k=top_k, penalty_repeat=repeat_penalty,
             penalty_freq=frequency_penalty, penalty_present=presence_penalty, penalty_last_n=self.last_n_tokens_size,

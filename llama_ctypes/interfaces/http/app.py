@@ -153,7 +153,7 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                reasoning_format: str = "auto",
                enable_thinking: bool | None = True, reasoning_budget: int = -1, reasoning_budget_message: str = "",
                spm_infill: bool = False, cors_origins: str = "*", api_prefix: str = "",
-               catalog: Catalog | None = None, router_mode: bool = False,
+               catalog: Catalog | None = None, router_mode: bool | None = None,
                slot_save_path: str | os.PathLike | None = None,
                webui: bool | str | os.PathLike = True, media_urls: bool = False,
                media_path: str | os.PathLike | None = None,
@@ -194,7 +194,10 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
             llama-server's ``--api-prefix``.
         catalog: models the server may load and unload while serving (:class:`~.catalog.Catalog`:
             llama-server's router mode, ``/models/load``, ``/models/unload``, ``--models-max``).
-        router_mode: ``/props`` without ``?model=`` describes the router (several models or none).
+        router_mode: llama-server's router mode: ``/models/load`` and ``/models/unload`` are served (404
+            otherwise, as llama-server with one model), ``/props`` without ``?model=`` describes the router.
+            None (default): on with a catalog that reads its models again (``source``) or holds other than
+            one entry.
         slot_save_path: a folder for ``/slots/{id}?action=save|restore`` files (None: 501, as llama-server
             without ``--slot-save-path``); file names cannot leave it.
         webui: the chat page at ``/`` (True: the one in the package, ``docs/webui.md``; a folder: its
@@ -248,7 +251,9 @@ def create_app(manager: ModelManager, *, api_key: str | Sequence[str] | None = N
                          verbose=verbose, reasoning_format=reasoning_format,
                          enable_thinking=enable_thinking, reasoning_budget=reasoning_budget,
                          reasoning_budget_message=reasoning_budget_message,
-                         spm_infill=spm_infill, router_mode=router_mode, slot_save_path=save_path,
+                         spm_infill=spm_infill, slot_save_path=save_path,
+                         router_mode=router_mode if router_mode is not None else catalog is not None and (
+                             catalog.source is not None or len(catalog.entries) != 1),
                          webui=page, fetch_media=media_reader(limits.media, urls=media_urls, folder=media_path),
                          tools=tools, cors_proxy=bool(cors_proxy))
 

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 EVICTION_GRACE_S = 1.0
 #: Loads a request starts for its model when unloads keep stopping them, before it is answered 503.
 AUTOLOAD_TRIES = 3
+#: Outside router mode (no ``/models/load``): seconds after a failed load before a request tries again.
+FAILED_LOAD_RETRY_S = 10.0
 
 
 @dataclass
@@ -57,10 +59,16 @@ class Catalog:
     entries: dict[str, CatalogEntry] = field(default_factory=dict)
     max_loaded: int | None = None
     autoload: bool = True  # a request naming an unloaded entry loads it
+    #: Seconds after a failed load from which a request tries the entry again; None: never on a request
+    #: (router mode: ``/models/load`` does). A server of one model has no ``/models/load``: a wake-up from
+    #: ``--sleep-idle-seconds`` that failed (the file briefly gone, the GPU memory taken) must not leave it
+    #: answering 503 until it is restarted.
+    retry_failed_after: float | None = None
     #: The entries anew, with the HTTP settings of each (``--models-preset``, ``--models-dir``): for :meth:`reload`.
     source: Callable[[], tuple[list[CatalogEntry], Mapping[str, Any]]] | None = None
     _used: dict[str, float] = field(default_factory=dict)
     _failed: dict[str, str] = field(default_factory=dict)  # why an entry's last load failed
+    _failed_at: dict[str, float] = field(default_factory=dict)  # when (time.monotonic())
     _loads: dict[str, Future] = field(default_factory=dict)  # each entry's current load (its end counts)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -153,6 +161,7 @@ class Catalog:
             if isinstance(error, ClosedError):  # (unloaded, cancelled, or the manager closed: not a failure)
                 return
             self._failed[model_id] = str(error)
+            self._failed_at[model_id] = time.monotonic()
             try:  # (this load is the entry's current one, so the manager's entry is the failed one)
                 self.manager.unload(model_id)
             except Exception:  # noqa: BLE001 - already gone, or the manager is closing
@@ -213,8 +222,17 @@ class Catalog:
         for _ in range(AUTOLOAD_TRIES):
             status = self.status(entry.id)
             if status == "failed" and entry.id in self._failed:
-                raise Unavailable(f"the model {entry.id!r} failed to load: {self._failed[entry.id]} "
-                                  "(POST /models/load tries again)", code="model_failed")
+                retry = self.retry_failed_after
+                if retry is None:
+                    raise Unavailable(f"the model {entry.id!r} failed to load: {self._failed[entry.id]} "
+                                      "(POST /models/load tries again)", code="model_failed")
+                left = self._failed_at.get(entry.id, 0.0) + retry - time.monotonic()
+                if left > 0:
+                    raise Unavailable(f"the model {entry.id!r} failed to load: {self._failed[entry.id]} (a request "
+                                      f"tries again in {left:.0f} s)", code="model_failed")
+                with self._lock:
+                    self._failed.pop(entry.id, None)
+                continue
             if status == "loaded" or not self.autoload:
                 return
             if status == "loading":

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 from ...core.model import Model
 from ...engines.manager import ModelInfo, ModelManager, ModelNotReadyError
 from ...engines.server import Server
-from .catalog import Catalog
+from .catalog import FAILED_LOAD_RETRY_S, Catalog
 from .errors import BadRequest, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Router:
                  catalog: Catalog | None = None):
         self.manager = manager
         self.settings = dict(settings or {})
-        self.catalog = catalog if catalog is not None else Catalog(manager)
+        self.catalog = catalog if catalog is not None else Catalog(manager, retry_failed_after=FAILED_LOAD_RETRY_S)
         self._aliases = {alias: mid for mid, s in self.settings.items() for alias in s.aliases}
         self._fallback_logged: set[str] = set()
 

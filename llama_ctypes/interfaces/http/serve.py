@@ -637,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
 
         from ...engines.manager import ModelManager
         from .app import create_app
-        from .catalog import Catalog
+        from .catalog import FAILED_LOAD_RETRY_S, Catalog
         from .connections import guarded_protocol
         server_class = _uvicorn_server()
     except ImportError as exc:
@@ -665,6 +665,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {}
     try:
         catalog = Catalog(manager, max_loaded=getattr(args, "models_max", None) or None,
+                          retry_failed_after=None if router_mode else FAILED_LOAD_RETRY_S,
                           autoload=not getattr(args, "no_models_autoload", False))
         if router_mode and (getattr(args, "models_dir", None) or getattr(args, "models_preset", None)):
             catalog.source = lambda: catalog_entries(model_specs(args)[1])  # (GET /models?reload=1 reads them again)

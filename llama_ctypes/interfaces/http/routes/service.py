@@ -28,6 +28,7 @@ async def models(request: Request, app: AppContext) -> Response:
     llama-server's object (``{"value": "loaded" | "loading" | "unloaded" | "failed", "args": [...]}``).
     ``?reload=1`` (any value) reads ``--models-preset`` and ``--models-dir`` again first, as llama-server."""
     if request.query_params.get("reload"):
+        _admin(request, app, "GET /models?reload")  # (it unloads models whose options changed)
         try:
             await anyio.to_thread.run_sync(app.router.reload)
         except (LlamaError, ValueError, OSError) as exc:  # (the file's fault, not the client's: the list stays)
@@ -74,7 +75,7 @@ def _admin(request: Request, app: AppContext, what: str) -> None:
 def _router_only(app: AppContext) -> None:
     if not app.router_mode:  # (llama-server serves these in router mode only: with one model they only harm)
         raise NotFound("/models/load and /models/unload are served in router mode (a server started without a "
-                       "model: --models-dir, --models-preset or --config)")
+                       "model: --models-dir, --models-preset or --config)", code="not_found")
 
 
 @endpoint

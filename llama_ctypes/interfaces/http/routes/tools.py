@@ -65,7 +65,7 @@ async def tools(request: Request, app: AppContext) -> Response:
         # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
         # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells; /cors-proxy answers 508)
         raise OriginRefused("a request that came through /cors-proxy is not allowed here")
-    check_origin(request, app)
+    check_origin(request, app, wildcard=False)  # (a command or a request to any host: named pages only)
     if request.method == "GET":
         return JSONResponse(box.listing())
     data = json_body(await read_body(request, app.max_body_bytes))
@@ -157,5 +157,5 @@ async def cors_proxy(request: Request, app: AppContext) -> Response:
         raise _disabled()
     if request.method not in ("GET", "POST"):  # (Starlette adds HEAD to a GET route)
         raise MethodRefused(f"{request.method} is not proxied: GET and POST are")
-    check_origin(request, app)
+    check_origin(request, app, wildcard=False)  # (a command or a request to any host: named pages only)
     return await proxy(request, await read_body(request, app.max_body_bytes))
