@@ -6,8 +6,9 @@ from __future__ import annotations
 class FakeKV:
     """Records every KV call; ``partial=False`` behaves like a recurrent memory (no tail cut)."""
 
-    def __init__(self, partial: bool = True, state_size: int = 100):
+    def __init__(self, partial: bool = True, state_size: int = 100, windowed: bool = False):
         self.partial = partial
+        self.windowed = windowed
         self.state_size = state_size
         self.calls: list[tuple] = []
 

@@ -201,8 +201,11 @@ def test_patches_change_copies_of_the_pinned_tree_and_the_cache_key():
     vocab = "src/llama-vocab.cpp"
     files, applied = llama_source.patched_files(tree, pinned=True)
     assert applied == [p.stem for p in llama_source.patches()] == ["ggml-rpc-connection-errors", "llama-grammar-trigger-window",
-                                                                  "llama-vocab-linear-partition"]
+                                                                  "llama-grammar-work-bound", "llama-vocab-linear-partition"]
     assert sorted(files) == [rel, "src/llama-grammar.cpp", vocab]
+    # two patches of one file apply in turn: the second to the first's result
+    grammar = files["src/llama-grammar.cpp"]
+    assert b"LLAMA_CTYPES_TRIGGER_WINDOW" in grammar and b"llama_ctypes_check_work" in grammar
     assert b"ggml_backend_rpc_connection_failed" in files[rel]
     assert b"ggml_backend_rpc_connection_failed" not in (tree / rel).read_bytes()  # the tree stays as released
     assert b"std::distance(buffer.begin(), it)" in (tree / vocab).read_bytes()

@@ -267,6 +267,79 @@ def test_sliding_window_prefixes_are_reused_only_while_their_window_is_held():
     assert pool.acquire(long) is a and long.cached_tokens == 12
 
 
+class WindowStateKV(WindowKV):
+    """A sliding-window cache whose saved states carry their window: restoring one brings its ``pos_min``."""
+
+    def __init__(self, n_swa, pos_min):
+        super().__init__(n_swa, pos_min)
+        self.windowed = True
+
+    def save(self, seq):
+        return str(self.pos_min.get(seq, 0)).encode().ljust(100)
+
+    def restore(self, seq, state):
+        self.pos_min[seq] = int(state.strip())
+        return True
+
+    def forget(self, seq):
+        super().forget(seq)
+        self.pos_min[seq] = 0
+
+
+def test_a_conversation_resumes_from_its_prompt_checkpoint_on_a_sliding_window_cache():
+    """More conversations than slots on a sliding-window cache: the state saved when a conversation's slot is
+    taken over holds its reply too, and cut back to where the next turn differs it no longer has the window
+    before the cut. The prompt's own state, kept as it was read (a checkpoint, as llama-server's), is restored
+    whole instead."""
+    kv = WindowStateKV(n_swa=4, pos_min={})
+    pool = SlotPool(1, kv, unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
+    first = list(range(1, 21))
+    a = pool.acquire(_request(first))
+    a.tokens, kv.pos_min[0] = list(first), 16  # the prompt read: its window is positions 16..19
+    pool.checkpoint(a)
+    a.tokens, kv.pos_min[0] = first + [200, 201, 202], 19  # the reply generated
+    pool.release(a, keep=True)
+    b = pool.acquire(_request(list(range(100, 121))))  # another conversation takes the slot (A's state saved)
+    b.tokens = list(range(100, 121))
+    pool.release(b, keep=True)
+    assert pool.stats.checkpoints == 1 and len(pool.ram) == 2
+    # A's next turn: its reply read back a little differently at the end, then a new question
+    turn = _request(first + [200, 201, 203, 300, 301])
+    assert pool.acquire(turn) is a and turn.cached_tokens == len(first) and pool.stats.restored == 1
+    # without a window, nothing is checkpointed
+    plain = SlotPool(1, FakeKV(), unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
+    slot = plain.acquire(_request(first))
+    slot.tokens = list(first)
+    plain.checkpoint(slot)
+    assert plain.stats.checkpoints == 0 and len(plain.ram) == 0
+
+
+@pytest.mark.gemma
+def test_gemma_conversations_outnumbering_slots_resume_from_checkpoints(gemma):
+    """Gemma 3's sliding window (512) on one slot, two conversations taking turns: each turn restores its
+    conversation's prompt checkpoint (the whole previous prompt comes from RAM), and gives the tokens of a
+    cold run (top-1 margin checked)."""
+    system = "You are a careful assistant who answers in one short sentence. " * 60  # (past the window)
+    turns = {"a": ["Name a red fruit.", "Name a yellow one."], "b": ["Name a big city.", "Name a small one."]}
+    opts = dict(temp=0, max_tokens=8, ignore_eos=True)
+    history = {k: system for k in turns}
+    with lc.Server(model=gemma, n_parallel=1, n_ctx=2048) as srv, \
+            lc.Server(model=gemma, n_parallel=1, n_ctx=2048, cache_prompt=False) as cold:
+        last = {}
+        for i in range(2):
+            for k in ("a", "b"):
+                prompt = history[k] + "\nQ: " + turns[k][i] + "\nA:"
+                out = srv.generate(prompt, **opts)
+                ref = cold.generate(prompt, logprobs=5, **opts)
+                assert_greedy_equivalent(out, ref, what=f"{k} turn {i}")
+                if i == 1:  # (the whole previous prompt came from its checkpoint)
+                    assert out.timings.cached_tokens >= len(srv.model.tokenize(last[k])) - 1, (k, out.timings)
+                last[k] = prompt
+                history[k] = prompt + out.text
+        stats = srv.stats()
+    assert stats["cache_checkpoints"] >= 4 and stats["cache_restored"] >= 2, stats
+
+
 def test_prompt_cache_lru_budget_and_longest_prefix():
     cache = PromptCache(budget_bytes=250_000)
     assert cache.put([1, 2, 3], b"a" * 100_000)

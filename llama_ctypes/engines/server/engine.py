@@ -59,6 +59,7 @@ class ContextKV:
     def __init__(self, lease: ContextLease, mirror: Any = None):
         self._lease = lease
         self._mirror = mirror
+        self.windowed = lease.ctx.n_swa > 0  # (a sliding-window cache: swa_full=False on an SWA model)
 
     def forget(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)

@@ -511,6 +511,8 @@ class Scheduler:
                 self.prompt_tokens_evaluated += n_prompt
                 if request.progress:
                     _progress(request, now)
+                if request.n_prefilled == len(request.prompt) and request.params.cache_prompt:
+                    self.pool.checkpoint(slot)  # (its KV holds the prompt alone now)
             for _ in step.sample:
                 tok = outputs[k]  # type: ignore[index]
                 entry = logprobs[k] if logprobs is not None else None

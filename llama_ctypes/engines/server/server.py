@@ -636,6 +636,7 @@ class Server:
             "cached_tokens": cache.cached_tokens,
             "cache_adopted": cache.adopted,
             "cache_restored": cache.restored,
+            "cache_checkpoints": cache.checkpoints,
             "prefix_instabilities": cache.instabilities,
             "ram_cache_entries": len(ram) if ram else 0,
             "ram_cache_bytes": ram.used if ram else 0,

@@ -69,7 +69,10 @@ def agreement(a: Any, b: Any) -> int:
 
 class KVOps(Protocol):
     """The KV operations the pool needs (implemented over the server's context). ``n``, ``keep``: a
-    position (where a prefix ends: its token count unless an M-RoPE image in it took fewer positions)."""
+    position (where a prefix ends: its token count unless an M-RoPE image in it took fewer positions).
+    ``windowed``: a sliding-window cache, which cannot serve a prefix of a sequence that grew well past it."""
+
+    windowed: bool
 
     def forget(self, seq: int) -> None: ...
     def complete(self, seq: int, n: int) -> bool: ...
@@ -174,6 +177,7 @@ class CacheStats:
     cached_tokens: int = 0  # prompt tokens served from cache
     adopted: int = 0  # prefixes copied from another slot
     restored: int = 0  # prefixes restored from the RAM cache
+    checkpoints: int = 0  # prompts' states kept in the RAM cache as they were read (sliding-window caches)
     instabilities: int = 0
 
 
@@ -283,10 +287,17 @@ class SlotPool:
                 self.stats.adopted += 1
                 return n
         if self.ram is not None and len(self.ram):
-            entry, n = self.ram.lookup(prompt, exact_only=not self.partial_reuse, tag=tag)
-            n = _whole_media(prompt, min(n, len(prompt) - 1))
-            if entry is not None and n > reused and (self.partial_reuse or n == len(entry.tokens)):
-                self._evict(slot)
+            # The entry sharing the longest prefix, cut back to it; where that cannot serve (a sliding window
+            # no longer holds the cells before the cut), the longest entry that is a prefix of the prompt as
+            # a whole (a checkpoint), restored as it is.
+            for exact in ((False, True) if self.partial_reuse else (True,)):
+                entry, n = self.ram.lookup(prompt, exact_only=exact, tag=tag)
+                n = _whole_media(prompt, min(n, len(prompt) - 1))
+                if entry is None or n <= reused or (exact and n != len(entry.tokens)) \
+                        or (not self.partial_reuse and n != len(entry.tokens)):
+                    continue
+                if slot.tokens:
+                    self._evict(slot)
                 at = PositionMap.of(prompt, n).pos(n)  # (the entry's tokens up to n are the prompt's)
                 if self.kv.restore(slot.seq_id, entry.state) and (
                         n == len(entry.tokens) or self.kv.truncate(slot.seq_id, at)) \
@@ -296,7 +307,7 @@ class SlotPool:
                     return n
                 self.kv.forget(slot.seq_id)
                 slot.drop()
-                return 0
+                reused = 0  # (the slot's own prefix went with the failed restore)
         return reused
 
     def _keep_prefix(self, slot: Slot, n: int) -> None:
@@ -312,6 +323,16 @@ class SlotPool:
         else:
             self.kv.forget(slot.seq_id)
             slot.drop()
+
+    def checkpoint(self, slot: Slot) -> None:
+        """``slot``'s request has just read its prompt: on a sliding-window cache, keep the state in the RAM
+        cache (llama-server's context checkpoints). A conversation's next turn extends this prompt and
+        restores it as it is; the state saved when the slot is taken over holds the reply too, and cannot
+        be cut back to the prompt (the window before the cut is gone): with more conversations than slots,
+        most turns were computed anew."""
+        if self.ram is not None and self.kv.windowed and len(slot.tokens) >= MIN_SAVED_TOKENS:
+            self.ram.put(list(slot.tokens), self.kv.save(slot.seq_id), tag=slot.kv_tag)
+            self.stats.checkpoints += 1
 
     def rollback(self, slot: Slot, keep: int) -> bool:
         """Cut a running slot's sequence back to its first ``keep`` tokens (rejected drafts);
