@@ -56,6 +56,10 @@ class Worker:
     def _start(self) -> None:
         args = [f"{name}={path}" for name, path in self.models.items()]
         env = dict(os.environ, PYTHONFAULTHANDLER="1", GGML_NO_BACKTRACE="1")  # (no gdb attach per abort)
+        # (the package this process tests, not another copy an environment may hold: a script's own folder,
+        # not the checkout, heads its sys.path)
+        package_root = str(Path(lc.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen([sys.executable, str(HERE / "abort_worker.py"), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.stderr = []

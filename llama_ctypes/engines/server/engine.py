@@ -59,7 +59,9 @@ class ContextKV:
     def __init__(self, lease: ContextLease, mirror: Any = None):
         self._lease = lease
         self._mirror = mirror
-        self.windowed = lease.ctx.n_swa > 0  # (a sliding-window cache: swa_full=False on an SWA model)
+        # A sliding-window cache (swa_full=False on an SWA model), whose prompts the pool checkpoints; not with
+        # a drafter mirror (an MTP head's cache): it cannot follow a restored checkpoint, and would refuse it.
+        self.windowed = lease.ctx.n_swa > 0 and mirror is None
 
     def forget(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)
