@@ -22,12 +22,14 @@ and the TTFTs: what the ``swa_full`` default is chosen on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import re
 import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable, ContextManager
 
 import llama_ctypes as lc
 
@@ -53,6 +55,41 @@ class _KVSize(logging.Handler):
             self.mib += float(m.group(1))
 
 
+def interleaved(n_conv: int, turns: int, n_threads: int, one_turn: Callable[[int, int, Any], None],
+                per_thread: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> float:
+    """``one_turn(conversation, turn, resource)`` for every turn of every conversation, interleaved
+    (conversation 0 turn 0, conversation 1 turn 0, ...) on ``n_threads`` threads, each turn after its
+    conversation's previous one; ``resource`` is what ``per_thread()`` gives each thread (an HTTP client).
+    The first exception is raised once every thread ended. Returns the wall time in seconds."""
+    work = [(i, turn) for turn in range(turns) for i in range(n_conv)]
+    done = [threading.Event() for _ in work]
+    next_item = iter(range(len(work)))
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        with per_thread() as resource:
+            for k in next_item:
+                i, turn = work[k]
+                if turn:
+                    done[k - n_conv].wait()  # this conversation's previous turn
+                try:
+                    one_turn(i, turn, resource)
+                except BaseException as exc:  # (raised after the threads end; the others go on)
+                    errors.append(exc)
+                finally:
+                    done[k].set()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
+
+
 def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int, max_tokens: int,
         ram_mb: float | None = None, **server_opts) -> dict:
     ttfts, prompt_tokens, cached = [], 0, 0
@@ -68,7 +105,6 @@ def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int,
     with srv:
         histories = [[{"role": "system", "content": SYSTEM}] for _ in range(n_conv)]
         lock = threading.Lock()
-        done = [threading.Event() for _ in range(n_conv * turns)]
 
         def one_turn(i: int, turn: int) -> None:
             nonlocal prompt_tokens, cached
@@ -81,24 +117,7 @@ def run(model_path: Path, cache: bool, n_conv: int, turns: int, n_parallel: int,
                 prompt_tokens += reply.prompt_tokens
                 cached += reply.timings.cached_tokens
 
-        work = [(i, turn) for turn in range(turns) for i in range(n_conv)]  # interleaved
-        next_item = iter(range(len(work)))
-
-        def worker() -> None:
-            for k in next_item:
-                i, turn = work[k]
-                if turn:
-                    done[k - n_conv].wait()  # this conversation's previous turn
-                one_turn(i, turn)
-                done[k].set()
-
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=worker) for _ in range(n_parallel)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+        wall = interleaved(n_conv, turns, n_parallel, lambda i, turn, _: one_turn(i, turn))
         stats = srv.stats()
     ttfts.sort()
     return {"median": statistics.median(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))], "wall": wall,

@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from http_server import start, stop  # noqa: E402
 from llama_server import find_llama_server, free_port  # noqa: E402
+from prefix_cache import interleaved  # noqa: E402
 
 # (Gemma's tokenizer reads this English at about 4.5 characters per token)
 SYSTEM_PART = ("You are a meticulous travel assistant. You answer questions about cities, museums, food, "
@@ -88,44 +89,24 @@ def workload(url: str, n_conv: int, turns: int, k_tokens: float, slots: int, max
     histories = [[{"role": "system", "content": system}] for _ in range(n_conv)]
     results: list[dict] = []
     lock = threading.Lock()
-    work = [(i, t) for t in range(turns) for i in range(n_conv)]
-    done = [threading.Event() for _ in work]
-    next_item = iter(range(len(work)))
-    errors: list[BaseException] = []
 
-    def worker() -> None:
-        # (a connection per request: llama-server closes idle keep-alive connections, which a client
-        # waiting for its conversation's previous turn would then reuse; a local connect costs ~0.1 ms)
-        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
-            for k in next_item:
-                i, t = work[k]
-                if t:
-                    done[k - n_conv].wait()
-                try:
-                    histories[i].append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(
-                        city=CITIES[i % len(CITIES)])})
-                    r = turn(client, url, histories[i], max_tokens, cache)
-                    histories[i].append({"role": "assistant", "content": r["text"]})
-                    with lock:
-                        results.append(r)
-                except BaseException as exc:  # (reported after the threads end)
-                    errors.append(exc)
-                finally:
-                    done[k].set()
+    def one_turn(i: int, t: int, client: httpx.Client) -> None:
+        histories[i].append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)].format(
+            city=CITIES[i % len(CITIES)])})
+        r = turn(client, url, histories[i], max_tokens, cache)
+        histories[i].append({"role": "assistant", "content": r["text"]})
+        with lock:
+            results.append(r)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(slots)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    # (a connection per request: llama-server closes idle keep-alive connections, which a client waiting for
+    # its conversation's previous turn would then reuse; a local connect costs ~0.1 ms)
+    wall = interleaved(n_conv, turns, slots, one_turn,
+                       lambda: httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)))
     ttfts = sorted(r["ttft_ms"] for r in results)
     computed = [r["prompt_n"] for r in results if r["prompt_n"] is not None]
     return {"median": statistics.median(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
             "computed": sum(computed) if len(computed) == len(results) else None,
-            "prompt": sum(r["prompt_tokens"] or 0 for r in results), "wall": time.perf_counter() - t0}
+            "prompt": sum(r["prompt_tokens"] or 0 for r in results), "wall": wall}
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ from ..errors import ArgumentTypeError, ClosedError, GrammarError, IndexOutOfRan
 from ..native import llama_h as L
 from .backend import clear_native_error, native_error
 from .deep_stack import DEEP_STACK
+from .grammar_sampler import grammar_accept_fn, grammar_apply_fn, prefill_tokens, reset_grammar, taken_message
 from .grammar_check import check_breadth, check_gbnf
 from .trigger_check import check_trigger_pattern, normalize_trigger
 from .handle import NativeHandle
@@ -25,53 +26,6 @@ logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .model import Model
-
-
-def _reset_grammar(lib, grammar) -> None:
-    """``llama_sampler_reset`` on a grammar sampler: it parses the grammar's text again, recursing once per
-    nesting level, so it runs where init ran (a large stack; see :func:`_init_grammar`)."""
-    DEEP_STACK.run(lib.llama_sampler_reset, grammar)
-
-
-def _grammar_accept_fn(lib) -> Callable[[object, int], None]:
-    """``accept(grammar, token)`` for a grammar sampler, raising GrammarError where llama.cpp throws: a lazy
-    grammar's trigger matched text the grammar does not allow from there on (the model wrote something
-    else). The grammar is reset to its start then (it is left with no parse stack, on which llama.cpp's
-    next apply asserts), and the generation ends with the error."""
-    checked = lib.lcx_sampler_accept
-
-    def accept(grammar, token: int) -> None:
-        error = ctypes.c_void_p()
-        if not checked(grammar, token, ctypes.byref(error)):
-            message = ctypes.string_at(error.value).decode("utf-8", errors="replace") if error.value else ""
-            if error.value:
-                lib.lcx_string_free(error.value)
-            _reset_grammar(lib, grammar)
-            if message.startswith("grammar too broad"):  # (build_scripts/patches/llama-grammar-work-bound.patch)
-                raise GrammarError(f"{message}: the generation stops here, before the sampler takes seconds "
-                                   "per token; make the grammar unambiguous (one way to read each text)")
-            raise GrammarError(f"the text from a grammar_lazy_triggers match on does not fit the grammar "
-                               f"(llama.cpp: {message})")
-
-    return accept
-
-
-def _grammar_apply_fn(lib) -> Callable[[object, object], None]:
-    """``apply(grammar, byref(array))`` for a grammar sampler, raising GrammarError where llama.cpp throws: the
-    check of the candidates would take seconds (build_scripts/patches/llama-grammar-work-bound.patch). Every
-    grammar apply goes through here: an exception through the C frames of ctypes ends the process."""
-    checked = lib.lcx_sampler_apply
-
-    def apply(grammar, arr_ref) -> None:
-        error = ctypes.c_void_p()
-        if not checked(grammar, arr_ref, ctypes.byref(error)):
-            message = ctypes.string_at(error.value).decode("utf-8", errors="replace") if error.value else ""
-            if error.value:
-                lib.lcx_string_free(error.value)
-            raise GrammarError(f"{message}: the generation stops here; make the grammar unambiguous (one way to "
-                               "read each text) or narrower")
-
-    return apply
 
 
 @dataclass(frozen=True)
@@ -280,55 +234,6 @@ def _argmax_fn(logits_of: Callable[[int], np.ndarray]) -> Callable[[int], int]:
     return lambda idx: int(logits_of(idx).argmax())
 
 
-def _prefill_tokens(vocab, text: str) -> list[int] | None:
-    """Tokens whose pieces spell exactly ``text`` (``grammar_prefill``), or None.
-
-    The grammar must be fed the text itself. Tokenizing it is not always enough: SentencePiece
-    vocabularies with ``add_space_prefix`` put a space before raw text at the start and after
-    every special token (``<|im_start|>assistant`` → ``<|im_start|>``, `` assistant``), a space
-    the grammar does not expect. Such a token is replaced by tokens spelling it without the
-    space (common/sampling.cpp only skips a lone space token at the start, and refuses the rest).
-    """
-    data = text.encode("utf-8")
-
-    def pieces(tokens: list[int]) -> list[bytes]:
-        return [vocab.token_bytes(t, special=True) for t in tokens]
-
-    def spell(rest: bytes) -> list[int] | None:
-        # "\n" + rest: the tokenizer's inserted space goes before the newline, which stays apart
-        try:
-            tail = rest.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-        tokens = vocab.tokenize("\n" + tail, add_special=False, parse_special=True)
-        got = pieces(tokens)
-        for k in range(1, len(tokens) + 1):
-            head = b"".join(got[:k])
-            if head in (b"\n", b" \n"):
-                return tokens[k:] if b"".join(got[k:]) == rest else None
-            if len(head) >= 2:
-                return None
-        return None
-
-    tokens = vocab.tokenize(text, add_special=False, parse_special=True)
-    out: list[int] = []
-    pos = 0
-    for token, piece in zip(tokens, pieces(tokens)):
-        if piece and data.startswith(piece, pos):
-            out.append(token)
-            pos += len(piece)
-        elif piece[:1] == b" " and data.startswith(piece[1:], pos):  # a space the tokenizer inserted
-            if len(piece) > 1:
-                fixed = spell(piece[1:])
-                if fixed is None:
-                    return None
-                out += fixed
-                pos += len(piece) - 1
-        else:
-            return None
-    return out if pos == len(data) else None
-
-
 @dataclass(frozen=True)
 class PostSampling:
     """What the sampler chain left of one row when it picked ``token`` (llama-server's
@@ -445,7 +350,7 @@ class SamplerBinding:
         lib = sampler._lib
         lib.llama_sampler_accept(self._clone if self.in_graph else sampler._ptr, token)
         if sampler._grammar and sampler._grammar_allows(token):
-            _grammar_accept_fn(lib)(sampler._grammar, token)
+            grammar_accept_fn(lib)(sampler._grammar, token)
         if self.post is not None:
             self.post[row] = PostSampling(token, 1.0, np.array([token]), np.array([1.0]))
 
@@ -600,8 +505,7 @@ class Sampler(NativeHandle):
         smpl = DEEP_STACK.run(lib.lcx_sampler_init_grammar, vocab, grammar, root, arr, len(patterns),
                               ctypes.byref(error), cleanup=discard)
         if error.value:  # a C++ exception: a trigger pattern std::regex cannot parse, a grammar too broad
-            message = ctypes.string_at(error.value).decode("utf-8", errors="replace")
-            lib.lcx_string_free(error.value)
+            message = taken_message(lib, error)
             if message.startswith("grammar too broad"):
                 raise GrammarError(message)
             raise GrammarError(f"invalid grammar_lazy_triggers {list(p.grammar_lazy_triggers)!r}: {message}")
@@ -619,14 +523,14 @@ class Sampler(NativeHandle):
         text = self.params.grammar_prefill
         if not text:
             return
-        tokens = _prefill_tokens(self.model.vocab, text)
+        tokens = prefill_tokens(self.model.vocab, text)
         if tokens is None:
             raise GrammarError(f"grammar_prefill {text!r}: no tokenization of it spells it exactly")
         for token in tokens:
             # llama.cpp throws (and the process aborts) on accepting a token the grammar refuses.
             if not self._grammar_allows(token, grammar):
                 raise GrammarError(f"grammar_prefill {text!r} does not match the grammar's start")
-            _grammar_accept_fn(self._lib)(grammar, token)
+            grammar_accept_fn(self._lib)(grammar, token)
 
     def _free(self) -> None:
         if self._ptr:
@@ -688,8 +592,8 @@ class Sampler(NativeHandle):
         the result is exactly the grammar-first result.
         """
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
-        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
-        apply_grammar = _grammar_apply_fn(lib)
+        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, grammar_accept_fn(lib)
+        apply_grammar = grammar_apply_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         cand["id"] = np.arange(n_vocab, dtype=np.int32)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
@@ -740,8 +644,8 @@ class Sampler(NativeHandle):
         if self._ptr is None:
             raise ClosedError("Sampler is closed")
         lib, chain, grammar, n_vocab = self._lib, self._ptr, self._grammar, lease.ctx.n_vocab
-        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, _grammar_accept_fn(lib)
-        apply_grammar = _grammar_apply_fn(lib)
+        apply, accept, accept_grammar = lib.llama_sampler_apply, lib.llama_sampler_accept, grammar_accept_fn(lib)
+        apply_grammar = grammar_apply_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
         arr_ref, logits_of, greedy = ctypes.byref(arr), lease.logits_view_fn(), self.params.greedy
@@ -804,7 +708,7 @@ class Sampler(NativeHandle):
             arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1,
                                            False)
             if self._grammar:
-                _grammar_apply_fn(lib)(self._grammar, ctypes.byref(arr))
+                grammar_apply_fn(lib)(self._grammar, ctypes.byref(arr))
             if not np.isfinite(cand["logit"]).any():
                 raise GrammarError("no token is left to sample (every logit is -inf, or the grammar allows none "
                                    "of the others)")
@@ -816,7 +720,7 @@ class Sampler(NativeHandle):
             if np.isnan(picked.logit) or picked.logit == -np.inf:  # (+inf: a logit_bias that forces it)
                 raise GrammarError("no token is left to sample after the grammar and the other samplers")
             if self._grammar:
-                _grammar_accept_fn(lib)(self._grammar, tok)
+                grammar_accept_fn(lib)(self._grammar, tok)
             lib.llama_sampler_accept(self._ptr, tok)
             return tok
 
@@ -832,13 +736,13 @@ class Sampler(NativeHandle):
                 raise GrammarError(f"the grammar does not allow token {token} here")
             self._lib.llama_sampler_accept(self._ptr, token)
             if self._grammar:
-                _grammar_accept_fn(self._lib)(self._grammar, token)
+                grammar_accept_fn(self._lib)(self._grammar, token)
 
     def _grammar_allows(self, token: int, grammar=None) -> bool:
         one = np.zeros(1, dtype=_TOKEN_DATA)
         one[0] = (token, 0.0, 0.0)
         arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
-        _grammar_apply_fn(self._lib)(grammar or self._grammar, ctypes.byref(arr))
+        grammar_apply_fn(self._lib)(grammar or self._grammar, ctypes.byref(arr))
         return bool(np.isfinite(one[0]["logit"]))
 
     def reset(self) -> None:
@@ -846,7 +750,7 @@ class Sampler(NativeHandle):
         with self._exclusively():
             self._lib.llama_sampler_reset(self._ptr)
             if self._grammar:
-                _reset_grammar(self._lib, self._grammar)
+                reset_grammar(self._lib, self._grammar)
                 self._prefill(self._grammar)
 
     @property
