@@ -99,6 +99,7 @@ def _while_streaming(server: ServeProcess, hostile: Callable[[], Any]) -> tuple[
     time.sleep(0.3)
     health: list[float] = []
     finished = threading.Event()
+    probing = threading.Event()
 
     def probe() -> None:
         with httpx.Client(timeout=60) as http:
@@ -106,11 +107,13 @@ def _while_streaming(server: ServeProcess, hostile: Callable[[], Any]) -> tuple[
                 t0 = time.monotonic()
                 http.get(f"{server.base_url}/health")
                 health.append(time.monotonic() - t0)
+                probing.set()
                 time.sleep(0.05)
 
     prober = threading.Thread(target=probe, daemon=True)
-    start = time.monotonic()
     prober.start()
+    assert probing.wait(60)  # (a hostile call refused at once may end before a first probe would start)
+    start = time.monotonic()
     try:
         result = hostile()
     finally:
