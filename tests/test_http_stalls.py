@@ -184,6 +184,20 @@ def test_a_backtracking_schema_pattern_freezes_nothing(server):
     assert gap < MAX_GAP and health < MAX_GAP, (gap, health)
 
 
+def test_a_grammar_at_the_work_bound_freezes_nothing(server):
+    """A grammar of 8,000 words, just under what the vocabulary's bound allows: where the model's pick is
+    refused, llama.cpp tests each of the 32k tokens against each word, ~2 s per token. Drawn on the scheduler
+    thread, each of its tokens stopped the other stream for as long (gaps of 1.7-3.4 s); drawn on a worker
+    (engines/server/detached.py), it goes at its own pace."""
+    grammar = "root ::= (" + " | ".join(f'"w{i} "' for i in range(8000)) + ")+"
+    body = {"prompt": "Once upon a time", "n_predict": 3, "grammar": grammar, "ignore_eos": True}
+    r, seconds, gap, health = _while_streaming(
+        server, lambda: httpx.post(f"{server.base_url}/completion", json=body, timeout=120))
+    assert r.status_code == 200, r.text
+    assert r.json()["content"].startswith("w") and seconds > 1.0, (r.text, seconds)
+    assert gap < MAX_GAP and health < MAX_GAP, (gap, health)
+
+
 def test_a_hostile_chat_template_freezes_nothing(server):
     """The server's template sums lists when the last message says "boom": one C call of 15 s before. It is
     refused before the call now."""

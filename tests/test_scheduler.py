@@ -6,16 +6,20 @@ A fake KV stands in for the context and synthetic sampled tokens for the decode
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
 import pytest
 from fake_kv import FakeKV
 
 from llama_ctypes.core.generation import GenerationParams
 from llama_ctypes.core.text import TextAssembler
 from llama_ctypes.engines.server.request import Channel, End, Request, Status
-from llama_ctypes.engines.server.scheduler import QueueFullError, Scheduler, ServerClosedError, Step, TickPlan
+from llama_ctypes.engines.server.scheduler import (PENDING, QueueFullError, Scheduler, ServerClosedError, Step,
+                                                   TickPlan)
 from llama_ctypes.engines.server.slots import SlotPool
 from llama_ctypes.engines.server.strategies import Balanced, DecodeMaximal, PrefillPriority
-from llama_ctypes.errors import CancelledError, ClosedError, DecodeError, KVPoolFullError
+from llama_ctypes.errors import CancelledError, ClosedError, DecodeError, GrammarError, KVPoolFullError
 
 EOG = 99
 
@@ -674,3 +678,93 @@ def test_mrope_media_moves_a_slots_positions():
     sched.submit(other)
     plan(sched)
     assert other.cached_tokens == 2 and ("truncate", slot.seq_id, 2) in kv.calls and slot.next_pos == 2
+
+
+# ---- draws that outlast their tick (engines/server/detached.py) -------------------------------------------
+
+def test_a_pending_row_sits_out_the_plans_until_its_token_is_delivered():
+    """A row whose draw still runs (PENDING, the request's ``pending`` set) adds nothing; its request is not
+    planned (the plan counts it as blocked) while the others go on; the delivered token is counted as a
+    sampled one, and the request decodes it at the next tick."""
+    s = make(n_parallel=2, budget=8)
+    slow, fast = req([1, 2], max_tokens=3), req([3], max_tokens=4)
+    s.submit(slow)
+    s.submit(fast)
+    p = plan(s)
+    assert [st.request for st in p.steps] == [slow, fast]
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    slow.pending = future
+    s.update_from_output(p, [PENDING, 5])
+    assert slow.generated == [] and slow.first_token is None and fast.generated == [5]
+    assert list(s.pool.slots[slow.seq_id].tokens) == [1, 2]  # (its prompt is in the KV)
+    for expect in ([6], [7]):
+        p = plan(s)
+        assert [st.request for st in p.steps] == [fast] and p.blocked == 1
+        s.update_from_output(p, expect)
+    future.set_result(4)
+    s.deliver(s.pool.slots[slow.seq_id], slow, 4)
+    assert slow.pending is None and slow.generated == [4] and "".join(items(slow)) == "e"
+    p = plan(s)
+    assert [(st.request, st.tokens) for st in p.steps] == [(slow, [4]), (fast, [7])]
+    s.update_from_output(p, [0, EOG])
+    assert fast.status is Status.FINISHED and slow.generated == [4, 0]
+
+
+def test_a_pending_request_ends_only_after_its_draw():
+    """Cancelled while its draw runs: cancelled once the draw ended (the draw uses its sampler). A failed draw
+    fails it alone; ending it otherwise (the server closing) waits for the draw first."""
+    s = make(n_parallel=2, budget=8)
+    r, other = req([1], max_tokens=9), req([2], max_tokens=9)
+    s.submit(r)
+    s.submit(other)
+    p = plan(s)
+    r.pending = future = concurrent.futures.Future()
+    s.update_from_output(p, [PENDING, 0])
+    s.cancel(r)
+    p = plan(s)
+    assert p.cancelled == [] and [st.request for st in p.steps] == [other]
+    assert r.status is Status.RUNNING and not r.sampler.closed
+    future.set_result(3)
+    s.deliver(s.pool.slots[r.seq_id], r, 3)  # (its token does not go out: it was cancelled)
+    assert r.status is Status.CANCELLED and r.sampler.closed and r.generated == []
+    assert isinstance(items(r)[-1], CancelledError) and s.pool.slots[0].free
+
+    s = make(n_parallel=1, budget=8)
+    r = req([1], max_tokens=9)
+    s.submit(r)
+    p = plan(s)
+    r.pending = concurrent.futures.Future()
+    s.update_from_output(p, [PENDING])
+    error = GrammarError("grammar too broad")
+    s.deliver(s.pool.slots[0], r, error=error)
+    assert r.status is Status.FAILED and items(r)[-1] is error and s.pool.slots[0].free
+
+    s = make(n_parallel=1, budget=8)
+    r = req([1], max_tokens=9)
+    s.submit(r)
+    p = plan(s)
+    r.pending = future = concurrent.futures.Future()
+    s.update_from_output(p, [PENDING])
+    timer = threading.Timer(0.2, future.set_result, (1,))
+    timer.start()
+    s.fail_all(ServerClosedError("closed"))  # waits for the draw, then ends the request
+    assert future.done() and r.status is Status.FAILED and r.sampler.closed and r.pending is None
+
+
+def test_a_full_kv_fails_a_pending_request_that_arrived_last_after_its_draw():
+    """A request whose draw runs cannot go back to the queue unchanged (its sampler takes a token): when it is
+    the last to arrive, a full KV fails it (once the draw has ended), and the one before goes on."""
+    s = make(n_parallel=2, budget=8)
+    first, second = req([1], max_tokens=9), req([2], max_tokens=9)
+    s.submit(first)
+    s.submit(second)
+    p = plan(s)
+    second.pending = future = concurrent.futures.Future()
+    s.update_from_output(p, [0, PENDING])
+    p = plan(s)
+    assert [st.request for st in p.steps] == [first]
+    timer = threading.Timer(0.2, future.set_result, (1,))
+    timer.start()
+    assert s.kv_full(p, capacity=4) is second
+    assert future.done() and second.status is Status.FAILED and second.sampler.closed
+    assert first.status is Status.RUNNING

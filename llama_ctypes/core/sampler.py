@@ -282,10 +282,22 @@ class SamplerBinding:
                     self._attach(sampler, lease, seq)
                 if self.fallback is not None:
                     logger.debug("backend_sampling: sequence %s samples as usual (%s)", seq, self.fallback)
+            # ``(idx, logits row) -> token`` where the draw works on a candidate array of its own (a grammar,
+            # or candidates kept): it can run on a copy of the row, off the thread that decodes.
+            self._draw: Callable[[int, np.ndarray], int] | None = None
             if self.in_graph:  # (llama_sampler_sample returns the graph's token and accepts it)
                 fn = lease.sample_fn(self._clone)
+            elif candidates or sampler._grammar:
+                if sampler._ptr is None:
+                    raise ClosedError("Sampler is closed")
+                self._draw = draw = sampler._candidates_fn(lease, candidates, self.post) if candidates \
+                    else sampler._constrained_fn(lease)
+                logits_of = lease.logits_view_fn()
+
+                def fn(idx: int) -> int:
+                    return draw(idx, logits_of(idx))
             else:
-                fn = sampler._candidates_fn(lease, candidates, self.post) if candidates else sampler._sample_fn(lease)
+                fn = sampler._sample_fn(lease)
         except BaseException:
             self._detach()
             sampler._end_exclusive()
@@ -301,6 +313,9 @@ class SamplerBinding:
         #: (``ContextLease.has_logits``: llama.cpp reorders output rows at the first read).
         self.concurrent = not self.in_graph and not candidates and sampler._grammar is None \
             and not sampler.params.plain_greedy
+        #: :meth:`draw` may stand for ``sample``: the draw works on a candidate array of its own
+        #: (a grammar: its check may take long), so it can run off the decoding thread on a copy of the row.
+        self.detachable = self._draw is not None
 
         def sample(idx: int) -> int:
             if not self._held:
@@ -308,6 +323,15 @@ class SamplerBinding:
             return fn(idx)
 
         self.sample: Callable[[int], int] = sample
+
+    def draw(self, idx: int, row: np.ndarray) -> int:
+        """``sample(idx)`` from ``row``, a copy of that row's logits (``detachable`` bindings only), on any
+        thread while no other call uses this binding: the row need not outlive the context's next decode."""
+        if not self._held:
+            raise ClosedError("this SamplerBinding was released")
+        if self._draw is None:
+            raise InvalidArgumentError("this binding samples from the context's own rows (not detachable)")
+        return self._draw(idx, row)
 
     def _attach(self, sampler: "Sampler", lease, seq: int) -> None:
         if sampler._ptr is None:
@@ -572,17 +596,15 @@ class Sampler(NativeHandle):
         return SamplerBinding(self, lease, held, candidates, seq, blocker)
 
     def _sample_fn(self, lease) -> Callable[[int], int]:
-        # The cheapest exact strategy: a numpy argmax for plain greedy, the llama.cpp chain
-        # otherwise, and grammar rejection sampling when a grammar is set.
+        # Without a grammar (SamplerBinding draws with one): a numpy argmax for plain greedy, else the
+        # llama.cpp chain on the context's row.
         if self._ptr is None:
             raise ClosedError("Sampler is closed")
-        if self._grammar:
-            return self._constrained_fn(lease)
         if self.params.plain_greedy:
             return _argmax_fn(lease.logits_view_fn())
         return lease.sample_fn(self._ptr)
 
-    def _constrained_fn(self, lease) -> Callable[[int], int]:
+    def _constrained_fn(self, lease) -> Callable[[int, np.ndarray], int]:
         """Grammar sampling as llama.cpp's common sampler does it: sample first, check the grammar after.
 
         Checking one token against the grammar is cheap; masking a whole
@@ -599,12 +621,11 @@ class Sampler(NativeHandle):
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
         one = np.zeros(1, dtype=_TOKEN_DATA)
         one_arr = L.llama_token_data_array(one.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), 1, -1, False)
-        logits_of = lease.logits_view_fn()
         arr_ref, one_ref = ctypes.byref(arr), ctypes.byref(one_arr)
 
-        def reset_candidates(idx: int) -> None:
+        def reset_candidates(row: np.ndarray) -> None:
             cand["id"] = np.arange(n_vocab, dtype=np.int32)  # samplers may reorder the array
-            cand["logit"] = logits_of(idx)
+            cand["logit"] = row
             cand["p"] = 0.0
             arr.data = cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
             arr.size, arr.selected, arr.sorted = n_vocab, -1, False
@@ -612,15 +633,15 @@ class Sampler(NativeHandle):
         def selected() -> int:
             return int(arr.data[arr.selected].id)
 
-        def sample(idx: int) -> int:
-            reset_candidates(idx)
+        def draw(idx: int, row: np.ndarray) -> int:
+            reset_candidates(row)
             apply(chain, arr_ref)
             tok = selected()
             one[0] = (tok, 0.0, 0.0)
             one_arr.size, one_arr.selected, one_arr.sorted = 1, -1, False
             apply_grammar(grammar, one_ref)
             if not np.isfinite(one[0]["logit"]):
-                reset_candidates(idx)
+                reset_candidates(row)
                 apply_grammar(grammar, arr_ref)
                 apply(chain, arr_ref)
                 tok = selected()
@@ -633,9 +654,9 @@ class Sampler(NativeHandle):
             accept(chain, tok)
             return tok
 
-        return sample
+        return draw
 
-    def _candidates_fn(self, lease, keep: int, out: dict[int, PostSampling]) -> Callable[[int], int]:
+    def _candidates_fn(self, lease, keep: int, out: dict[int, PostSampling]) -> Callable[[int, np.ndarray], int]:
         """Sampling through the chain on a candidate array of our own, so that what the chain leaves of
         it can be read (``out[idx]``, the ``keep`` most probable). The chain sees what
         ``llama_sampler_sample`` would give it, so the same token is drawn; a grammar masks first
@@ -648,12 +669,12 @@ class Sampler(NativeHandle):
         apply_grammar = grammar_apply_fn(lib)
         cand = np.zeros(n_vocab, dtype=_TOKEN_DATA)
         arr = L.llama_token_data_array(cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), n_vocab, -1, False)
-        arr_ref, logits_of, greedy = ctypes.byref(arr), lease.logits_view_fn(), self.params.greedy
+        arr_ref, greedy = ctypes.byref(arr), self.params.greedy
         ids = np.arange(n_vocab, dtype=np.int32)
 
-        def sample(idx: int) -> int:
+        def draw(idx: int, row: np.ndarray) -> int:
             cand["id"] = ids
-            cand["logit"] = logits_of(idx)
+            cand["logit"] = row
             cand["p"] = 0.0
             arr.data = cand.ctypes.data_as(ctypes.POINTER(L.llama_token_data))
             arr.size, arr.selected, arr.sorted = n_vocab, -1, False
@@ -684,7 +705,7 @@ class Sampler(NativeHandle):
             accept(chain, tok)
             return tok
 
-        return sample
+        return draw
 
     def sample_logits(self, logits: np.ndarray) -> int:
         """Pick a token from a logits row the caller gives (n_vocab floats, e.g. one a Python logits

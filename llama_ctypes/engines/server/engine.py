@@ -7,8 +7,9 @@ A tick (see ``scheduler.py`` for the bookkeeping):
    calls routed to this thread (``call``), drafts for speculating slots (``speculation.py``),
    the plan (``Scheduler.schedule``);
 3. :meth:`Engine.execute`: fill ONE batch from the plan, decode, sample every output row (a
-   speculative step's rows in order, up to the first that rejects its draft; and, for requests
-   that asked, compute each sampled token's log-probabilities from its row);
+   speculative step's rows in order, up to the first that rejects its draft; a grammar's rows on
+   workers, ``detached.py``, those still running after a short wait delivered at a later tick; and,
+   for requests that asked, compute each sampled token's log-probabilities from its row);
 4. ``Scheduler.update_from_output``: end-of-generation, stop strings, lengths, text to the channels.
 
 Clients (submit, cancel, the asyncio loop) therefore never wait for KV copies or decodes.
@@ -34,9 +35,10 @@ from ...core.generation import in_graph_blocker, post_candidates
 from ...core.logprobs import TokenLogprob, post_sampling_logprob, token_logprob
 from ...core.params import default_threads
 from ...errors import DecodeError, KVPoolFullError, LlamaError, RPCConnectionError
+from .detached import Detached, DetachedDraws
 from .prompt_cache import PromptCache
 from .request import Request, handoff_batch
-from .scheduler import SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
+from .scheduler import PENDING, SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
 from .slots import SlotPool
 from .speculation import SlotDrafter
 from .strategies import BatchStrategy
@@ -62,6 +64,12 @@ class ContextKV:
         # A sliding-window cache (swa_full=False on an SWA model), whose prompts the pool checkpoints; not with
         # a drafter mirror (an MTP head's cache): it cannot follow a restored checkpoint, and would refuse it.
         self.windowed = lease.ctx.n_swa > 0 and mirror is None
+
+    def cut_floor(self, seq: int) -> int:
+        if not self.windowed:
+            return 0
+        pos_min = self._lease.seq_pos_min(seq)  # (as prefix_complete: -1, the window holds nothing)
+        return 0 if pos_min == 0 else pos_min + self._lease.ctx.n_swa if pos_min > 0 else 2**31 - 1
 
     def forget(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)
@@ -170,7 +178,12 @@ class Engine:
             self._n_samplers - 1, thread_name_prefix="llama_ctypes-sample") if self._n_samplers > 1 else None
         # Images and audio are encoded on a thread of their own, so the ticks go on meanwhile.
         self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
-        self._encoded = 0  # encodes finished so far (guarded by the scheduler's cond)
+        self._woken = 0  # background work finished so far: encodes, detached draws (guarded by the scheduler's cond)
+        # Rows whose draw may take long (a grammar) are drawn off the tick (detached.py); a speculative step's
+        # are not (verification draws them in order: see _sample_verified). Not with a drafter that mirrors
+        # the slots (MTP): it follows each tick's tokens as the tick ends.
+        self._detached: DetachedDraws | None = DetachedDraws(self._n_samplers, self._wake) \
+            if self._observer is None else None
         self._encodes: dict[tuple[int, int], Any] = {}  # (id(prompt), span start) -> prompt, while queued or running
         # counters, read by stats()
         self.ticks = 0
@@ -282,7 +295,9 @@ class Engine:
                 if self.drafter is not None:
                     self._draft()
                 t2 = clock()
-                encoded = self._encoded
+                woken = self._woken
+                if self._detached is not None and self._detached.running:
+                    self._deliver_detached()
                 plan = scheduler.schedule()
                 if plan.encode:
                     self._start_encodes(plan.encode)
@@ -306,9 +321,9 @@ class Engine:
                         split.update += clock() - t4
                 elif plan.cancelled:
                     scheduler.update_from_output(plan, ())
-                elif plan.blocked:  # nothing to decode until an image or clip is encoded
+                elif plan.blocked:  # nothing to decode until an image or clip is encoded, or a draw ends
                     with cond:
-                        if self._encoded == encoded and not scheduler.closing and not self._calls:
+                        if self._woken == woken and not scheduler.closing and not self._calls:
                             cond.wait(1.0)
         except RPCConnectionError as exc:  # an RPC worker of the model was lost: the context is unusable
             logger.error("server stopped: %s", exc)
@@ -347,7 +362,7 @@ class Engine:
                     prompt.encoding.discard(span.start)
                     with cond:
                         self._encodes.pop(key, None)
-                        self._encoded += 1
+                        self._woken += 1
                         cond.notify_all()
 
             self._encoder.submit(encode)
@@ -381,9 +396,22 @@ class Engine:
         self.batch_tokens += span.n_tokens
         return None
 
+    @property
+    def late_rows(self) -> int:
+        """Rows drawn on a worker whose draw outlasted its tick, delivered later (detached.py)."""
+        return self._detached.late if self._detached is not None else 0
+
+    def _wake(self) -> None:
+        """Background work ended (a worker thread's call): the scheduler thread plans again."""
+        with self.scheduler.cond:
+            self._woken += 1
+            self.scheduler.cond.notify_all()
+
     def _exit(self, error: BaseException) -> None:
         if self._samplers is not None:  # (idle: the scheduler thread waits for every draw it starts)
             self._samplers.shutdown(wait=True)
+        if self._detached is not None:  # (a detached draw uses its request's sampler: the requests end after)
+            self._detached.shutdown()
         if self._encoder is not None:
             self._encoder.shutdown(wait=False, cancel_futures=True)
             with self.scheduler.cond:  # (a cancelled encode never runs: its prompt must not wait for it)
@@ -508,6 +536,8 @@ class Engine:
         outputs: list[int] = []
         row_errors: dict[int, BaseException] | None = None
         best = self._argmax_rows(plan)
+        t_sample = time.perf_counter()
+        detached = self._detach_rows(plan) if self._detached is not None else None
         drawn = self._sample_concurrently(plan, best)
         for step in plan.steps:
             sample = step.slot.sample
@@ -532,6 +562,9 @@ class Engine:
                         continue
                 if greedy:
                     tok = best[len(outputs)]  # type: ignore[index]
+                elif detached and step.row + i in detached:
+                    outputs.append(PENDING)  # (settled below)
+                    continue
                 else:
                     try:
                         tok = drawn.pop(step.row + i) if drawn and step.row + i in drawn else sample(step.row + i)
@@ -546,6 +579,9 @@ class Engine:
                 if budget is not None:
                     budget.seen(tok)
                 outputs.append(tok)
+        if detached:
+            row_errors = self._detached.settle(list(detached.values()), outputs, row_errors,  # type: ignore[union-attr]
+                                               t_sample)
         if self._observer is not None:
             try:
                 self._observer.observe(plan, outputs, self.lease, batch.n_tokens)
@@ -606,6 +642,47 @@ class Engine:
             drawn.update(future.result())
         return drawn
 
+    def _detach_rows(self, plan: TickPlan) -> dict[int, Detached] | None:
+        """Batch row -> its draw, started on a worker (detached.py), for the rows of detachable bindings
+        (a grammar: its check may take long); None when there is none. Not a speculative step's rows
+        (drawn in order), nor a reasoning budget's (which may force the token instead)."""
+        jobs: dict[int, Detached] | None = None
+        logits_of = self._logits_of
+        k = 0
+        for step in plan.steps:
+            request = step.request
+            if step.n_draft or request.budget is not None or not getattr(request.binding, "detachable", False):
+                k += len(step.sample)
+                continue
+            for i in step.sample:
+                idx = step.row + i
+                if jobs is None:
+                    jobs = {}
+                jobs[idx] = self._detached.submit(step.slot, request, idx,  # type: ignore[union-attr]
+                                                  np.array(logits_of(idx)), k)
+                k += 1
+        return jobs
+
+    def _deliver_detached(self) -> None:
+        """Give the requests whose draws ended after their tick their token (or their sampler's error)."""
+        t0 = time.perf_counter()
+        scheduler = self.scheduler
+        with handoff_batch():
+            for job, result in self._detached.collect():  # type: ignore[union-attr]
+                request = job.request
+                if request.ended is not None:
+                    continue
+                if isinstance(result, BaseException):
+                    if not isinstance(result, LlamaError):
+                        raise result  # a bug: as if drawn on this thread
+                    scheduler.deliver(job.slot, request, error=result, now=t0)
+                    continue
+                entry = self._entry(request, job.idx, job.row, result) if request.logprobs is not None else None
+                if self._detached.outlasts(job.seconds):  # type: ignore[union-attr]
+                    request.speculative = False  # (a slow sampler: drafts would draw its rows on the tick, in order)
+                scheduler.deliver(job.slot, request, result, entry=entry, now=t0)
+        self.split.update += time.perf_counter() - t0
+
     def _argmax_rows(self, plan: TickPlan) -> list[int] | None:
         """The argmax of every sampled row of the plan, in one numpy operation, when at least half of
         them are plain greedy (their bindings' ``argmax``); None otherwise (each row samples alone)."""
@@ -629,12 +706,18 @@ class Engine:
         sample, drafts, row, n_draft = step.slot.sample, step.tokens, step.row, step.n_draft
         ignore_eos, is_eog = step.request.params.ignore_eos, self.scheduler.is_eog
         done = False
+        clock = time.perf_counter
         for i in step.sample:
             if done:
                 outputs.append(SKIPPED)
                 continue
             try:
+                t0 = clock()
                 tok = sample(row + i)
+                if self._detached is not None and self._detached.outlasts(clock() - t0) \
+                        and getattr(step.request.binding, "detachable", False):
+                    # (a slow grammar: no more drafts for it, so its next draws leave the tick: detached.py)
+                    step.request.speculative = False
             except LlamaError as error:
                 if row_errors is None:
                     row_errors = {}
@@ -650,7 +733,7 @@ class Engine:
 
         Computed after sampling: the rows are unchanged until the next decode (samplers copy them).
         """
-        logits_of, pieces = self._logits_of, self._pieces
+        logits_of = self._logits_of
         entries: list[TokenLogprob | None] = []
         k = 0
         for step in plan.steps:
@@ -659,16 +742,18 @@ class Engine:
                 entries.extend([None] * len(step.sample))
                 k += len(step.sample)
                 continue
-            params = request.params
-            piece = pieces[params.special]
-            post = request.binding.post if params.post_sampling and request.binding is not None else None
             for i in step.sample:
                 tok = outputs[k]
-                if tok < 0:
-                    entries.append(None)
-                elif post is not None:  # (what the chain left of the row, recorded as it sampled)
-                    entries.append(post_sampling_logprob(post.pop(step.row + i), params.logprobs or 0, piece))
-                else:
-                    entries.append(token_logprob(logits_of(step.row + i), tok, params.logprobs or 0, piece))
+                idx = step.row + i
+                entries.append(None if tok < 0 else self._entry(request, idx, logits_of(idx), tok))
                 k += 1
         return entries
+
+    def _entry(self, request: Request, idx: int, row: np.ndarray, tok: int) -> TokenLogprob:
+        """The logprobs entry of ``tok``, drawn from batch row ``idx`` (logits ``row``) for ``request``."""
+        params = request.params
+        piece = self._pieces[params.special]
+        post = request.binding.post if params.post_sampling and request.binding is not None else None
+        if post is not None:  # (what the chain left of the row, recorded as it sampled)
+            return post_sampling_logprob(post.pop(idx), params.logprobs or 0, piece)
+        return token_logprob(row, tok, params.logprobs or 0, piece)

@@ -225,6 +225,8 @@ class Request:
     budget: Any = None  # its reasoning budget's BudgetState (core/budget.py): forced tokens replace sampled ones
     has_media: bool = False  # its prompt is a MediaPrompt: images or audio decoded from embeddings
     draft: list[int] = field(default_factory=list)  # the drafter's proposal for the next tick
+    checkpoint: int | None = None  # the prompt length where its state goes to the RAM cache (SlotPool.checkpoint_at)
+    pending: Any = None  # a draw still running after its tick (a Future; detached.py): not scheduled meanwhile
     drafted: int = 0  # draft tokens verified so far
     accepted: int = 0  # of those, tokens kept
 

@@ -16,7 +16,9 @@ row, a prompt chunk samples only its last row when it completes the prompt;
 a speculative step carries the last token plus the request's drafts, all rows
 sampled in order until the first that disagrees with its draft (the engine
 marks the rows after it :data:`SKIPPED`); ``update_from_output`` keeps the
-agreeing drafts and cuts the others off the sequence's KV.
+agreeing drafts and cuts the others off the sequence's KV. A row whose draw
+was still running when its tick ended (detached.py) is :data:`PENDING`: its
+request (``Request.pending`` set) sits out the plans until :meth:`Scheduler.deliver`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ _NONE = ()
 
 #: An output row of a speculative step the engine did not sample (after the first rejected draft).
 SKIPPED = -2
+#: An output row whose draw goes on after its tick (its request's ``pending``; :meth:`Scheduler.deliver`).
+PENDING = -3
 
 
 class DraftAsk:
@@ -306,6 +310,7 @@ class Scheduler:
             promised = frozenset(r.pin for r in queue if r is not request and r.pin is not None) \
                 if self._pinned_admitting(queue) else frozenset()
             slot = self.pool.acquire(request, promised)
+            request.checkpoint = self.pool.checkpoint_at(request)
             queue.popleft()
             request.status = Status.RUNNING
             request.started = time.perf_counter()
@@ -337,7 +342,7 @@ class Scheduler:
             if request is None:
                 continue
             request.draft = []
-            if not request.speculative or request.cancel_requested or not request.generated \
+            if not request.speculative or request.cancel_requested or not request.generated or request.pending \
                     or request.n_prefilled != len(request.prompt):
                 continue
             # The step decodes the pending token and k drafts at positions n_past .. n_past + k.
@@ -364,6 +369,9 @@ class Scheduler:
             request = slot.request
             if request is None:
                 continue
+            if request.pending is not None:  # its draw still runs (and uses its sampler): nothing until it ends
+                blocked += 1
+                continue
             if request.cancel_requested:
                 cancelled.append(slot)
             elif request.n_prefilled == len(request.prompt):
@@ -372,6 +380,8 @@ class Scheduler:
                 end = len(request.prompt)
                 if request.alora_start is not None and request.n_prefilled < request.alora_start:
                     end = request.alora_start  # (a chunk never spans the activated LoRA's start)
+                if request.checkpoint is not None and request.n_prefilled < request.checkpoint < end:
+                    end = request.checkpoint  # (a chunk ends where the prompt's state is kept)
                 span = request.prompt.next_span(request.n_prefilled) if request.has_media else None
                 if span is not None:
                     done = request.prompt.encoded.get(span.start)
@@ -511,16 +521,34 @@ class Scheduler:
                 self.prompt_tokens_evaluated += n_prompt
                 if request.progress:
                     _progress(request, now)
-                if request.n_prefilled == len(request.prompt) and request.params.cache_prompt:
-                    self.pool.checkpoint(slot)  # (its KV holds the prompt alone now)
+                if request.n_prefilled == request.checkpoint:
+                    self.pool.checkpoint(slot)  # (its KV holds the prompt up to there)
             for _ in step.sample:
                 tok = outputs[k]  # type: ignore[index]
+                if tok == PENDING:  # (delivered later)
+                    k += 1
+                    continue
                 entry = logprobs[k] if logprobs is not None else None
                 if row_errors and k in row_errors:
                     self.finish(slot, request, Status.FAILED, error=_own_copy(row_errors[k]))
                 k += 1
                 if request.ended is None:  # not finished by an earlier token of this step
                     self._accept(slot, request, tok, now, entry)
+
+    def deliver(self, slot: Slot, request: Request, tok: int = -1, *, entry: TokenLogprob | None = None,
+                error: BaseException | None = None, now: float | None = None) -> None:
+        """The token (or the sampler's ``error``) of a draw that ended after its tick (a :data:`PENDING` row),
+        counted as ``update_from_output`` counts a sampled row."""
+        request.pending = None
+        if request.ended is not None:
+            return
+        if request.cancel_requested:  # (its consumer is gone, or asked to stop: nothing more goes out)
+            self.finish(slot, request, Status.CANCELLED)
+            return
+        if error is not None:
+            self.finish(slot, request, Status.FAILED, error=error)
+            return
+        self._accept(slot, request, tok, time.perf_counter() if now is None else now, entry)
 
     def media_failed(self, plan: TickPlan, step: Step, error: BaseException) -> None:
         """A media step of ``plan`` could not be decoded (nothing of it is in its sequence): its request
@@ -543,7 +571,9 @@ class Scheduler:
 
         Returns the request that failed, if one did."""
         was_held, self.kv_hold = self.kv_hold, True
-        cancelled = [slot for slot in self.pool.slots if slot.request is not None and slot.request.cancel_requested]
+        # (one whose draw still runs ends when it is delivered)
+        cancelled = [slot for slot in self.pool.slots if slot.request is not None and slot.request.cancel_requested
+                     and slot.request.pending is None]
         for slot in cancelled:
             self.finish(slot, slot.request, Status.CANCELLED)
         if cancelled:
@@ -553,7 +583,9 @@ class Scheduler:
             return None
         planned = {id(step.request) for step in (*plan.steps, *plan.media)}
         running = [slot for slot in self.pool.slots if slot.request is not None]
-        fresh = [slot for slot in running if not slot.request.generated
+        # (not one whose draw runs: its sampler will have taken a token, so it cannot start over unchanged;
+        # it fails below if it is the last to arrive, once the draw has ended)
+        fresh = [slot for slot in running if not slot.request.generated and slot.request.pending is None
                  and (slot.tokens or id(slot.request) in planned)]
         if fresh:
             slot = max(fresh, key=lambda s: (s.request.arrived, s.request.id))
@@ -684,6 +716,12 @@ class Scheduler:
         """End ``request`` (idempotent): freeze it, free its slot, close its sampler, tell its consumer."""
         if request.status.done:
             return
+        pending, request.pending = request.pending, None
+        if pending is not None:  # (a draw on a worker uses its sampler: bounded by the grammar work bound)
+            try:
+                pending.exception()
+            except BaseException:  # pragma: no cover - a cancelled future
+                pass
         request.ended = time.perf_counter()
         request.finish_reason = reason
         request.status = status

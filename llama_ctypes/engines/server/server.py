@@ -652,6 +652,8 @@ class Server:
             "in_graph_fallbacks": dict(engine.in_graph_fallbacks),
             # rows drawn by native chains on several threads at once (engine._sample_concurrently)
             "concurrent_sampled_rows": engine.concurrent_rows,
+            # rows drawn on a worker whose draw outlasted its tick (a slow grammar; engines/server/detached.py)
+            "late_sampled_rows": engine.late_rows,
             # where the scheduler thread's time went, in seconds (engine.TickSplit; text and handoff
             # are parts of update)
             "tick_seconds": {**{name: getattr(engine.split, name) for name in engine.split.__slots__},
@@ -706,7 +708,7 @@ class Server:
 
         Raises InvalidArgumentError when the file is not a sequence state of this model."""
         self._no_cvec_files()
-        return self._slot_call(slot_id, lambda slot: self._engine.pool.restore_file(slot, path))
+        return self._slot_call(slot_id, lambda slot: self._engine.pool.restore_file(slot, path, self._ctx.n_vocab))
 
     def erase_slot(self, slot_id: int) -> int:
         """Drop what an idle slot holds (its tokens and KV); returns how many tokens it held."""
