@@ -15,6 +15,9 @@ class FakeKV:
     def complete(self, seq, n):
         return True
 
+    def cut_floor(self, seq):
+        return 0
+
     def forget(self, seq):
         self.calls.append(("forget", seq))
 

@@ -195,6 +195,42 @@ def test_hostile_templates_never_hold_the_gil_for_long(kind):
     assert max(gaps, default=0) < 0.5, f"another thread waited {max(gaps):.2f} s for the GIL"
 
 
+#: Small values that build big ones out of nothing, inside lists whose own length is all that is counted
+HOSTILE_MEMORY = {
+    "padded batches": "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                      "{% set ns.l = ns.l + ([0]|batch(3999999, 0)|list) %}{% endfor %}{{ ns.l|length }}",
+    "padded slices": "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                     "{% set ns.l = ns.l + ([0]|slice(3999999, 0)|list) %}{% endfor %}{{ ns.l|length }}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_MEMORY))
+def test_hostile_templates_are_bounded_in_memory(kind):
+    """(From a review) 4 GB within the time budget before: |batch and |slice count the items they pad with."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError, match="budget"):
+            ChatTemplate(HOSTILE_MEMORY[kind]).render(CONVERSATION, timeout=5.0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 2**20, peak
+    assert ChatTemplate("{{ (messages|batch(2)|list)|length }} {{ [1, 2, 3]|slice(2)|list }}").render(
+        CONVERSATION) == f"{(len(CONVERSATION) + 1) // 2} [[1, 2], [3]]"
+
+
+def test_a_conversation_may_be_any_iterable_and_deep_messages_are_refused():
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    assert template.render(iter([{"role": "user", "content": "hi"}]), add_generation_prompt=False) == "<user>hi"
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(lc.InvalidArgumentError, match="nested deeper"):
+        template.render([deep])
+
+
 def test_checked_operators_keep_their_meaning():
     template = ChatTemplate("{{ 1 < 2 < 3 }} {{ 3 > 2 > 2 }} {{ 'a' ~ 1 ~ none }} {{ [1] == [1] }} {{ 'b' in 'abc' }} "
                             "{{ [1] not in [[2]] }} {{ (1, 2) in {(1, 2): 0} }} {{ [[1], [2]]|sum(start=[]) }} "

@@ -615,6 +615,12 @@ def test_slots_save_restore_and_erase_as_llama_server(tmp_path, tiny_model_path)
             (saves / "forged.bin").write_bytes(forged)
             error = api_error(action(0, "restore", filename="forged.bin"), 400, "filename")
             assert "positions" in error["message"]
+        # a token id past the vocabulary (from a review: restored, and the slot held it)
+        forged = bytearray(data)
+        struct.pack_into("<i", forged, 12 + 4, 0x7FFFFFFF)
+        (saves / "forged.bin").write_bytes(bytes(forged))
+        error = api_error(action(0, "restore", filename="forged.bin"), 400, "filename")
+        assert "past this model's vocabulary" in error["message"]
         (saves / "folder").mkdir()
         assert api_error(action(0, "save", filename="folder"), 400, "filename")
         (saves / "junk.bin").write_bytes(b"not a state file at all")

@@ -9,7 +9,9 @@ import pytest
 import llama_ctypes as lc
 from llama_ctypes.engines.server.prompt_cache import PromptCache
 from llama_ctypes.engines.server.request import Channel, Request
-from llama_ctypes.engines.server.slots import SlotPool
+from llama_ctypes.engines.server.scheduler import Scheduler
+from llama_ctypes.engines.server.slots import CHECKPOINT_BACK, SlotPool
+from llama_ctypes.engines.server.strategies import DecodeMaximal
 from llama_ctypes.core.generation import GenerationParams
 from fake_kv import FakeKV
 from margins import assert_greedy_equivalent
@@ -252,6 +254,10 @@ class WindowKV(FakeKV):
     def complete(self, seq, n):
         return self.pos_min.get(seq, 0) <= max(0, n - self.n_swa)
 
+    def cut_floor(self, seq):
+        pos_min = self.pos_min.get(seq, 0)
+        return pos_min + self.n_swa if pos_min > 0 else 0
+
 
 def test_sliding_window_prefixes_are_reused_only_while_their_window_is_held():
     kv = WindowKV(n_swa=4, pos_min={0: 6, 1: 0})
@@ -306,12 +312,82 @@ def test_a_conversation_resumes_from_its_prompt_checkpoint_on_a_sliding_window_c
     # A's next turn: its reply read back a little differently at the end, then a new question
     turn = _request(first + [200, 201, 203, 300, 301])
     assert pool.acquire(turn) is a and turn.cached_tokens == len(first) and pool.stats.restored == 1
-    # without a window, nothing is checkpointed
+    # without a window (or without a RAM tier, or with cache_prompt off), no prompt is checkpointed
     plain = SlotPool(1, FakeKV(), unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
-    slot = plain.acquire(_request(first))
-    slot.tokens = list(first)
-    plain.checkpoint(slot)
-    assert plain.stats.checkpoints == 0 and len(plain.ram) == 0
+    assert plain.checkpoint_at(_request(first)) is None
+    assert SlotPool(1, kv, unified=True, partial_reuse=True).checkpoint_at(_request(first)) is None
+    assert pool.checkpoint_at(_request(first, cache=False)) is None
+    assert pool.checkpoint_at(_request(first)) == len(first) - CHECKPOINT_BACK
+
+
+def test_a_prompt_checkpoint_is_taken_before_its_end_and_restored_whole():
+    """On a sliding-window cache the scheduler reads a prompt up to CHECKPOINT_BACK tokens before its end, keeps
+    that state (llama-server's offset), then reads the rest. The same prompt again, once another request took
+    the slot, restores it as it is: the state saved when the slot was taken holds the reply, and a cut back from
+    there is not complete (the lookup prefers, and the pool tries first, what can serve)."""
+    kv = WindowStateKV(n_swa=4, pos_min={})
+    pool = SlotPool(1, kv, unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
+    sched = Scheduler(pool, DecodeMaximal(), 64, 128, is_eog=lambda t: False)
+
+    def run(prompt, replies):
+        request = Request(list(prompt), GenerationParams(max_tokens=len(replies), cache_prompt=True), sampler=None,
+                          channel=Channel())
+        sched.submit(request)
+        chunks = []
+        for tok in [None, *replies]:
+            with sched.cond:
+                sched.take()
+            sched.admit()
+            plan = sched.schedule()
+            chunks.append(sum(len(step.tokens) for step in plan.steps))
+            step = plan.steps[0]
+            kv.pos_min[0] = max(0, len(step.slot.tokens) + len(step.tokens) - 6)  # (the window as it slides)
+            sched.update_from_output(plan, [tok if tok is not None else 300] * plan.n_outputs)
+            if request.status.done:
+                break
+        return request, chunks
+
+    prompt = list(range(1, 41))
+    first, chunks = run(prompt, [301, 302])
+    assert chunks[:2] == [40 - CHECKPOINT_BACK, CHECKPOINT_BACK] and first.cached_tokens == 0
+    assert pool.stats.checkpoints == 1 and pool.ram.lookup(prompt, exact_only=True, tag=first.kv_tag)[1] == 40 - CHECKPOINT_BACK
+    other, _ = run(list(range(100, 140)), [303])  # takes the slot: the first one's state (with its reply) saved
+    again, chunks = run(prompt, [301])
+    assert again.cached_tokens == 40 - CHECKPOINT_BACK and chunks[0] == CHECKPOINT_BACK, chunks
+    # a next turn (the reply read back, a new question), once another request took the slot again: the state
+    # saved with the reply is a prefix of it as a whole (the deepest), restored as it is
+    run(list(range(100, 140)), [303])
+    turn, _ = run(prompt + [301, 302, 77, 78, 79], [301])
+    assert turn.cached_tokens == 41
+
+
+def test_an_entry_whose_window_cannot_serve_the_cut_is_not_restored():
+    """(From a review) A RAM entry sharing more of the prompt than the slot does, but whose window slid past the
+    point where the prompt parts from it, was restored anyway, failed, and took the slot's own prefix with it."""
+    kv = WindowStateKV(n_swa=4, pos_min={})
+    pool = SlotPool(1, kv, unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
+    system = list(range(1, 11))
+    conv_a = system + list(range(100, 140))
+    a = pool.acquire(_request(conv_a))
+    a.tokens, kv.pos_min[0] = list(conv_a), 40  # grew past its window: complete from 44 tokens on
+    pool.release(a, keep=True)
+    b = pool.acquire(_request(system + list(range(500, 520))))  # takes the slot: A's state saved (floor 44)
+    b.tokens, kv.pos_min[0] = system + list(range(500, 520)), 0
+    pool.release(b, keep=True)
+    kv.calls.clear()
+    c = _request(conv_a[:30] + [900, 901, 902])  # 30 tokens shared with A, 10 with the slot's own prefix
+    assert pool.acquire(c) is b and c.cached_tokens == 10 and pool.stats.restored == 0
+    assert ("forget", 0) not in kv.calls
+
+
+def test_the_lookup_prefers_an_entry_that_can_be_cut_back():
+    cache = PromptCache(10**6)
+    cache.put([1, 2, 3, 4, 5, 6, 7, 8], b"reply" * 10, floor=8)  # (a window that slid to its end)
+    cache.put([1, 2, 3, 4, 5, 6], b"prompt" * 10, floor=3)
+    entry, n = cache.lookup([1, 2, 3, 4, 9])
+    assert n == 4 and entry.tokens == (1, 2, 3, 4, 5, 6)
+    entry, n = cache.lookup([1, 2, 9])  # (nothing can be cut back to 2: one of them all the same)
+    assert n == 2 and entry is not None
 
 
 @pytest.mark.gemma
@@ -332,8 +408,9 @@ def test_gemma_conversations_outnumbering_slots_resume_from_checkpoints(gemma):
                 out = srv.generate(prompt, **opts)
                 ref = cold.generate(prompt, logprobs=5, **opts)
                 assert_greedy_equivalent(out, ref, what=f"{k} turn {i}")
-                if i == 1:  # (the whole previous prompt came from its checkpoint)
-                    assert out.timings.cached_tokens >= len(srv.model.tokenize(last[k])) - 1, (k, out.timings)
+                if i == 1:  # (the previous prompt came from its checkpoint, taken 4 tokens before its end)
+                    assert out.timings.cached_tokens >= len(srv.model.tokenize(last[k])) - CHECKPOINT_BACK, \
+                        (k, out.timings)
                 last[k] = prompt
                 history[k] = prompt + out.text
         stats = srv.stats()

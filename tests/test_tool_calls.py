@@ -420,6 +420,24 @@ def test_deeply_nested_tool_call_arguments_in_the_history_are_refused():
     assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
 
 
+@pytest.mark.parametrize("depth", [5000, 300])
+def test_deep_tool_call_arguments_are_refused_by_the_jinja_renderer_too(depth):
+    """(From a review) the Jinja renderer parsed the arguments with Python's json: 5000 levels were a
+    RecursionError (a 500 over HTTP), 300 went through where the native path refuses past 256."""
+    from llama_ctypes.features.chat_template import ChatTemplate
+
+    args = '{"arg1": ' + '[' * depth + ']' * depth + '}'
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+               "function": {"name": "special_function", "arguments": args}}]},
+               {"role": "tool", "tool_call_id": "1", "content": "ok"}]
+    template = ChatTemplate((TEMPLATES / HERMES).read_text())
+    with pytest.raises(lc.InvalidArgumentError, match="nested deeper than 256"):
+        template.render(history, tools=[SPECIAL_FUNCTION])
+    shallow = '{"arg1": ' + '[' * 100 + ']' * 100 + '}'
+    history[1]["tool_calls"][0]["function"]["arguments"] = shallow
+    assert "special_function" in template.render(history, tools=[SPECIAL_FUNCTION])
+
+
 def test_generic_scheme_refuses_malformed_history_and_survives_deep_replies(tiny_model):
     bad = [*USER, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}]
     with pytest.raises(lc.InvalidArgumentError, match=r"messages\[1\]\.tool_calls\[0\]"):

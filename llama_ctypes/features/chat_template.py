@@ -43,6 +43,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from jinja2.utils import Namespace
 
 from ..errors import ArgumentTypeError, InvalidArgumentError, LlamaError
+from .json_nesting import check_nesting
 
 #: Most characters a rendered prompt may have.
 MAX_OUTPUT_CHARS = 4_000_000
@@ -413,6 +414,13 @@ def _checked_filter(name: str, fn):
             _check_sum(plain[0], kwargs.get("start", plain[3] if len(plain) > 3 else 0))
         if name in ("replace", "join", "indent") and plain and isinstance(plain[0], (str, list, tuple)):
             _check_size(_estimate(name, plain[0], tuple(plain[1:])))
+        if name in ("batch", "slice") and len(plain) > 1 and _is_int(plain[1]) \
+                and (name == "slice" or len(plain) > 2 or kwargs.get("fill_with") is not None):
+            # |batch(n, fill) pads its last group to n items, |slice(n) makes n groups: items from nothing,
+            # inside lists whose own length is all the produced count sees
+            budget = _budget()
+            if budget is not None:
+                budget.spend(max(plain[1], 0), f"|{name}")
         return _produced(fn(*args, **kwargs))
 
     return checked
@@ -526,7 +534,7 @@ def _normalise_tool_arguments(messages: list, as_object: bool) -> list:
             if as_object and isinstance(args, str):
                 try:
                     fn["arguments"] = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):  # (depth: refused by check_nesting before)
                     pass
             elif not as_object and not isinstance(args, str):
                 fn["arguments"] = json.dumps(args, ensure_ascii=False)
@@ -613,7 +621,10 @@ class ChatTemplate:
         raises InvalidArgumentError.
         """
         kwargs = check_template_kwargs(kwargs)
-        msgs = _normalise_tool_arguments(copy.deepcopy(list(messages)), self.tool_arguments_as_object)
+        messages = list(messages)  # (an iterator is read once)
+        # (before the copy and the arguments' parse below, which recurse as deep as the request goes)
+        check_nesting({"messages": messages, "tools": tools, "variables": kwargs})
+        msgs = _normalise_tool_arguments(copy.deepcopy(messages), self.tool_arguments_as_object)
         msgs = _adapt_reasoning(msgs, self.reads_thinking_blocks)
         try:
             return self._render(msgs, add_generation_prompt, tools, timeout, kwargs)

@@ -26,6 +26,7 @@ class Entry:
     tokens: tuple[int, ...]
     state: Any  # a bytes-like sequence state (len() = bytes)
     tag: Any = ()  # what else the state depends on (the LoRA set it was computed under)
+    floor: int = 0  # its shortest prefix still complete once restored (a sliding window's start + size)
 
     @property
     def nbytes(self) -> int:
@@ -63,14 +64,15 @@ class PromptCache:
         """Bytes counted against the budget: the states plus the trie's approximate size."""
         return self.state_bytes + self.nodes * NODE_BYTES
 
-    def put(self, tokens: list[int], state: Any, tag: Any = ()) -> bool:
-        """Store a sequence's state (computed under ``tag``); False when it alone exceeds the budget."""
+    def put(self, tokens: list[int], state: Any, tag: Any = (), floor: int = 0) -> bool:
+        """Store a sequence's state (computed under ``tag``; complete when cut back to ``floor`` tokens or
+        more); False when it alone exceeds the budget."""
         key = tuple(tokens)
         if not key or len(state) + len(key) * NODE_BYTES > self.budget:
             return False
         if (tag, key) in self._lru:
             self._remove(self._lru[(tag, key)])
-        entry = Entry(key, state, tag)
+        entry = Entry(key, state, tag, floor)
         node = self._roots.get(tag)
         if node is None:
             node = self._roots[tag] = _Node()
@@ -90,7 +92,8 @@ class PromptCache:
         return True
 
     def lookup(self, prompt: list[int], exact_only: bool = False, tag: Any = ()) -> tuple[Entry | None, int]:
-        """The entry of ``tag`` sharing the longest prefix with ``prompt``, and that prefix's length.
+        """The entry of ``tag`` sharing the longest prefix with ``prompt``, and that prefix's length (among
+        those, one that can be cut back to it: its ``floor`` not past it, when there is one).
 
         With ``exact_only`` the entry must be a prefix of the prompt as a whole
         (what a recurrent memory can resume from).
@@ -110,7 +113,7 @@ class PromptCache:
         if exact_only or depth == 0:
             found = best_exact
         else:
-            found = (self._any_entry(node), depth)
+            found = (self._any_entry(node, min(depth, len(prompt) - 1)), depth)  # (a cut leaves a token to read)
         if found[0] is not None:
             self._lru.move_to_end((tag, found[0].tokens))
             self.hits += 1
@@ -118,12 +121,26 @@ class PromptCache:
             self.misses += 1
         return found
 
-    def _any_entry(self, node: _Node) -> Entry | None:
-        while node.entry is None:
-            node = next((c for c in node.children.values() if c.below), None)
-            if node is None:
-                return None
-        return node.entry
+    def _any_entry(self, node: _Node, depth: int, budget: int = 4096) -> Entry | None:
+        """An entry below ``node`` whose floor allows a cut at ``depth`` (looking at up to ``budget`` nodes),
+        else the first one found."""
+        first: Entry | None = None
+        stack = [node]
+        while stack and budget > 0:
+            budget -= 1
+            here = stack.pop()
+            entry = here.entry
+            if entry is not None:
+                if entry.floor <= depth:
+                    return entry
+                if first is None:
+                    first = entry
+            stack.extend(c for c in here.children.values() if c.below)
+        if first is None:  # (the budget ran out first)
+            while node.entry is None:
+                node = next(c for c in node.children.values() if c.below)
+            first = node.entry
+        return first
 
     def drop_tags(self, doomed: Callable[[Any], bool]) -> int:
         """Remove every entry whose tag ``doomed(tag)`` (e.g. computed under an unloaded adapter)."""

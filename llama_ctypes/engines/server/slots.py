@@ -36,6 +36,11 @@ from .request import Request
 #: Shortest evicted prefix worth saving in the RAM cache, in tokens.
 MIN_SAVED_TOKENS = 16
 
+#: A sliding-window prompt's checkpoint is taken this many tokens before its end (llama-server's offset): the
+#: same prompt again, or a next turn whose text reads back a little differently at the seam, still finds it
+#: whole, and a cut back into the prompt's last batch is still complete.
+CHECKPOINT_BACK = 4
+
 #: The KV tag of tokens computed by the model alone (no LoRA adapter).
 _BASE: tuple = ((0, ()),)
 
@@ -70,10 +75,12 @@ def agreement(a: Any, b: Any) -> int:
 class KVOps(Protocol):
     """The KV operations the pool needs (implemented over the server's context). ``n``, ``keep``: a
     position (where a prefix ends: its token count unless an M-RoPE image in it took fewer positions).
-    ``windowed``: a sliding-window cache, which cannot serve a prefix of a sequence that grew well past it."""
+    ``windowed``: a sliding-window cache, which cannot serve a prefix of a sequence that grew well past it;
+    ``cut_floor``: the shortest prefix of the sequence that is still complete (a window's start + its size)."""
 
     windowed: bool
 
+    def cut_floor(self, seq: int) -> int: ...
     def forget(self, seq: int) -> None: ...
     def complete(self, seq: int, n: int) -> bool: ...
     def truncate(self, seq: int, keep: int) -> bool: ...
@@ -145,8 +152,10 @@ def write_state_file(path: str | os.PathLike, tokens: Sequence[int], state: Any)
         f.write(memoryview(state).cast("B"))
 
 
-def read_state_file(path: str | os.PathLike) -> tuple[list[int], np.ndarray]:
-    """(tokens, state) of a sequence state file, ours or llama-server's (whose tokens may be packed)."""
+def read_state_file(path: str | os.PathLike, n_vocab: int | None = None) -> tuple[list[int], np.ndarray]:
+    """(tokens, state) of a sequence state file, ours or llama-server's (whose tokens may be packed); with
+    ``n_vocab``, a token id outside the vocabulary refuses it (a slot's tokens go back to llama.cpp: drafts,
+    detokenizing)."""
     with open(path, "rb") as f:
         head = f.read(12)
         if len(head) != 12:
@@ -167,6 +176,8 @@ def read_state_file(path: str | os.PathLike) -> tuple[list[int], np.ndarray]:
             raise InvalidArgumentError(f"{path}: the slot held images or audio, which this server cannot restore")
     if any(t < 0 for t in tokens):
         raise InvalidArgumentError(f"{path}: the slot held images or audio, which this server cannot restore")
+    if n_vocab is not None and any(t >= n_vocab for t in tokens):
+        raise InvalidArgumentError(f"{path}: a token id past this model's vocabulary of {n_vocab} (another model?)")
     return tokens, state
 
 
@@ -289,12 +300,15 @@ class SlotPool:
         if self.ram is not None and len(self.ram):
             # The entry sharing the longest prefix, cut back to it; where that cannot serve (a sliding window
             # no longer holds the cells before the cut), the longest entry that is a prefix of the prompt as
-            # a whole (a checkpoint), restored as it is.
-            for exact in ((False, True) if self.partial_reuse else (True,)):
+            # a whole (a checkpoint), restored as it is. On a sliding window the whole entry first: a cut
+            # serves only within the entry's last batch, and a failed one costs a restore.
+            order = (True, False) if self.kv.windowed else (False, True)
+            for exact in (order if self.partial_reuse else (True,)):
                 entry, n = self.ram.lookup(prompt, exact_only=exact, tag=tag)
                 n = _whole_media(prompt, min(n, len(prompt) - 1))
                 if entry is None or n <= reused or (exact and n != len(entry.tokens)) \
-                        or (not self.partial_reuse and n != len(entry.tokens)):
+                        or (not self.partial_reuse and n != len(entry.tokens)) \
+                        or (n != len(entry.tokens) and entry.floor > n):  # (its window no longer serves a cut there)
                     continue
                 if slot.tokens:
                     self._evict(slot)
@@ -324,14 +338,27 @@ class SlotPool:
             self.kv.forget(slot.seq_id)
             slot.drop()
 
+    def checkpoint_at(self, request: Request) -> int | None:
+        """The prompt length at which ``request``'s state is kept in the RAM cache as its prompt is read (a
+        checkpoint: the scheduler ends a prompt chunk there, then calls :meth:`checkpoint`), or None.
+
+        On a sliding-window cache only (llama-server's context checkpoints): a conversation's next turn
+        extends this prompt and restores the checkpoint as it is, where the state saved when the slot is
+        taken over holds the reply too and cannot be cut back (the window before the cut is gone). Taken
+        :data:`CHECKPOINT_BACK` tokens before the prompt's end (at its end with images or audio, which a
+        cut must not split)."""
+        if self.ram is None or not self.kv.windowed or not request.params.cache_prompt:
+            return None
+        n = len(request.prompt) - (0 if request.has_media else CHECKPOINT_BACK)
+        if n < MIN_SAVED_TOKENS:  # (a short prompt: kept whole, not split)
+            n = len(request.prompt)
+        return n if n >= MIN_SAVED_TOKENS and n > request.n_prefilled else None
+
     def checkpoint(self, slot: Slot) -> None:
-        """``slot``'s request has just read its prompt: on a sliding-window cache, keep the state in the RAM
-        cache (llama-server's context checkpoints). A conversation's next turn extends this prompt and
-        restores it as it is; the state saved when the slot is taken over holds the reply too, and cannot
-        be cut back to the prompt (the window before the cut is gone): with more conversations than slots,
-        most turns were computed anew."""
-        if self.ram is not None and self.kv.windowed and len(slot.tokens) >= MIN_SAVED_TOKENS:
-            self.ram.put(list(slot.tokens), self.kv.save(slot.seq_id), tag=slot.kv_tag)
+        """Keep ``slot``'s state in the RAM cache: its request's prompt is read up to its checkpoint."""
+        if self.ram is not None and len(slot.tokens) >= MIN_SAVED_TOKENS:
+            self.ram.put(list(slot.tokens), self.kv.save(slot.seq_id), tag=slot.kv_tag,
+                         floor=self.kv.cut_floor(slot.seq_id))
             self.stats.checkpoints += 1
 
     def rollback(self, slot: Slot, keep: int) -> bool:
@@ -357,9 +384,10 @@ class SlotPool:
         write_state_file(path, slot.tokens, self.kv.save(slot.seq_id))
         return len(slot.tokens)
 
-    def restore_file(self, slot: Slot, path: str | os.PathLike) -> int:
-        """Load a sequence state file into a free slot (what it held is dropped first); the token count."""
-        tokens, state = read_state_file(path)
+    def restore_file(self, slot: Slot, path: str | os.PathLike, n_vocab: int | None = None) -> int:
+        """Load a sequence state file into a free slot (what it held is dropped first); the token count.
+        ``n_vocab``: the model's, which every token id of the file must be under."""
+        tokens, state = read_state_file(path, n_vocab)
         self._evict(slot)
         if not self.kv.restore(slot.seq_id, state):
             self.kv.forget(slot.seq_id)
@@ -431,4 +459,4 @@ class SlotPool:
 
     def _save(self, slot: Slot) -> None:
         if self.ram is not None and len(slot.tokens) >= MIN_SAVED_TOKENS:
-            self.ram.put(slot.tokens, self.kv.save(slot.seq_id), tag=slot.kv_tag)
+            self.ram.put(slot.tokens, self.kv.save(slot.seq_id), tag=slot.kv_tag, floor=self.kv.cut_floor(slot.seq_id))
