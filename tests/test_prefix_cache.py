@@ -322,43 +322,41 @@ def test_a_conversation_resumes_from_its_prompt_checkpoint_on_a_sliding_window_c
 
 def test_a_prompt_checkpoint_is_taken_before_its_end_and_restored_whole():
     """On a sliding-window cache the scheduler reads a prompt up to CHECKPOINT_BACK tokens before its end, keeps
-    that state (llama-server's offset), then reads the rest. The same prompt again, once another request took
-    the slot, restores it as it is: the state saved when the slot was taken holds the reply, and a cut back from
-    there is not complete (the lookup prefers, and the pool tries first, what can serve)."""
-    kv = WindowStateKV(n_swa=4, pos_min={})
+    that state (llama-server's offset), then reads the rest. A saved state holds only its window, so none is
+    ever cut back: once another request took the slot, a conversation's next turn restores the deepest state
+    that is a prefix of it as a whole (the one saved with the reply), and the same prompt again the checkpoint."""
+    kv = SavedWindowKV(n_swa=4, pos_min={})
     pool = SlotPool(1, kv, unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
     sched = Scheduler(pool, DecodeMaximal(), 64, 128, is_eog=lambda t: False)
 
     def run(prompt, replies):
+        replies = list(replies)
         request = Request(list(prompt), GenerationParams(max_tokens=len(replies), cache_prompt=True), sampler=None,
                           channel=Channel())
         sched.submit(request)
         chunks = []
-        for tok in [None, *replies]:
+        while not request.status.done:
             with sched.cond:
                 sched.take()
             sched.admit()
             plan = sched.schedule()
             chunks.append(sum(len(step.tokens) for step in plan.steps))
             step = plan.steps[0]
-            kv.pos_min[0] = max(0, len(step.slot.tokens) + len(step.tokens) - 6)  # (the window as it slides)
-            sched.update_from_output(plan, [tok if tok is not None else 300] * plan.n_outputs)
-            if request.status.done:
-                break
+            kv.last[0] = len(step.slot.tokens) + len(step.tokens) - 1
+            sched.update_from_output(plan, [replies.pop(0) for _ in range(plan.n_outputs)])
         return request, chunks
 
     prompt = list(range(1, 41))
     first, chunks = run(prompt, [301, 302])
-    assert chunks[:2] == [40 - CHECKPOINT_BACK, CHECKPOINT_BACK] and first.cached_tokens == 0
-    assert pool.stats.checkpoints == 1 and pool.ram.lookup(prompt, exact_only=True, tag=first.kv_tag)[1] == 40 - CHECKPOINT_BACK
-    other, _ = run(list(range(100, 140)), [303])  # takes the slot: the first one's state (with its reply) saved
-    again, chunks = run(prompt, [301])
-    assert again.cached_tokens == 40 - CHECKPOINT_BACK and chunks[0] == CHECKPOINT_BACK, chunks
-    # a next turn (the reply read back, a new question), once another request took the slot again: the state
-    # saved with the reply is a prefix of it as a whole (the deepest), restored as it is
+    assert chunks == [40 - CHECKPOINT_BACK, CHECKPOINT_BACK, 1] and first.cached_tokens == 0
+    assert pool.stats.checkpoints == 1
+    assert pool.ram.lookup(prompt, exact_only=True, tag=first.kv_tag)[1] == 40 - CHECKPOINT_BACK
+    run(list(range(100, 140)), [303])  # takes the slot: the first one's state (with its reply) saved
+    turn, chunks = run(prompt + [301, 302, 77, 78, 79], [301])
+    assert turn.cached_tokens == 41 and chunks[0] == 4
     run(list(range(100, 140)), [303])
-    turn, _ = run(prompt + [301, 302, 77, 78, 79], [301])
-    assert turn.cached_tokens == 41
+    again, chunks = run(prompt, [301])
+    assert again.cached_tokens == 40 - CHECKPOINT_BACK and chunks[0] == CHECKPOINT_BACK
 
 
 def test_an_entry_whose_window_cannot_serve_the_cut_is_not_restored():
@@ -378,6 +376,49 @@ def test_an_entry_whose_window_cannot_serve_the_cut_is_not_restored():
     c = _request(conv_a[:30] + [900, 901, 902])  # 30 tokens shared with A, 10 with the slot's own prefix
     assert pool.acquire(c) is b and c.cached_tokens == 10 and pool.stats.restored == 0
     assert ("forget", 0) not in kv.calls
+
+
+class SavedWindowKV(WindowStateKV):
+    """As llama.cpp's: a saved state holds only the window before the sequence's last position (``last``), whatever
+    older cells the live sequence still has."""
+
+    def __init__(self, n_swa, pos_min):
+        super().__init__(n_swa, pos_min)
+        self.last: dict[int, int] = {}
+
+    def _saved_min(self, seq):
+        return max(self.pos_min.get(seq, 0), self.last.get(seq, -1) - self.n_swa + 1)
+
+    def save(self, seq):
+        return str(self._saved_min(seq)).encode().ljust(100)
+
+    def cut_floor(self, seq):
+        pos_min = self._saved_min(seq)
+        return pos_min + self.n_swa if pos_min > 0 else 0
+
+    def truncate(self, seq, keep):
+        self.last[seq] = keep - 1
+        return super().truncate(seq, keep)
+
+
+def test_where_two_prompts_part_the_shared_prefix_is_kept_for_a_third():
+    """A saved sliding-window state holds only its window, so no RAM entry can be cut back to a shorter shared
+    prefix. When a slot's own sequence is cut back for a prompt that parts from it (a shared system prompt,
+    then another question), the cut state is kept: a third prompt sharing that prefix restores it whole, even
+    after the slot went on to something else."""
+    kv = SavedWindowKV(n_swa=4, pos_min={})
+    pool = SlotPool(1, kv, unified=True, partial_reuse=True, ram_cache=PromptCache(10**6))
+    system = list(range(1, 21))
+    a = pool.acquire(_request(system + [100, 101, 102]))
+    a.tokens, kv.pos_min[0], kv.last[0] = system + [100, 101, 102, 103], 0, 23  # computed here: every cell kept
+    pool.release(a, keep=True)
+    b = pool.acquire(_request(system + [200, 201, 202]))
+    assert b is a and b.tokens == system and pool.ram.lookup(system + [300], exact_only=True, tag=b.kv_tag)[1] == 20
+    b.tokens, kv.pos_min[0], kv.last[0] = list(range(500, 540)), 36, 39  # the slot went on to an unrelated prompt
+    pool.release(b, keep=True)
+    c = _request(system + [300, 301])
+    pool.acquire(c)
+    assert c.cached_tokens == len(system)
 
 
 def test_the_lookup_prefers_an_entry_that_can_be_cut_back():

@@ -68,8 +68,11 @@ class ContextKV:
     def cut_floor(self, seq: int) -> int:
         if not self.windowed:
             return 0
-        pos_min = self._lease.seq_pos_min(seq)  # (as prefix_complete: -1, the window holds nothing)
-        return 0 if pos_min == 0 else pos_min + self._lease.ctx.n_swa if pos_min > 0 else 2**31 - 1
+        # What a saved state holds (measured: llama.cpp writes only the window before the last position,
+        # whatever older cells the live cache still has), then as prefix_complete: -1, nothing at all.
+        n_swa, pos_max = self._lease.ctx.n_swa, self._lease.seq_pos_max(seq)
+        pos_min = max(self._lease.seq_pos_min(seq), pos_max - n_swa + 1)
+        return 0 if pos_min == 0 else pos_min + n_swa if pos_min > 0 else 2**31 - 1
 
     def forget(self, seq: int) -> None:
         self._lease.seq_rm(seq, -1, -1)
