@@ -201,6 +201,11 @@ HOSTILE_MEMORY = {
                       "{% set ns.l = ns.l + ([0]|batch(3999999, 0)|list) %}{% endfor %}{{ ns.l|length }}",
     "padded slices": "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
                      "{% set ns.l = ns.l + ([0]|slice(3999999, 0)|list) %}{% endfor %}{{ ns.l|length }}",
+    # (indentation grows with the depth on every line: quadratic; 1 MB of nesting indented by a million)
+    "deep json indented": "{% set ns = namespace(x=[]) %}{% for i in range(200) %}{% set ns.x = [ns.x] %}"
+                          "{% endfor %}{{ ns.x|tojson(indent=1000000) }}",
+    "deep json indented by a string": "{% set ns = namespace(x=[]) %}{% for i in range(200) %}{% set ns.x = [ns.x] %}"
+                                      "{% endfor %}{{ ns.x|tojson(indent=' ' * 100000) }}",
 }
 
 

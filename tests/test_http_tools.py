@@ -152,6 +152,26 @@ def test_the_proxy_hangs_up_cuts_and_loops_as_it_should(tmp_path, target):
     assert "Traceback" not in proc.log()
 
 
+def test_a_targets_redirect_cannot_reach_the_administrative_endpoints(tmp_path, target, tiny_model_path):
+    """(From a review) A target answering a page's proxied POST with a 307 to this server reached /models/unload
+    or a slot action: the proxy's hop carries no Origin, and the administrative endpoints looked only at that.
+    Its mark refuses it there too, as at /tools."""
+    saves = tmp_path / "slots"
+    saves.mkdir()
+    proc = ServeProcess([str(tiny_model_path), "-c", "256", "--ui-mcp-proxy", "--no-webui", "--slot-save-path",
+                         str(saves)], tmp_path / "serve.log", metrics=False)
+    try:
+        proc.wait_ready()
+        target.redirect_to = f"{proc.base_url}/slots/0?action=save"
+        r = httpx.post(f"{proc.base_url}/cors-proxy?url=http://127.0.0.1:{target.server_port}/307",
+                       json={"filename": "x.bin"}, headers={"Origin": "http://localhost:5173"}, timeout=30)
+        assert r.status_code == 403 and "through /cors-proxy" in r.text, r.text
+        assert not list(saves.iterdir())
+        assert httpx.post(f"{proc.base_url}/slots/0?action=save", json={"filename": "x.bin"}).status_code == 200
+    finally:
+        proc.stop()
+
+
 def test_a_streamed_command_dies_with_its_client(tmp_path):
     pid_file = tmp_path / "pid"
     proc = ServeProcess(["--tools", "exec_shell_command", "--no-webui"], tmp_path / "serve.log", metrics=False)
@@ -288,7 +308,15 @@ class _Target(BaseHTTPRequestHandler):
             return
         return self._answer()
 
-    do_POST = _answer
+    def do_POST(self) -> None:
+        if self.path == "/307":  # (a redirect that keeps the method and the body, to wherever the test says)
+            self.server.seen.append((self.command, self.path, dict(self.headers), b""))
+            self.send_response(307)
+            self.send_header("Location", self.server.redirect_to)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        return self._answer()
 
     def log_message(self, *args) -> None:
         pass

@@ -305,8 +305,28 @@ def _json_default(value: Any) -> Any:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     # Hugging Face's tojson: no HTML escaping, and the keyword options templates pass.
+    if indent is not None:
+        _check_size(_indentation(value, indent))
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys,
                       default=_json_default)
+
+
+def _indentation(value: Any, indent: Any) -> int:
+    """Characters of indentation ``json.dumps(value, indent=indent)`` writes: each item on a line of its own,
+    indented once per level above it (quadratic in the depth; a template builds the depth for free). The
+    value's own size was bounded before (every use of a shared object counted)."""
+    width = len(indent) if isinstance(indent, str) else max(int(indent), 0) if _is_int(indent) else 0
+    total = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children:
+            total += width * ((depth + 1) * len(children) + depth)  # (its items, then its closing bracket)
+            if total > MAX_OUTPUT_CHARS:
+                break
+            stack.extend((child, depth + 1) for child in children)
+    return total
 
 
 def _raise_exception(message: str) -> None:

@@ -144,12 +144,16 @@ def _answer_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
     return out + CONFINE
 
 
-async def proxy(request: Request, body: bytes) -> Response:
-    """Send ``request`` on to its ``url`` and stream the answer back."""
-    refuse_navigation(request)
-    url = target_url(request)
+def refuse_loop(request: Request) -> None:
+    """A request this proxy sent (its mark) came back to it: 508, before any other check answers."""
     if LOOP_HEADER in request.headers:
         raise ProxyLoop("this request came through a proxy of this kind already: a redirect loop?")
+
+
+async def proxy(request: Request, body: bytes) -> Response:
+    """Send ``request`` on to its ``url`` and stream the answer back (``refuse_loop`` was called)."""
+    refuse_navigation(request)
+    url = target_url(request)
     logger.info("proxying %s request to %s", request.method, urlsplit(url)._replace(query="").geturl())
     client = httpx.AsyncClient(trust_env=False, follow_redirects=True, timeout=httpx.Timeout(TIMEOUT_S))
     try:

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from starlette.requests import Request
 
 from .common import AppContext
+from .cors_proxy import LOOP_HEADER
 from .errors import APIError
 
 
@@ -47,7 +48,12 @@ def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, wh
     server (DNS rebinding). Such names go in ``--cors-origins``.
 
     A browser's ``Sec-Fetch-Site`` (which no page can set) says whether another site's page sent a request
-    that carries no ``Origin``: such a request is refused. Clients that are no browser send neither header."""
+    that carries no ``Origin``: such a request is refused. Clients that are no browser send neither header.
+
+    Nor is a request that ``/cors-proxy`` sent on (its mark, ``LOOP_HEADER``): a target's redirect to this server
+    would otherwise reach these endpoints without the page's ``Origin`` (httpx keeps a 307's method and body)."""
+    if LOOP_HEADER in request.headers:
+        raise OriginRefused("a request that came through /cors-proxy (a redirect of its target) is not allowed here")
     origin = request.headers.get("origin")
     if origin is None:
         if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):

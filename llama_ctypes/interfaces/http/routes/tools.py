@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..common import AppContext, endpoint, json_body, read_body
-from ..cors_proxy import LOOP_HEADER, proxy
+from ..cors_proxy import proxy, refuse_loop
 from ..errors import APIError, BadRequest, InternalError
-from ..origin import OriginRefused, check_origin
+from ..origin import check_origin
 from ..streaming import EventStream, until_disconnect
 from ..tools.base import ToolCallError, ToolNotFound, ToolParamError, tool_limiter
 
@@ -61,10 +61,7 @@ async def tools(request: Request, app: AppContext) -> Response:
     box = app.tools
     if box is None:
         raise _disabled()
-    if LOOP_HEADER in request.headers:
-        # (a page's request that /cors-proxy sent on, e.g. after a target's redirect to this server: the
-        # proxy's hop carries neither Origin nor Sec-Fetch-*, so only its mark tells; /cors-proxy answers 508)
-        raise OriginRefused("a request that came through /cors-proxy is not allowed here")
+    # (a page's request that /cors-proxy sent on, e.g. after a target's redirect here, is refused there too)
     check_origin(request, app, wildcard=False)  # (a command or a request to any host: named pages only)
     if request.method == "GET":
         return JSONResponse(box.listing())
@@ -157,5 +154,6 @@ async def cors_proxy(request: Request, app: AppContext) -> Response:
         raise _disabled()
     if request.method not in ("GET", "POST"):  # (Starlette adds HEAD to a GET route)
         raise MethodRefused(f"{request.method} is not proxied: GET and POST are")
+    refuse_loop(request)  # (508: a target's redirect back here; the origin check would refuse it too)
     check_origin(request, app, wildcard=False)  # (a command or a request to any host: named pages only)
     return await proxy(request, await read_body(request, app.max_body_bytes))
