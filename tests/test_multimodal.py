@@ -183,15 +183,34 @@ def test_chat_parts_and_literal_markers(vlm):
     assert len(text_only.tokens) == 2
 
 
-def assert_matches_text(ours, theirs: str, what: str = "") -> None:
+def run_mtmd_cli(cmd: list[str]) -> tuple[str, bool]:
+    """llama-mtmd-cli's printed text and whether all of it arrived.
+
+    Its text goes through llama.cpp's asynchronous log, which can lose the last lines at exit on a loaded
+    machine (measured: 6 of 30 runs lost one or more trailing tokens with both cores busy). The log is a
+    queue, so only the tail is lost, and a whole run ends with the closing blank line: run it again until
+    one is whole (up to 4 times), else keep the longest, marked cut."""
+    best = ""
+    for _ in range(4):
+        run = subprocess.run(cmd, capture_output=True, timeout=120)
+        assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
+        out = run.stdout.decode("utf-8", errors="replace")
+        if out.endswith("\n\n"):
+            return out.strip("\n"), True
+        best = max(best, out, key=len)
+    return best.strip("\n"), False
+
+
+def assert_matches_text(ours, theirs: str, what: str = "", whole: bool = True) -> None:
     """``ours`` (with logprobs) printed ``theirs`` (llama-mtmd-cli's output), up to a point where our top two
-    tokens nearly tied (another CPU's rounding may pick either there)."""
+    tokens nearly tied (another CPU's rounding may pick either there). Where ``theirs`` was cut (not
+    ``whole``), it is only held to be a prefix of ours."""
     pieces = [e.text for e in ours.logprobs]
     n, text = 0, ""
     while n < len(pieces) and theirs.startswith(text + pieces[n]):
         text += pieces[n]
         n += 1
-    if n < len(pieces):
+    if n < len(pieces) and (whole or text != theirs):
         top = ours.logprobs[n].top
         assert len(top) >= 2 and top[0].logprob - top[1].logprob < NEAR_TIE, (what, theirs, str(ours))
 
@@ -207,14 +226,12 @@ def test_against_llama_mtmd_cli(vlm, alm, gemma3ish, files, tmp_path):
     for model, mmproj, flag, path, media in cases:
         cmd = [str(exe), "-m", str(files["model"]), "--mmproj", str(mmproj), flag, str(path), "-p", "What is this?",
                "-n", "10", "--temp", "0", "--chat-template", "chatml", "-c", "512", "-t", "2"]
-        run = subprocess.run(cmd, capture_output=True, timeout=120)
-        assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
-        theirs = run.stdout.decode("utf-8", errors="replace").strip("\n")
+        theirs, whole = run_mtmd_cli(cmd)
         kind = "image" if flag == "--image" else "audio"
         ours = lc.chat(model, [{"role": "user", "content": [{"type": kind, kind: media},
                                                             {"type": "text", "text": "What is this?"}]}],
                        chat_template="chatml", max_tokens=10, logprobs=2, **GREEDY)
-        assert_matches_text(ours, theirs, what=mmproj.name)
+        assert_matches_text(ours, theirs, what=mmproj.name, whole=whole)
 
 
 def test_bad_media(vlm, alm, tiny_model, files, tmp_path):
@@ -494,12 +511,10 @@ def test_mrope_against_llama_mtmd_cli_and_cache(qwen2vl, tmp_path):
     image.write_bytes(png(IMG_GRID))
     cmd = [str(exe), "-m", str(qwen2vl.path), "--mmproj", str(qwen2vl.projector.path), "--image", str(image),
            "-p", "What is this?", "-n", "10", "--temp", "0", "--chat-template", "chatml", "-c", "512", "-t", "2"]
-    run = subprocess.run(cmd, capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stderr.decode(errors="replace")[-2000:]
-    theirs = run.stdout.decode("utf-8", errors="replace").strip("\n")
+    theirs, whole = run_mtmd_cli(cmd)
     turn = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]}]
     ours = lc.chat(qwen2vl, turn, chat_template="chatml", max_tokens=10, logprobs=2, **GREEDY)
-    assert_matches_text(ours, theirs)
+    assert_matches_text(ours, theirs, whole=whole)
     turn2 = turn + [{"role": "assistant", "content": "A grid."}, {"role": "user", "content": "And then?"}]
     cold = lc.chat(qwen2vl, turn2, chat_template="chatml", max_tokens=8, logprobs=2, **GREEDY)
     lc.chat(qwen2vl, turn, chat_template="chatml", max_tokens=1, cache_prompt=True, **GREEDY)
