@@ -710,6 +710,17 @@ def test_a_pending_row_sits_out_the_plans_until_its_token_is_delivered():
     assert fast.status is Status.FINISHED and slow.generated == [4, 0]
 
 
+def _one_pending():
+    """A one-slot scheduler whose only request's first draw still runs: (scheduler, request, its future)."""
+    s = make(n_parallel=1, budget=8)
+    r = req([1], max_tokens=9)
+    s.submit(r)
+    p = plan(s)
+    r.pending = future = concurrent.futures.Future()
+    s.update_from_output(p, [PENDING])
+    return s, r, future
+
+
 def test_a_pending_request_ends_only_after_its_draw():
     """Cancelled while its draw runs: cancelled once the draw ended (the draw uses its sampler). A failed draw
     fails it alone; ending it otherwise (the server closing) waits for the draw first."""
@@ -729,22 +740,12 @@ def test_a_pending_request_ends_only_after_its_draw():
     assert r.status is Status.CANCELLED and r.sampler.closed and r.generated == []
     assert isinstance(items(r)[-1], CancelledError) and s.pool.slots[0].free
 
-    s = make(n_parallel=1, budget=8)
-    r = req([1], max_tokens=9)
-    s.submit(r)
-    p = plan(s)
-    r.pending = concurrent.futures.Future()
-    s.update_from_output(p, [PENDING])
+    s, r, _ = _one_pending()
     error = GrammarError("grammar too broad")
     s.deliver(s.pool.slots[0], r, error=error)
     assert r.status is Status.FAILED and items(r)[-1] is error and s.pool.slots[0].free
 
-    s = make(n_parallel=1, budget=8)
-    r = req([1], max_tokens=9)
-    s.submit(r)
-    p = plan(s)
-    r.pending = future = concurrent.futures.Future()
-    s.update_from_output(p, [PENDING])
+    s, r, future = _one_pending()
     timer = threading.Timer(0.2, future.set_result, (1,))
     timer.start()
     s.fail_all(ServerClosedError("closed"))  # waits for the draw, then ends the request
