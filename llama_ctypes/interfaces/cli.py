@@ -241,6 +241,11 @@ def _add_serve_parser(sub) -> None:
     p.add_argument("--cache-ram", "-cram", type=int, metavar="MiB",
                    help="RAM for a cache of prompt prefixes evicted from the slots, per model (as llama-server; "
                         "default 8192, at most 1/8 of the machine's memory; 0: off; -1: up to the machine's RAM)")
+    p.add_argument("--cache-disk", metavar="DIR",
+                   help="also keep the cached prompt states in files under DIR, so that the next server on the same "
+                        "model file and settings starts with them (not in llama-server; default: off)")
+    p.add_argument("--cache-disk-mib", type=float, metavar="MiB",
+                   help="most space the --cache-disk files take (default 10240; least recently used removed first)")
     # Request defaults, as llama-server's sampling flags (a request's own fields win).
     p.add_argument("--temp", type=float, help="default temperature of a request")
     p.add_argument("--seed", "-s", type=int, help="default sampling seed of a request (-1: random)")

@@ -39,7 +39,7 @@ from .detached import Detached, DetachedDraws
 from .prompt_cache import PromptCache
 from .request import Request, handoff_batch
 from .scheduler import PENDING, SKIPPED, QueueFullError, Scheduler, ServerClosedError, TickPlan
-from .slots import SlotPool
+from .slots import BASE_TAG, SlotPool
 from .speculation import SlotDrafter
 from .strategies import BatchStrategy
 
@@ -145,7 +145,7 @@ class Engine:
     """Owns the context; runs the tick loop on its own thread. All client calls are thread-safe."""
 
     def __init__(self, lease: ContextLease, strategy: BatchStrategy, max_queue: int = 0, *,
-                 n_ctx_seq: int | None = None, prompt_cache_bytes: int = 0,
+                 n_ctx_seq: int | None = None, prompt_cache_bytes: int = 0, prompt_cache_disk: Any = None,
                  drafter: SlotDrafter | None = None, n_draft: int = 0):
         self.lease = lease
         self.drafter = drafter
@@ -165,7 +165,8 @@ class Engine:
         self._observer = drafter if getattr(drafter, "needs_observe", False) else None
         self.pool = SlotPool(ctx.n_seq_max, ContextKV(lease, self._observer), unified=ctx.params.kv_unified,
                              partial_reuse=not (model.is_recurrent or model.is_hybrid),
-                             ram_cache=PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None)
+                             ram_cache=PromptCache(prompt_cache_bytes, disk=prompt_cache_disk, disk_tag=BASE_TAG)
+                             if prompt_cache_bytes or prompt_cache_disk is not None else None)
         self.scheduler = Scheduler(self.pool, strategy, ctx.max_batch, n_ctx_seq or ctx.n_ctx_seq,
                                    max_outputs=ctx.n_outputs_max,
                                    max_queue=max_queue, is_eog=ctx.vocab.is_eog,
@@ -426,6 +427,12 @@ class Engine:
             scheduler.fail_all(error)  # also refuses new requests and calls from now on
         except BaseException:  # pragma: no cover - keep going: the calls and on_exit below must run
             logger.exception("server scheduler could not fail its requests")
+        if self.pool.ram is not None and self.pool.ram.disk is not None:
+            try:
+                self.pool.persist()  # (the slots' own prefixes, for the next server on this model)
+            except Exception:
+                logger.exception("the slots' prefixes could not be written to the disk prompt cache")
+            self.pool.ram.close()
         with scheduler.cond:
             calls, self._calls = self._calls, collections.deque()
         for call in calls:

@@ -17,12 +17,14 @@ from ..speculative.drafters import Drafter
 from ..speculative.session import MAX_DRAFT
 from .strategies import DecodeMaximal
 
-__all__ = ["DEFAULT_MAX_QUEUE", "ServerParams", "default_prompt_cache_ram_mb"]
+__all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_PROMPT_CACHE_DISK_MB", "ServerParams", "default_prompt_cache_ram_mb"]
 
 #: Requests that may wait for a slot by default: a flood fails fast (QueueFullError) instead of growing the
 #: queue (~20 KB each) without bound. ``max_queue=0`` lifts the bound.
 DEFAULT_MAX_QUEUE = 256
 
+#: The disk tier's default budget (MiB), when a directory is given.
+DEFAULT_PROMPT_CACHE_DISK_MB = 10240.0
 #: llama-server's ``--cache-ram`` default (MiB): the most the RAM tier of evicted prefixes takes by default.
 LLAMA_SERVER_CACHE_RAM_MB = 8192
 #: ...and at most this share of the machine's memory (a laptop keeps its RAM; each loaded model has a tier).
@@ -49,6 +51,8 @@ class ServerParams:
     max_queue: int = DEFAULT_MAX_QUEUE
     cache_prompt: bool = True
     prompt_cache_ram_mb: float | None = None  # None: default_prompt_cache_ram_mb(); 0: off
+    prompt_cache_dir: Any = None  # a directory for the disk tier (prompt_cache_disk.py); None: no disk tier
+    prompt_cache_disk_mb: float = DEFAULT_PROMPT_CACHE_DISK_MB
     kv_unified: bool = True
     share_kv: bool = False
     speculative: Any = None
@@ -67,6 +71,15 @@ class ServerParams:
         if ram is not None and (isinstance(ram, bool) or not isinstance(ram, (int, float))
                                 or not 0 <= ram < 2**40):  # (NaN fails too)
             raise InvalidArgumentError(f"prompt_cache_ram_mb={ram!r}: expected a number >= 0 (MiB), or None")
+        if self.prompt_cache_dir is not None:
+            if not isinstance(self.prompt_cache_dir, (str, os.PathLike)) or not str(self.prompt_cache_dir):
+                raise ArgumentTypeError(f"prompt_cache_dir={self.prompt_cache_dir!r}: expected a directory path")
+            disk = self.prompt_cache_disk_mb
+            if isinstance(disk, bool) or not isinstance(disk, (int, float)) or not 0 < disk < 2**40:
+                raise InvalidArgumentError(f"prompt_cache_disk_mb={disk!r}: expected a number > 0 (MiB)")
+            if self.control_vector is not None:
+                raise InvalidArgumentError("prompt_cache_dir with a control vector: the states on disk would not "
+                                           "say which vector computed them; use one or the other")
         if self.speculative is not None:
             n = self.n_draft
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT:

@@ -5,7 +5,9 @@ When a slot's cached tokens are about to be overwritten, its sequence state
 request looks up the stored sequence sharing the longest prefix with its
 prompt through a token trie (walk the prompt, not scan the entries), and the
 state is restored into its slot. Entries are evicted least-recently-used
-first to stay within the byte budget.
+first to stay within the byte budget. With a disk tier (``prompt_cache_disk.py``)
+every state of the base model is also written to a file, and a lookup the RAM
+cannot serve as far is tried there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from ...errors import InvalidArgumentError
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from .prompt_cache_disk import DiskPromptCache
 
 #: Approximate Python memory per token of a stored sequence: its trie node (object, child dict,
 #: key) and its slot in the entry's token tuple (measured with tracemalloc: about 316 bytes).
@@ -43,12 +48,19 @@ class _Node:
 
 
 class PromptCache:
-    """Byte-budgeted LRU of sequence states, looked up by longest common prefix."""
+    """Byte-budgeted LRU of sequence states, looked up by longest common prefix.
 
-    def __init__(self, budget_bytes: int):
+    ``on_evict(entry)`` is called for each entry dropped to stay within the budget. ``disk``: a tier of
+    files behind this one, for the states computed under ``disk_tag`` (the base model's)."""
+
+    def __init__(self, budget_bytes: int, *, on_evict: Callable[[Entry], None] | None = None,
+                 disk: "DiskPromptCache | None" = None, disk_tag: Any = ()):
         if budget_bytes < 0:
             raise InvalidArgumentError("prompt cache budget must be >= 0")
         self.budget = budget_bytes
+        self._on_evict = on_evict
+        self.disk = disk
+        self._disk_tag = disk_tag
         self.state_bytes = 0
         self.nodes = 0  # trie nodes, the root excepted
         self._roots: dict[Any, _Node] = {}  # one trie per tag: a state is found only under its own tag
@@ -57,7 +69,16 @@ class PromptCache:
         self.misses = 0
 
     def __len__(self) -> int:
+        """Entries in RAM."""
         return len(self._lru)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to look up, in RAM or on disk."""
+        return not self._lru and (self.disk is None or len(self.disk) == 0)
+
+    def contains(self, tokens: tuple[int, ...], tag: Any = ()) -> bool:
+        return (tag, tokens) in self._lru
 
     @property
     def used(self) -> int:
@@ -67,6 +88,11 @@ class PromptCache:
     def put(self, tokens: list[int], state: Any, tag: Any = (), floor: int = 0) -> bool:
         """Store a sequence's state (computed under ``tag``; complete when cut back to ``floor`` tokens or
         more); False when it alone exceeds the budget."""
+        if self.disk is not None and tag == self._disk_tag:
+            self.disk.put(tokens, state, floor)
+        return self._put_ram(tokens, state, tag, floor)
+
+    def _put_ram(self, tokens: list[int], state: Any, tag: Any, floor: int) -> bool:
         key = tuple(tokens)
         if not key or len(state) + len(key) * NODE_BYTES > self.budget:
             return False
@@ -88,7 +114,10 @@ class PromptCache:
         self._lru[(tag, key)] = entry
         self.state_bytes += entry.nbytes
         while self.used > self.budget:
-            self._remove(next(iter(self._lru.values())))
+            oldest = next(iter(self._lru.values()))
+            self._remove(oldest)
+            if self._on_evict is not None:
+                self._on_evict(oldest)
         return True
 
     def lookup(self, prompt: list[int], exact_only: bool = False, tag: Any = ()) -> tuple[Entry | None, int]:
@@ -96,8 +125,23 @@ class PromptCache:
         those, one that can be cut back to it: its ``floor`` not past it, when there is one).
 
         With ``exact_only`` the entry must be a prefix of the prompt as a whole
-        (what a recurrent memory can resume from).
+        (what a recurrent memory can resume from). With a disk tier, a file sharing a longer prefix than any
+        entry in RAM is read back (into RAM, when it fits).
         """
+        found = self._lookup_ram(prompt, exact_only, tag)
+        if self.disk is None or tag != self._disk_tag or found[1] >= len(prompt):
+            return found
+        on_disk, n = self.disk.find(prompt, exact_only)
+        if on_disk is None or n <= found[1]:
+            return found
+        entry = self.disk.load(on_disk)
+        if entry is None:
+            return found
+        if self._put_ram(list(entry.tokens), entry.state, tag, entry.floor):
+            entry = self._lru[(tag, entry.tokens)]
+        return entry, n
+
+    def _lookup_ram(self, prompt: list[int], exact_only: bool, tag: Any) -> tuple[Entry | None, int]:
         node, depth = self._roots.get(tag), 0
         if node is None:
             self.misses += 1
@@ -148,6 +192,15 @@ class PromptCache:
         for entry in entries:
             self._remove(entry)
         return len(entries)
+
+    def remove(self, entry: Entry) -> None:
+        """Drop ``entry`` (one this cache holds)."""
+        self._remove(entry)
+
+    def close(self) -> None:
+        """Write what the disk tier has queued; the RAM entries go with this object."""
+        if self.disk is not None:
+            self.disk.close()
 
     def _remove(self, entry: Entry) -> None:
         del self._lru[(entry.tag, entry.tokens)]

@@ -20,6 +20,7 @@ tokens, verified in the same batch (see ``speculation.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
+from ..._version import __version__
 from ...core.context import Context
 from ...core.control_vector import load_control_vector
 from ...core.generation import Completion, GenerationParams
@@ -44,6 +46,7 @@ from ..speculative.mtp import MTPDraft
 from .adapters import ServedAdapters
 from .engine import Engine
 from .params import DEFAULT_MAX_QUEUE, ServerParams, default_prompt_cache_ram_mb
+from .prompt_cache_disk import DiskPromptCache, key_for
 from .request import Channel, Request
 from .scheduler import QueueFullError, ServerClosedError
 from .speculation import SlotDrafter, slot_drafter
@@ -97,6 +100,11 @@ class Server:
         prompt_cache_ram_mb: RAM (MiB) for a second-level cache of the prefixes evicted from the slots;
             default None: llama-server's 8192, at most 1/8 of the machine's memory
             (:func:`default_prompt_cache_ram_mb`; taken only as prefixes are evicted); 0 = off.
+        prompt_cache_dir: a directory where the states that go to the RAM tier (and, at close, the
+            slots' own) are also written, so that a later server on the same model file and context
+            settings starts with them (default None: no disk tier). Up to ``prompt_cache_disk_mb`` MiB
+            (default 10240), least recently used files removed first. Not with a control vector; states
+            under LoRA adapters or of prompts with media stay in RAM only. See ``docs/server.md``.
         kv_unified: one KV buffer for all slots (default True), so a prefix computed by one slot is
             adopted by another with a metadata-only copy.
         share_kv: let every slot fill the whole KV pool (``n_ctx * n_parallel`` tokens, at most the
@@ -125,7 +133,9 @@ class Server:
                  n_parallel: int = _DEFAULTS.n_parallel, n_ctx: int = _DEFAULTS.n_ctx,
                  n_batch: int = _DEFAULTS.n_batch, batch_strategy: Any = _DEFAULTS.batch_strategy,
                  max_queue: int = _DEFAULTS.max_queue, cache_prompt: bool = _DEFAULTS.cache_prompt,
-                 prompt_cache_ram_mb: float | None = _DEFAULTS.prompt_cache_ram_mb, kv_unified: bool = _DEFAULTS.kv_unified,
+                 prompt_cache_ram_mb: float | None = _DEFAULTS.prompt_cache_ram_mb,
+                 prompt_cache_dir: str | os.PathLike | None = None,
+                 prompt_cache_disk_mb: float = _DEFAULTS.prompt_cache_disk_mb, kv_unified: bool = _DEFAULTS.kv_unified,
                  share_kv: bool = _DEFAULTS.share_kv, speculative: Drafter | str | os.PathLike | None = None,
                  n_draft: int = _DEFAULTS.n_draft,
                  loras: Sequence[Any] = (), control_vector: Any = None, **opts: Any):
@@ -138,7 +148,8 @@ class Server:
                 raise ArgumentTypeError("pass exactly one of model_path or model")
             params = ServerParams(n_parallel=n_parallel, n_ctx=n_ctx, n_batch=n_batch, batch_strategy=batch_strategy,
                                   max_queue=max_queue, cache_prompt=cache_prompt,
-                                  prompt_cache_ram_mb=prompt_cache_ram_mb, kv_unified=kv_unified,
+                                  prompt_cache_ram_mb=prompt_cache_ram_mb, prompt_cache_dir=prompt_cache_dir,
+                                  prompt_cache_disk_mb=prompt_cache_disk_mb, kv_unified=kv_unified,
                                   share_kv=share_kv, speculative=speculative, n_draft=n_draft,
                                   control_vector=control_vector)
             self._build(model_path, model, params, opts)
@@ -221,8 +232,14 @@ class Server:
             self.batch_strategy = strategy
             self.speculative = speculative
             self.n_draft = n_draft if speculative is not None else 0
+            disk = None
+            if params.prompt_cache_dir is not None:
+                settings = {"context": _state_settings(ctx.params), "model": repr(model.params),
+                            "version": __version__}
+                disk = DiskPromptCache(params.prompt_cache_dir, int(params.prompt_cache_disk_mb * 2**20),
+                                       key_for(model.path, settings))
             self._engine = Engine(lease, strategy, params.max_queue, n_ctx_seq=self.n_ctx,
-                                  prompt_cache_bytes=int(self.prompt_cache_ram_mb * 2**20),
+                                  prompt_cache_bytes=int(self.prompt_cache_ram_mb * 2**20), prompt_cache_disk=disk,
                                   drafter=self._drafter, n_draft=self.n_draft)
         except BaseException:
             if lease is not None:
@@ -638,8 +655,12 @@ class Server:
             "cache_restored": cache.restored,
             "cache_checkpoints": cache.checkpoints,
             "prefix_instabilities": cache.instabilities,
-            "ram_cache_entries": len(ram) if ram else 0,
-            "ram_cache_bytes": ram.used if ram else 0,
+            "ram_cache_entries": len(ram) if ram is not None else 0,
+            "ram_cache_bytes": ram.used if ram is not None else 0,
+            # (the disk tier, with prompt_cache_dir: files indexed, their bytes, states read back from them)
+            "disk_cache_entries": len(ram.disk) if ram is not None and ram.disk is not None else 0,
+            "disk_cache_bytes": ram.disk.used if ram is not None and ram.disk is not None else 0,
+            "disk_cache_hits": ram.disk.hits if ram is not None and ram.disk is not None else 0,
             "draft_tokens": engine.scheduler.drafted,
             "draft_accepted": engine.scheduler.accepted,
             "drafts": engine.scheduler.drafts,
@@ -786,6 +807,13 @@ class Server:
 
     def __repr__(self) -> str:
         return f"<Server {self.model.path.name!r} n_parallel={self.n_parallel} {self.batch_strategy!r}>"
+
+
+def _state_settings(params: ContextParams) -> dict[str, Any]:
+    """The context settings a saved state depends on (what its cells hold, how it is laid out): all but the
+    threads and the batch sizes, which change neither."""
+    skip = {"n_threads", "n_threads_batch", "n_batch", "n_ubatch", "n_outputs_max"}
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name not in skip}
 
 
 def _token_list(tokens: Sequence[int]) -> list[int]:

@@ -42,7 +42,9 @@ MIN_SAVED_TOKENS = 16
 CHECKPOINT_BACK = 4
 
 #: The KV tag of tokens computed by the model alone (no LoRA adapter).
-_BASE: tuple = ((0, ()),)
+#: The KV tag of prefixes computed by the base model alone (no LoRA adapter from position 0 on).
+BASE_TAG: tuple = ((0, ()),)
+_BASE = BASE_TAG
 
 
 def _whole_media(prompt: list[int], n: int) -> int:
@@ -297,7 +299,7 @@ class SlotPool:
                 slot.hold(prompt, n)
                 self.stats.adopted += 1
                 return n
-        if self.ram is not None and len(self.ram):
+        if self.ram is not None and not self.ram.empty:
             # The entry sharing the longest prefix, cut back to it, and the longest entry that is a prefix of the
             # prompt as a whole (a checkpoint), restored as it is: the deeper first. An entry whose window no
             # longer holds the cells before the cut (its floor) is not tried: a saved sliding-window state holds
@@ -450,6 +452,18 @@ class SlotPool:
             self._save(slot)
             self.kv.forget(slot.seq_id)
             slot.drop()
+
+    def persist(self) -> int:
+        """Write every slot's prefix computed by the base model to the disk tier (the server is closing: the
+        next one on this model starts with them); how many were queued."""
+        disk = self.ram.disk if self.ram is not None else None
+        if disk is None:
+            return 0
+        n = 0
+        for slot in self.slots:
+            if len(slot.tokens) >= MIN_SAVED_TOKENS and slot.kv_tag == _BASE:
+                n += disk.put(list(slot.tokens), self.kv.save(slot.seq_id), self.kv.cut_floor(slot.seq_id))
+        return n
 
     def forget_adapter(self, adapter: Any) -> int:
         """Drop every cached prefix computed under a set holding ``adapter`` (being unloaded): the free

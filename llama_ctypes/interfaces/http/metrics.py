@@ -132,7 +132,8 @@ class _Totals:
 
 #: Server.stats() fields that are not counters: across a sleep they are not carried over.
 _GAUGES = frozenset({"n_parallel", "active_slots", "queue_length", "avg_batch_tokens", "avg_busy_slots",
-                     "draft_acceptance", "ram_cache_entries", "ram_cache_bytes"})
+                     "draft_acceptance", "ram_cache_entries", "ram_cache_bytes", "disk_cache_entries",
+                     "disk_cache_bytes"})
 
 
 def _carry(live: Mapping[str, Mapping[str, Any]], before: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

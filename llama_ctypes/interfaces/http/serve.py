@@ -260,6 +260,12 @@ def model_specs(args: argparse.Namespace) -> tuple[Any, list[dict[str, Any]]]:
 
             cache_ram = (detect_system_memory() or 0) // 2**20
         cli_opts["prompt_cache_ram_mb"] = cache_ram
+    if getattr(args, "cache_disk", None):
+        cli_opts["prompt_cache_dir"] = str(Path(args.cache_disk).expanduser())
+    if getattr(args, "cache_disk_mib", None) is not None:
+        if not getattr(args, "cache_disk", None):
+            raise ArgumentTypeError("--cache-disk-mib needs --cache-disk DIR")
+        cli_opts["prompt_cache_disk_mb"] = args.cache_disk_mib
     if getattr(args, "model_draft", None):
         cli_opts["speculative"] = str(Path(args.model_draft).expanduser())
     elif getattr(args, "spec_ngram", False):
