@@ -205,6 +205,12 @@ def test_rerank_scores_in_document_order(reranker, bert):
     forced = lc.rerank(bert, "what is a cat", docs, any_model=True)
     assert len(forced) == len(docs) and len(set(forced)) > 1
     assert np.allclose(forced, [lc.rerank(bert, "what is a cat", [d], any_model=True)[0] for d in docs], atol=1e-4)
+    # the context is sized from n_batch, as embed's: an n_ctx of the caller's is refused (it failed the decode)
+    for reserved in ({"n_ctx": 64}, {"n_ubatch": 8}, {"pooling": "mean"}):
+        with pytest.raises(lc.ArgumentTypeError, match="rerank sets"):
+            lc.rerank(reranker, "q" * 3000, ["a" * 3000], **reserved)
+    long = lc.rerank(reranker, "q " * 3000, ["a " * 3000], n_batch=64)  # (truncated to the 64-token run)
+    assert len(long) == 1 and np.isfinite(long[0])
 
 
 def test_a_manager_reranks_with_any_model_given_rank_pooling(tiny_model_path):

@@ -19,7 +19,9 @@ from llama_ctypes.interfaces.http.app import create_app  # noqa: E402
 EVIL = [{"Origin": "https://evil.example", "Content-Type": "text/plain"},
         {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"},  # (a link or a no-cors fetch: no Origin)
         {"Origin": "http://evil.example:8080", "Host": "evil.example:8080"},  # (DNS rebinding)
-        {"x-llama-ctypes-proxied": "1", "Content-Type": "text/plain"}]  # (a /cors-proxy target's redirect: no Origin)
+        {"x-llama-ctypes-proxied": "1", "Content-Type": "text/plain"},  # (a /cors-proxy target's redirect: no Origin)
+        {"Host": "evil.example:8080", "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors",
+         "Content-Type": "text/plain"}]  # (DNS rebinding, a same-origin request without Origin)
 
 
 @pytest.fixture

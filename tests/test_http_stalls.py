@@ -184,6 +184,33 @@ def test_a_backtracking_schema_pattern_freezes_nothing(server):
     assert gap < MAX_GAP and health < MAX_GAP, (gap, health)
 
 
+def test_bodies_of_millions_of_json_values_freeze_nothing(server):
+    """Parsing builds a Python object per array and object with the GIL held: an 8 MB chat body of 2 million
+    ``[1]`` (in a free field, chat_template_kwargs) or of 200,000 messages, three at once, stopped /health and
+    the other stream for 1.5-4.9 s. Such a body is counted, not parsed: a 413 (json_cost.py)."""
+    heavy = b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": [' \
+        + b",".join([b"[1]"] * 2_000_000) + b"]}}"
+    many = ('{"messages": [' + ", ".join(['{"role": "user", "content": "hi"}'] * 200_000) + "]}").encode()
+
+    def three() -> list[int]:
+        codes: list[int] = []
+
+        def post(body: bytes) -> None:
+            r = httpx.post(f"{server.base_url}/v1/chat/completions", content=body, timeout=120,
+                           headers={"Content-Type": "application/json"})
+            codes.append(r.status_code)
+        posts = [threading.Thread(target=post, args=(b,)) for b in (heavy, many, heavy)]
+        for t in posts:
+            t.start()
+        for t in posts:
+            t.join(120)
+        return codes
+
+    codes, _, gap, health = _while_streaming(server, three)
+    assert codes == [413, 413, 413], codes
+    assert gap < MAX_GAP and health < MAX_GAP, (gap, health)
+
+
 def test_a_grammar_at_the_work_bound_freezes_nothing(server):
     """A grammar of 8,000 words, just under what the vocabulary's bound allows: where the model's pick is
     refused, llama.cpp tests each of the 32k tokens against each word, ~2 s per token. Drawn on the scheduler

@@ -438,6 +438,27 @@ def test_the_proxy_refuses_what_a_browser_sends_to_open_or_embed_its_answer(mana
         assert http.post("/tools", content=call, headers=page).status_code == 200 and marker.exists()
 
 
+def test_a_dns_rebinding_page_cannot_use_the_proxy_by_get(manager, target):
+    """After DNS rebinding the attacker's page is this server's origin, and its fetch() GETs carry no Origin:
+    the Host it sends (a name, not an IP address or localhost) is refused unless named in --cors-origins."""
+    base = f"http://127.0.0.1:{target.server_port}"
+    rebound = {"Host": "rebind.attacker.example:8080", "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors",
+               "Sec-Fetch-Dest": "empty"}
+    with TestClient(create_app(manager, tools=ToolBox(["read_file"]), cors_proxy=True),
+                    base_url="http://127.0.0.1:8080") as http:
+        r = http.get(f"/cors-proxy?url={base}/secret", headers=rebound)
+        assert r.status_code == 403 and "--cors-origins" in r.json()["error"]["message"]
+        assert http.get("/tools", headers=rebound).status_code == 403
+        assert not target.seen
+        for own in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080"):  # (names no other site can send)
+            assert http.get(f"/cors-proxy?url={base}/x", headers={**rebound, "Host": own}).status_code == 200
+        no_browser = {"Host": "llm.example.com"}  # (behind a reverse proxy; no Sec-Fetch-*: not a page)
+        assert http.get(f"/cors-proxy?url={base}/x", headers=no_browser).status_code == 200
+    named = create_app(manager, cors_proxy=True, cors_origins="http://rebind.attacker.example:8080")
+    with TestClient(named, base_url="http://127.0.0.1:8080") as http:
+        assert http.get(f"/cors-proxy?url={base}/x", headers=rebound).status_code == 200
+
+
 def test_the_proxy_refuses_credentials_in_the_url(manager, target):
     """``user@host`` would go out as ``Authorization: Basic``: a 400, and the target never sees it."""
     port = target.server_port

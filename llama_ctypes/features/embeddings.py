@@ -233,10 +233,7 @@ def embed(model: Model, texts: str | Sequence[str], *, normalize: bool = True, p
         return np.zeros((0, model.n_embd_out), dtype=np.float32)
     if pooling is not None and pooling not in ("none", "mean", "cls", "last", "rank"):
         raise InvalidArgumentError(f"pooling={pooling!r}: expected none, mean, cls, last or rank")
-    split_options(ctx_opts, ContextParams, where="embed: unknown")
-    for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"):
-        if reserved in ctx_opts:
-            raise ArgumentTypeError(f"embed sets {reserved} itself")
+    _check_context_options(ctx_opts, "embed")
     embedder = _Embedder(model, pooling or model_pooling(model), n_batch, ctx_opts, usage,
                          align=ROW_ALIGN if batch_invariant else 1)
     vectors: list[np.ndarray] = []
@@ -266,6 +263,7 @@ def rerank(model: Model, query: str, documents: Sequence[str], *, normalize: boo
     if model_pooling(model) != "rank" and not any_model:
         raise EmbeddingError(f"{model.path.name} is not a reranking model (its pooling is "
                              f"{model_pooling(model)!r}, not 'rank')")
+    _check_context_options(ctx_opts, "rerank")
     embedder = _Embedder(model, "rank", n_batch, ctx_opts, usage)
     if model_pooling(model) != "rank":
         # llama.cpp reads n_cls_out floats per sequence at the sequence's index; without a ranking head
@@ -285,6 +283,15 @@ def rerank(model: Model, query: str, documents: Sequence[str], *, normalize: boo
         scores += [float(v[0]) for v in embedder.run(pairs)]
         start += len(chunk)
     return [1.0 / (1.0 + math.exp(-s)) for s in scores] if normalize else scores
+
+
+def _check_context_options(ctx_opts: dict[str, Any], what: str) -> None:
+    """Context options known, and none of those the embedder sets itself (its context is sized from
+    ``n_batch``: an ``n_ctx`` of the caller's would not hold the runs it packs)."""
+    split_options(ctx_opts, ContextParams, where=f"{what}: unknown")
+    for reserved in ("embeddings", "pooling", "n_seq_max", "n_ubatch", "n_ctx", "n_outputs_max"):
+        if reserved in ctx_opts:
+            raise ArgumentTypeError(f"{what} sets {reserved} itself (the longest text is n_batch tokens)")
 
 
 def _rerank_tokens(model: Model, query: str, doc: str) -> list[int]:

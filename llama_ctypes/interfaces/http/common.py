@@ -19,6 +19,7 @@ from starlette.responses import Response
 from ..._version import __version__
 from .cors import CorsPolicy
 from .errors import BadRequest, BodyTooLarge, Unavailable, from_exception, shape_of
+from .json_cost import check_json_cost
 from .limits import RequestLimits
 from .metrics import Metrics
 from .routing import Router
@@ -90,7 +91,9 @@ def json_body(raw: bytes) -> Any:
     """A request body's JSON, read as strictly as llama-server's parser and the schema-checked endpoints
     (:func:`~.schemas.parse`): a lone surrogate (``"\\ud800"``, which no UTF-8 text holds: it would
     fail later, when encoded for a file name, a tokenizer or the answer), ``NaN``, ``Infinity`` or a
-    nesting too deep is a 400 ``invalid_json``, never a 500. Python's ``json.loads`` lets all of these in."""
+    nesting too deep is a 400 ``invalid_json``, never a 500. Python's ``json.loads`` lets all of these in.
+    A body that would cost too much to parse is a 413 (:func:`~.json_cost.check_json_cost`)."""
+    check_json_cost(raw)
     try:
         return pydantic_core.from_json(raw, allow_inf_nan=False)
     except ValueError as exc:

@@ -48,7 +48,9 @@ def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, wh
     server (DNS rebinding). Such names go in ``--cors-origins``.
 
     A browser's ``Sec-Fetch-Site`` (which no page can set) says whether another site's page sent a request
-    that carries no ``Origin``: such a request is refused. Clients that are no browser send neither header.
+    that carries no ``Origin``: such a request is refused; and a browser's request without ``Origin`` (a
+    same-origin GET) by a host name that is not named in ``--cors-origins`` too (DNS rebinding again).
+    Clients that are no browser send neither header.
 
     Nor is a request that ``/cors-proxy`` sent on (its mark, ``LOOP_HEADER``): a target's redirect to this server
     would otherwise reach these endpoints without the page's ``Origin`` (httpx keeps a 307's method and body)."""
@@ -56,9 +58,17 @@ def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, wh
         raise OriginRefused("a request that came through /cors-proxy (a redirect of its target) is not allowed here")
     origin = request.headers.get("origin")
     if origin is None:
-        if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+        site = request.headers.get("sec-fetch-site")
+        if site in ("cross-site", "same-site"):
             raise OriginRefused("a request from a page of another site (a link, an image, a no-cors fetch) "
                                 "is not allowed here")
+        host = request.headers.get("host", "")
+        if site is not None and not own_host(host) \
+                and not (app.cors.names(f"http://{host}") or app.cors.names(f"https://{host}")):
+            # A page's same-origin GET carries no Origin: after DNS rebinding, the attacker's host name is the
+            # page's origin and the Host it sends.
+            raise OriginRefused(f"a browser request to this server by the name {host!r} is not allowed here: "
+                                f"add http://{host} to --cors-origins to let its pages use {what}")
         return
     if app.cors.allows(origin) if wildcard else app.cors.names(origin):
         return

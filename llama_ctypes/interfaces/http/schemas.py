@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Sequence, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import BadRequest
+from .json_cost import check_json_cost
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -108,6 +109,8 @@ class Message(BaseModel):
             return content
         for i, part in enumerate(content):
             kind = part.get("type")
+            if not isinstance(kind, str):
+                raise ValueError(f"content part {i}: 'type' must be a string")
             if kind in _UNSUPPORTED_PARTS:
                 raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported by this "
                                  f"server ({kind!r}; text, image_url and input_audio are)")
@@ -527,7 +530,9 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse(cls: type[T], body: bytes) -> T:
-    """Validate a JSON body; raises :class:`BadRequest` naming the first wrong field."""
+    """Validate a JSON body; raises :class:`BadRequest` naming the first wrong field (413 for a body that
+    would cost too much to parse: :func:`~.json_cost.check_json_cost`)."""
+    check_json_cost(body)
     if _NON_FINITE.search(body):  # (maybe inside a string: the exact check only then)
         try:
             json.loads(body, parse_constant=_reject_constant)
