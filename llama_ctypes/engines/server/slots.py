@@ -41,7 +41,6 @@ MIN_SAVED_TOKENS = 16
 #: whole, and a cut back into the prompt's last batch is still complete.
 CHECKPOINT_BACK = 4
 
-#: The KV tag of tokens computed by the model alone (no LoRA adapter).
 #: The KV tag of prefixes computed by the base model alone (no LoRA adapter from position 0 on).
 BASE_TAG: tuple = ((0, ()),)
 _BASE = BASE_TAG
