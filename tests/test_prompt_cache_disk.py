@@ -203,3 +203,46 @@ def test_serve_flags(tiny_model_path, tmp_path):
     assert "prompt_cache_dir" not in spec
     with pytest.raises(ArgumentTypeError, match="--cache-disk"):
         model_specs(parse(["serve", str(tiny_model_path), "--cache-disk-mib", "512"]))
+
+
+def test_the_size_bound_holds_under_a_soak(tmp_path):
+    """600 states of 5-60 KB under one 1 MB budget, some prompts again, a reopen every 200: the files on disk
+    never take more than the budget, and the index holds exactly the files there."""
+    rng = np.random.default_rng(3)
+    budget = 2**20
+    disk = DiskPromptCache(tmp_path, budget, "k")
+    for i in range(600):
+        tokens = [int(t) for t in rng.integers(0, 50, int(rng.integers(16, 80)))]
+        disk.put(tokens, _state(int(rng.integers(5_000, 60_000)), i))
+        if i % 50 == 49:
+            _written(disk)
+            files = list((tmp_path / "k").glob("*" + SUFFIX))
+            assert sum(f.stat().st_size for f in files) <= budget and len(files) == len(disk)
+        if i % 200 == 199:
+            disk.close()
+            disk = DiskPromptCache(tmp_path, budget, "k")
+    assert len(disk) > 10  # (the last reopen found them)
+
+
+def test_a_server_soak_keeps_the_directory_within_its_budget(tiny_model, tmp_path):
+    """Conversations through a server whose disk tier holds far fewer of them than pass: within the budget
+    after every round and after close; a conversation evicted from RAM and slots comes back from disk with
+    the same greedy tokens as a cold run."""
+    budget_mb = 1.0
+    prompts = [SYSTEM + f"Conversation {i}: tell me about place number {i}." for i in range(24)]
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, cache_prompt=False) as cold_srv:
+        cold = _greedy(cold_srv, prompts[0] + " More?")
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, prompt_cache_ram_mb=0.5,
+                   prompt_cache_dir=tmp_path, prompt_cache_disk_mb=budget_mb) as srv:
+        for p in prompts:
+            _greedy(srv, p)
+        srv._engine.pool.ram.disk.flush()
+        on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*" + SUFFIX))
+        assert 0 < on_disk <= budget_mb * 2**20
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*" + SUFFIX)) <= budget_mb * 2**20
+    with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, prompt_cache_dir=tmp_path,
+                   prompt_cache_disk_mb=budget_mb) as srv:
+        late = [_greedy(srv, p + " More?") for p in prompts[::-1]]
+        restored = srv.stats()["disk_cache_hits"]
+    assert restored > 0
+    assert_greedy_equivalent(late[-1], cold, what="conversation 0 after the soak")
