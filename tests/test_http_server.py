@@ -327,12 +327,12 @@ def test_loading_closing_and_internal_errors_in_process():
 
     chat = {"model": "m", "messages": CHAT}
     app = create_app(_FakeManager(_info("m", "loading")))
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:
         e = _error(http.get("/health"), 503)
         assert "loading" in e["message"] and http.get("/health").headers["retry-after"] == "1"
         _error(http.post("/v1/chat/completions", json=chat), 503)
     app = create_app(_FakeManager(_info("m", "ready")))
-    with TestClient(app) as http:
+    with TestClient(app, base_url="http://127.0.0.1") as http:
         e = _error(http.post("/v1/chat/completions", json=chat), 500)
         assert e["message"] == "internal server error" and "secret" not in json.dumps(e)
         assert 'status="500"' in http.get("/metrics").text
@@ -730,7 +730,7 @@ def test_a_model_unloaded_during_routing_is_a_503_not_a_500():
 
     from llama_ctypes.interfaces.http import create_app
 
-    with TestClient(create_app(_UnloadingManager(_info("m", "ready")))) as http:
+    with TestClient(create_app(_UnloadingManager(_info("m", "ready"))), base_url="http://127.0.0.1") as http:
         e = _error(http.post("/v1/chat/completions", json={"model": "m", "messages": CHAT}), 503)
         assert "unloaded" in e["message"] and e["code"] == "model_not_loaded"
         _error(http.post("/tokenize", json={"model": "m", "content": "x"}), 503)

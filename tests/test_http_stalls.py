@@ -187,10 +187,14 @@ def test_a_backtracking_schema_pattern_freezes_nothing(server):
 def test_bodies_of_millions_of_json_values_freeze_nothing(server):
     """Parsing builds a Python object per array and object with the GIL held: an 8 MB chat body of 2 million
     ``[1]`` (in a free field, chat_template_kwargs) or of 200,000 messages, three at once, stopped /health and
-    the other stream for 1.5-4.9 s. Such a body is counted, not parsed: a 413 (json_cost.py)."""
+    the other stream for 1.5-4.9 s. Such a body is counted, not parsed: a 413 (json_cost.py); and counting
+    takes linear time."""
     heavy = b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": [' \
         + b",".join([b"[1]"] * 2_000_000) + b"]}}"
     many = ('{"messages": [' + ", ".join(['{"role": "user", "content": "hi"}'] * 200_000) + "]}").encode()
+    # (a string never closed, full of brackets and escaped quotes: telling brackets in strings from the others
+    # once tried every escaped quote as a string's start, 16 s for these 100 KB)
+    unclosed = b'{"messages": [{"role": "user", "content": "' + b"[" * 50_001 + b'\\"' * 30_000
 
     def three() -> list[int]:
         codes: list[int] = []
@@ -199,7 +203,7 @@ def test_bodies_of_millions_of_json_values_freeze_nothing(server):
             r = httpx.post(f"{server.base_url}/v1/chat/completions", content=body, timeout=120,
                            headers={"Content-Type": "application/json"})
             codes.append(r.status_code)
-        posts = [threading.Thread(target=post, args=(b,)) for b in (heavy, many, heavy)]
+        posts = [threading.Thread(target=post, args=(b,)) for b in (heavy, many, unclosed)]
         for t in posts:
             t.start()
         for t in posts:
@@ -207,7 +211,7 @@ def test_bodies_of_millions_of_json_values_freeze_nothing(server):
         return codes
 
     codes, _, gap, health = _while_streaming(server, three)
-    assert codes == [413, 413, 413], codes
+    assert sorted(codes) == [400, 413, 413] or codes == [413] * 3, codes
     assert gap < MAX_GAP and health < MAX_GAP, (gap, health)
 
 

@@ -31,7 +31,7 @@ def http(tiny_model, tmp_path):
         manager.load("tiny", tiny_model, mode="server", n_parallel=2, n_ctx=256)
         app = create_app(manager, slot_save_path=tmp_path / "slots", tools=ToolBox(["read_file"]),
                          predict_route="/predict")
-        with TestClient(app, raise_server_exceptions=False) as client:
+        with TestClient(app, raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
             yield client
 
 

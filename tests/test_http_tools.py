@@ -37,7 +37,7 @@ def manager():
 
 
 def test_tools_and_proxy_answer_403_unless_enabled(manager):
-    with TestClient(create_app(manager)) as http:
+    with TestClient(create_app(manager), base_url="http://127.0.0.1") as http:
         for method, path in (("GET", "/tools"), ("POST", "/tools"), ("GET", "/cors-proxy?url=http://x/"),
                              ("POST", "/cors-proxy?url=http://x/")):
             r = http.request(method, path, json={"tool": "read_file", "params": {}} if method == "POST" else None)
@@ -46,7 +46,7 @@ def test_tools_and_proxy_answer_403_unless_enabled(manager):
 
 def test_tools_are_listed_and_called_as_llama_server_does(manager, tmp_path):
     (tmp_path / "note.txt").write_text("hello from a file\n")
-    with TestClient(create_app(manager, tools=ToolBox(["all"]), api_key="k")) as http:
+    with TestClient(create_app(manager, tools=ToolBox(["all"]), api_key="k"), base_url="http://127.0.0.1") as http:
         assert http.get("/tools").status_code == 401  # (the key guards the tools like every endpoint)
         auth = {"Authorization": "Bearer k"}
         listing = http.get("/tools", headers=auth).json()
@@ -340,7 +340,7 @@ def test_cors_proxy_passes_requests_through_with_only_the_named_headers(manager,
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:1")
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:1")
-    with TestClient(create_app(manager, cors_proxy=True, api_key="k")) as http:
+    with TestClient(create_app(manager, cors_proxy=True, api_key="k"), base_url="http://127.0.0.1") as http:
         auth = {"Authorization": "Bearer k"}
         assert http.get(f"/cors-proxy?url={base}/x").status_code == 401
         r = http.get(f"/cors-proxy?url={base}/capture", headers={
@@ -381,7 +381,7 @@ def test_proxied_answers_never_act_as_pages_of_this_server(manager, target):
     download), and the target's headers that act on the origin (cookies, site data, redirects, HSTS, its
     own CORS and security policies) are dropped; what MCP needs (the type, the session id) passes."""
     base = f"http://127.0.0.1:{target.server_port}"
-    with TestClient(create_app(manager, cors_proxy=True)) as http:
+    with TestClient(create_app(manager, cors_proxy=True), base_url="http://127.0.0.1") as http:
         r = http.get(f"/cors-proxy?url={base}/page")
         assert r.status_code == 200 and r.content.startswith(b"<!doctype html>")
         names = {k.lower() for k in r.headers} - {"content-length", "transfer-encoding"}
@@ -439,30 +439,36 @@ def test_the_proxy_refuses_what_a_browser_sends_to_open_or_embed_its_answer(mana
 
 
 def test_a_dns_rebinding_page_cannot_use_the_proxy_by_get(manager, target):
-    """After DNS rebinding the attacker's page is this server's origin, and its fetch() GETs carry no Origin:
-    the Host it sends (a name, not an IP address or localhost) is refused unless named in --cors-origins."""
+    """After DNS rebinding the attacker's page is this server's origin, and its fetch() GETs carry no Origin
+    (and, to a plain-http origin, no Sec-Fetch-* either: a real Chromium's request was Host and Referer only):
+    a Host that names neither an IP address nor localhost is refused unless named in --cors-origins or the
+    request gives the API key."""
     base = f"http://127.0.0.1:{target.server_port}"
-    rebound = {"Host": "rebind.attacker.example:8080", "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors",
-               "Sec-Fetch-Dest": "empty"}
+    chromium = {"Host": "rebind.attacker.example:8080", "Referer": "http://rebind.attacker.example:8080/"}
+    secure = {**chromium, "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors", "Sec-Fetch-Dest": "empty"}
     with TestClient(create_app(manager, tools=ToolBox(["read_file"]), cors_proxy=True),
                     base_url="http://127.0.0.1:8080") as http:
-        r = http.get(f"/cors-proxy?url={base}/secret", headers=rebound)
-        assert r.status_code == 403 and "--cors-origins" in r.json()["error"]["message"]
-        assert http.get("/tools", headers=rebound).status_code == 403
+        for rebound in (chromium, secure):
+            r = http.get(f"/cors-proxy?url={base}/secret", headers=rebound)
+            assert r.status_code == 403 and "--cors-origins" in r.json()["error"]["message"]
+            assert http.get("/tools", headers=rebound).status_code == 403
         assert not target.seen
         for own in ("127.0.0.1:8080", "localhost:8080", "[::1]:8080"):  # (names no other site can send)
-            assert http.get(f"/cors-proxy?url={base}/x", headers={**rebound, "Host": own}).status_code == 200
-        no_browser = {"Host": "llm.example.com"}  # (behind a reverse proxy; no Sec-Fetch-*: not a page)
-        assert http.get(f"/cors-proxy?url={base}/x", headers=no_browser).status_code == 200
+            assert http.get(f"/cors-proxy?url={base}/x", headers={**secure, "Host": own}).status_code == 200
     named = create_app(manager, cors_proxy=True, cors_origins="http://rebind.attacker.example:8080")
     with TestClient(named, base_url="http://127.0.0.1:8080") as http:
-        assert http.get(f"/cors-proxy?url={base}/x", headers=rebound).status_code == 200
+        assert http.get(f"/cors-proxy?url={base}/x", headers=chromium).status_code == 200
+    keyed = create_app(manager, cors_proxy=True, api_key="k")  # (behind a reverse proxy by name, with the key)
+    with TestClient(keyed, base_url="http://127.0.0.1:8080") as http:
+        assert http.get(f"/cors-proxy?url={base}/x", headers=chromium).status_code == 401
+        r = http.get(f"/cors-proxy?url={base}/x", headers={"Host": "llm.example.com", "Authorization": "Bearer k"})
+        assert r.status_code == 200
 
 
 def test_the_proxy_refuses_credentials_in_the_url(manager, target):
     """``user@host`` would go out as ``Authorization: Basic``: a 400, and the target never sees it."""
     port = target.server_port
-    with TestClient(create_app(manager, cors_proxy=True)) as http:
+    with TestClient(create_app(manager, cors_proxy=True), base_url="http://127.0.0.1") as http:
         for url in (f"http://user@127.0.0.1:{port}/x", f"http://user:pw@127.0.0.1:{port}/x",
                     f"http://:pw@127.0.0.1:{port}/x", f"http://@127.0.0.1:{port}/x",
                     f"http://127.0.0.1:{port}@127.0.0.1:{port}/x"):

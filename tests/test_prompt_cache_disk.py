@@ -246,3 +246,19 @@ def test_a_server_soak_keeps_the_directory_within_its_budget(tiny_model, tmp_pat
         restored = srv.stats()["disk_cache_hits"]
     assert restored > 0
     assert_greedy_equivalent(late[-1], cold, what="conversation 0 after the soak")
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    """A full disk (the rename or a write raising): what was written of the state goes, the cache goes on."""
+    import llama_ctypes.engines.server.prompt_cache_disk as tier
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier.os, "replace", full)
+    disk = DiskPromptCache(tmp_path, 2**30, "k")
+    assert disk.put([4] * 20, _state(10_000))
+    _written(disk)
+    assert disk.failed == 1 and len(disk) == 0 and not list((tmp_path / "k").iterdir())
+    monkeypatch.undo()
+    assert _written(disk).put([5] * 20, _state(10_000)) and len(_written(disk)) == 1

@@ -172,7 +172,7 @@ def test_both_replicas_answer_as_one_local_server(client, replica_of, tiny_model
         answers[replica] = (reply.choices[0].message.content, reply.usage.completion_tokens)
     local = LlamaReplica(str(tiny_model_path), **REPLICA_OPTIONS)
     try:
-        with TestClient(local.app) as http:
+        with TestClient(local.app, base_url="http://127.0.0.1") as http:
             reply = http.post(CHAT, json=body).json()
     finally:
         local.close()

@@ -246,11 +246,15 @@ class DiskPromptCache:
         if len(head) + len(raw) + len(state) + len(key) * NODE_BYTES > self._index.budget:
             self.skipped += 1  # (it alone would not fit)
             return
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(raw)
-            f.write(state)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(raw)
+                f.write(state)
+            os.replace(tmp, path)
+        except BaseException:
+            self._unlink(tmp)  # (a full disk: what was written of it goes)
+            raise
         with self._lock:
             self._index.put(list(key), _OnDisk(path, len(head) + len(raw) + len(state)), floor=floor)
         self.writes += 1

@@ -48,9 +48,11 @@ def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, wh
     server (DNS rebinding). Such names go in ``--cors-origins``.
 
     A browser's ``Sec-Fetch-Site`` (which no page can set) says whether another site's page sent a request
-    that carries no ``Origin``: such a request is refused; and a browser's request without ``Origin`` (a
-    same-origin GET) by a host name that is not named in ``--cors-origins`` too (DNS rebinding again).
-    Clients that are no browser send neither header.
+    that carries no ``Origin``: such a request is refused. A request without ``Origin`` by a host name that
+    ``--cors-origins`` does not name is refused too, unless the server asks for an API key: a page's
+    same-origin GET carries no ``Origin``, and to a plain-http origin a browser sends no ``Sec-Fetch-*``
+    either, so after DNS rebinding it looks like any client (which reaches these endpoints by an IP
+    address, ``localhost``, a name in ``--cors-origins``, or with the key).
 
     Nor is a request that ``/cors-proxy`` sent on (its mark, ``LOOP_HEADER``): a target's redirect to this server
     would otherwise reach these endpoints without the page's ``Origin`` (httpx keeps a 307's method and body)."""
@@ -63,12 +65,13 @@ def check_origin(request: Request, app: AppContext, *, wildcard: bool = True, wh
             raise OriginRefused("a request from a page of another site (a link, an image, a no-cors fetch) "
                                 "is not allowed here")
         host = request.headers.get("host", "")
-        if site is not None and not own_host(host) \
+        if not app.api_keys and not own_host(host) \
                 and not (app.cors.names(f"http://{host}") or app.cors.names(f"https://{host}")):
-            # A page's same-origin GET carries no Origin: after DNS rebinding, the attacker's host name is the
-            # page's origin and the Host it sends.
-            raise OriginRefused(f"a browser request to this server by the name {host!r} is not allowed here: "
-                                f"add http://{host} to --cors-origins to let its pages use {what}")
+            # A page's same-origin GET carries no Origin, and to a plain-http origin a browser sends no Sec-Fetch-*
+            # either: after DNS rebinding, the attacker's host name is the page's origin and the Host it sends. A
+            # client that gives the API key is no such page.
+            raise OriginRefused(f"a request to this server by the name {host!r} is not allowed here without an API "
+                                f"key: add http://{host} to --cors-origins to let it use {what}, or use --api-key")
         return
     if app.cors.allows(origin) if wildcard else app.cors.names(origin):
         return
