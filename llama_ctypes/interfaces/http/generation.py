@@ -13,12 +13,12 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from ...engines.server import Server
 from ...errors import CancelledError
 from ...features.openai.shapes import timings
 from .errors import BadRequest
+from .json_answer import json_response
 from .schemas import SamplingFields
 from .streaming import EventStream, until_disconnect
 
@@ -169,7 +169,7 @@ async def respond(request: Request, streams: Sequence[Any], stream: bool, events
     ``await complete()`` as JSON. Either way the requests are cancelled when the client leaves."""
     if stream:
         return EventStream(events(), on_close=lambda: cancel_all(streams), shape=shape)
-    return JSONResponse(await until_disconnect(request.receive, complete(), lambda: cancel_all(streams)))
+    return await json_response(await until_disconnect(request.receive, complete(), lambda: cancel_all(streams)))
 
 
 def cancel_all(streams: Sequence[Any]) -> None:

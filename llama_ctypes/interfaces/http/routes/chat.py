@@ -37,6 +37,7 @@ from ..generation import (
     submit,
     verbose_fields,
 )
+from ..json_answer import json_response
 from ..limits import over_limit
 from ..schemas import ChatCompletionRequest, ControlRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
@@ -146,7 +147,7 @@ async def chat_completions(request: Request, app: AppContext) -> Response:
     if body.stream:
         return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams))  # type: ignore[return-value]
     result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
-    return JSONResponse(result)
+    return await json_response(result)
 
 
 class _Reply:

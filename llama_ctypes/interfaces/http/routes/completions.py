@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ....core.generation import GenerationParams
 from ....core.json_schema.convert import json_schema_to_gbnf
@@ -22,6 +22,7 @@ from ....features.openai.shapes import Envelope, completion_logprobs, finish_rea
 from ..common import SYSTEM_FINGERPRINT, AppContext, endpoint, read_body
 from ..errors import BadRequest, from_exception
 from ..generation import cancel_all, gather_all, new_logprobs, sampling_options, submit
+from ..json_answer import json_response
 from ..limits import over_limit
 from ..schemas import CompletionRequest, parse
 from ..streaming import EventStream, merge, until_disconnect
@@ -69,7 +70,7 @@ async def completions(request: Request, app: AppContext) -> Response:
     if body.stream:
         return EventStream(reply.chunks(), on_close=lambda: cancel_all(streams))  # type: ignore[return-value]
     result = await until_disconnect(request.receive, reply.complete(), lambda: cancel_all(streams))
-    return JSONResponse(result)
+    return await json_response(result)
 
 
 class _Reply:

@@ -14,12 +14,13 @@ from typing import Any
 import anyio
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ....features.embeddings import EmbedUsage
 from ....features.openai.shapes import input_usage
 from ..common import AppContext, endpoint, read_body
 from ..errors import BadRequest
+from ..json_answer import json_response
 from ..limits import RequestLimits, over_limit
 from ..schemas import EmbeddingRequest, RerankRequest, parse
 
@@ -65,7 +66,7 @@ async def embeddings(request: Request, app: AppContext) -> Response:
         else:
             value = vec.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
-    return JSONResponse({"object": "list", "data": data, "model": info.id,
+    return await json_response({"object": "list", "data": data, "model": info.id,
                          "usage": input_usage(n_tokens)})
 
 
@@ -102,8 +103,8 @@ async def rerank(request: Request, app: AppContext) -> Response:
     if body.top_n is not None:
         ranked = ranked[:body.top_n]
     if body.tei:  # (llama-server answers TEI's request, with "texts", in TEI's shape)
-        return JSONResponse([{"index": i, "score": scores[i], **({"text": documents[i]} if body.return_text else {})}
+        return await json_response([{"index": i, "score": scores[i], **({"text": documents[i]} if body.return_text else {})}
                              for i in ranked])
-    return JSONResponse({"model": info.id, "object": "list",
+    return await json_response({"model": info.id, "object": "list",
                          "usage": input_usage(n_tokens),
                          "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})

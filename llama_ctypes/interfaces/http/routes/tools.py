@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from ..common import AppContext, endpoint, json_body, read_body
 from ..cors_proxy import proxy, refuse_loop
 from ..errors import APIError, BadRequest, InternalError
+from ..json_answer import json_response
 from ..origin import check_origin
 from ..streaming import EventStream, until_disconnect
 from ..tools.base import ToolCallError, ToolNotFound, ToolParamError, tool_limiter
@@ -86,7 +87,7 @@ async def tools(request: Request, app: AppContext) -> Response:
     if not stream:  # (a client that leaves stops the call: its command is killed)
         gone = threading.Event()
         stop = lambda: gone.is_set() or box.should_stop()  # noqa: E731
-        return JSONResponse(await until_disconnect(request.receive, _call(tool, params, stop=stop), gone.set))
+        return await json_response(await until_disconnect(request.receive, _call(tool, params, stop=stop), gone.set))
     return _streamed(tool, params, box.should_stop)
 
 
