@@ -91,7 +91,8 @@ def test_a_catalog_of_several_models_is_a_router_and_reload_is_refused_to_other_
     catalog = Catalog(manager)
     catalog.add(CatalogEntry("tiny", {"source": str(tiny_model_path)}))
     catalog.add(CatalogEntry("other", {"source": str(tiny_model_path), "n_ctx": 256}, autoload=False))
-    with TestClient(create_app(manager, catalog=catalog), raise_server_exceptions=False, base_url="http://127.0.0.1") as http:
+    with TestClient(create_app(manager, catalog=catalog), raise_server_exceptions=False,
+                    base_url="http://127.0.0.1") as http:
         assert http.get("/models?reload=1", headers=EVIL[0]).status_code == 403
         assert http.get("/models", headers=EVIL[0]).status_code == 200  # (listing is not acting)
         assert http.post("/models/unload", json={"model": "tiny"}).json() == {"success": True}

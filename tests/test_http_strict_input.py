@@ -157,12 +157,15 @@ def test_a_body_of_too_many_arrays_and_objects_is_refused_before_it_is_parsed(ht
     for path, body in (("/v1/chat/completions", heavy), ("/v1/chat/completions", many.encode()),
                        ("/tools", b'{"tool": "read_file", "params": {"x": [' + b",".join([b"{}"] * 60_000) + b"]}}")):
         r = http.post(path, content=body, headers={"Content-Type": "application/json"})
-        assert _error(r, 413)["code"] == "request_too_large" and "JSON arrays and objects" in r.json()["error"]["message"]
+        error = _error(r, 413)
+        assert error["code"] == "request_too_large" and "JSON arrays and objects" in error["message"]
     from llama_ctypes.interfaces.http.json_cost import MAX_JSON_VALUES
 
-    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": [' + b",".join([b"1"] * (MAX_JSON_VALUES + 2))
-                  + b"]}", headers={"Content-Type": "application/json"})
-    assert _error(r, 413)["code"] == "request_too_large" and "JSON values" in r.json()["error"]["message"]
+    ids = b",".join([b"1"] * (MAX_JSON_VALUES + 2))
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": [' + ids + b"]}",
+                  headers={"Content-Type": "application/json"})
+    error = _error(r, 413)
+    assert error["code"] == "request_too_large" and "JSON values" in error["message"]
     text = "{[" * 100_000  # (brackets in a string: an ordinary prompt)
     r = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [
         {"role": "user", "content": text}]})

@@ -203,8 +203,8 @@ class DiskPromptCache:
     # ---- writing ----------------------------------------------------------------------------------------
 
     def put(self, tokens: list[int], state: Any, floor: int = 0) -> bool:
-        """Write ``tokens``' ``state`` (a C-contiguous bytes-like object) to a file, on the writer thread; False when not queued
-        (media placeholders in ``tokens``, already on disk, too much waiting, or closed)."""
+        """Write ``tokens``' ``state`` (a C-contiguous bytes-like object) to a file, on the writer thread; False
+        when not queued (media placeholders in ``tokens``, already on disk, too much waiting, or closed)."""
         key = tuple(tokens)
         if not key or self._closed or min(key) < 0:
             return False
@@ -229,7 +229,7 @@ class DiskPromptCache:
             key, state, floor = job
             try:
                 self._write(key, state, floor)
-            except OSError as exc:  # (a full disk: the RAM tier still serves)
+            except Exception as exc:  # (a full disk: the RAM tier still serves; the writer goes on)
                 logger.warning("prompt cache: could not write a state to %s: %s", self.directory, exc)
                 self.failed += 1
             finally:

@@ -67,7 +67,7 @@ async def embeddings(request: Request, app: AppContext) -> Response:
             value = vec.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
     return await json_response({"object": "list", "data": data, "model": info.id,
-                         "usage": input_usage(n_tokens)})
+                                "usage": input_usage(n_tokens)})
 
 
 def _rerank(manager: Any, model_id: str, query: str, documents: list[str],
@@ -103,8 +103,8 @@ async def rerank(request: Request, app: AppContext) -> Response:
     if body.top_n is not None:
         ranked = ranked[:body.top_n]
     if body.tei:  # (llama-server answers TEI's request, with "texts", in TEI's shape)
-        return await json_response([{"index": i, "score": scores[i], **({"text": documents[i]} if body.return_text else {})}
-                             for i in ranked])
+        return await json_response([{"index": i, "score": scores[i],
+                                     **({"text": documents[i]} if body.return_text else {})} for i in ranked])
     return await json_response({"model": info.id, "object": "list",
-                         "usage": input_usage(n_tokens),
-                         "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})
+                                "usage": input_usage(n_tokens),
+                                "results": [{"index": i, "relevance_score": scores[i]} for i in ranked]})
