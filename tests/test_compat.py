@@ -70,6 +70,37 @@ def test_tokenizer_matches_llama_cpp_pythons_own_test_values(vocab_dir):
     llama.close()
 
 
+def test_vocab_only_llama_keeps_a_context_that_runs_nothing(vocab_dir, tiny_model_path):
+    """llama-cpp-python keeps a llama.cpp context even for a weightless model (its test reads
+    ``llama._ctx.ctx``): here a VocabContext, which has no decode, memory or state call to misuse."""
+    from llama_ctypes.core.vocab_context import VocabContext
+
+    llama = Llama(model_path=str(vocab_dir / "ggml-vocab-llama-spm.gguf"), vocab_only=True, n_ctx=256, verbose=False)
+    view = llama._ctx
+    assert isinstance(view.ctx, VocabContext) and view.ctx is llama._ctx.ctx  # (one context, made once)
+    assert view.n_ctx() == 256 == llama.n_ctx()
+    for call in (lambda: llama("Hello", max_tokens=2), lambda: llama.eval([1, 15043]),
+                 lambda: llama.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=2)):
+        with pytest.raises(lc.ContextCreationError, match="vocab_only"):
+            call()
+    assert llama.tokenize(b"Hello World") == [1, 15043, 2787]  # (the refused calls changed nothing)
+    vocab_ctx = view.ctx
+    llama.close()
+    assert vocab_ctx.closed and vocab_ctx.freed  # (closed with the Llama, and its model with it)
+    with pytest.raises(lc.ClosedError):
+        llama._ctx
+    # a held VocabContext keeps its model alive past the Llama's close
+    model = lc.load_model(str(vocab_dir / "ggml-vocab-llama-spm.gguf"), vocab_only=True)
+    held = VocabContext(model)
+    model.close()
+    assert not model.freed and held.n_ctx == 4096
+    held.close()
+    assert model.freed
+    held.close()  # (idempotent)
+    with lc.load_model(tiny_model_path) as weighted, pytest.raises(lc.InvalidArgumentError, match="has weights"):
+        VocabContext(weighted)
+
+
 def test_completion_shape_and_tokens_match_the_engine(llm, tiny_model):
     ref = _reference(tiny_model)
     out = llm(PROMPT, max_tokens=12, temperature=0, logprobs=3)

@@ -17,13 +17,27 @@ import numpy as np
 
 from ...core.context import Context
 from ...core.model import Model
+from ...core.params import ContextParams, split_options
 from ...core.sampler import Sampler, SamplingParams
+from ...core.vocab_context import VocabContext
 from ...errors import ClosedError, ContextOverflowError, InvalidArgumentError
 
 #: ``(input_ids, scores) -> scores``: one row of logits (float32, n_vocab) after the ids so far.
 LogitsProcessor = Callable[[np.ndarray, np.ndarray], np.ndarray]
 #: ``(input_ids, logits) -> bool``: True stops the generation before the token is emitted.
 StoppingCriteria = Callable[[np.ndarray, np.ndarray], bool]
+
+
+class ContextView:
+    """llama-cpp-python's ``Llama._ctx`` (its internal context wrapper) as far as code outside it reads
+    it: ``ctx`` is the context object itself (a :class:`~llama_ctypes.Context`, or a
+    :class:`~llama_ctypes.core.vocab_context.VocabContext` for a ``vocab_only`` model), never a raw pointer."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def n_ctx(self) -> int:
+        return int(self.ctx.n_ctx)
 
 
 class LogitsProcessorList(list):
@@ -109,6 +123,8 @@ class Session:
         self._ctx_opts = ctx_opts
         self._loras = loras
         self._ctx: Context | None = None
+        self._vocab_ctx: VocabContext | None = None
+        self._create_lock = threading.Lock()  # (two threads' first use make one context)
         self._closed = False
         self.lock = Busy()
         self.n_ctx = int(ctx_opts["n_ctx"])
@@ -119,7 +135,24 @@ class Session:
         self._rows: np.ndarray | None = None  # logits_all: row i = the logits after input_ids[i]
         self._rows_valid = 0  # how many leading rows of _rows belong to what is held
 
+    def handle(self) -> Context | VocabContext:
+        """The context itself (created on first use): a :class:`VocabContext` for a ``vocab_only`` model,
+        as llama-cpp-python keeps a context even for one."""
+        if not self._model.params.vocab_only:
+            return self._context()
+        with self._create_lock:
+            if self._closed:
+                raise ClosedError("this Llama was closed")
+            if self._vocab_ctx is None:
+                (opts,) = split_options(self._ctx_opts, ContextParams, where="Llama: unknown")
+                self._vocab_ctx = VocabContext(self._model, ContextParams(**opts))
+            return self._vocab_ctx
+
     def _context(self) -> Context:
+        with self._create_lock:
+            return self._context_locked()
+
+    def _context_locked(self) -> Context:
         ctx = self._ctx
         if ctx is None:
             if self._closed:
@@ -332,4 +365,7 @@ class Session:
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.close()
+        vocab_ctx, self._vocab_ctx = self._vocab_ctx, None
+        if vocab_ctx is not None:
+            vocab_ctx.close()
         self.n_tokens, self._last_scores, self._rows_valid, self._rows = 0, None, 0, None

@@ -39,7 +39,7 @@ from . import _fim
 from ._draft import CallableDraft, draft_length
 from ._hooked import HookedCalls
 from ._shapes import collect, finish_reason, completion_logprobs, response_schema, restamp, token_usage
-from ._session import LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
+from ._session import ContextView, LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
 from .llama_chat_format import Llava15ChatHandler
 from .llama_grammar import LlamaGrammar
 from .llama_tokenizer import LlamaModelHandle, LlamaTokenizer, llama_model_get_vocab, llama_token_to_piece
@@ -565,6 +565,11 @@ class Llama(HookedCalls):
 
     def n_ctx(self) -> int:
         return int(self._ctx_opts["n_ctx"])
+
+    @property
+    def _ctx(self) -> ContextView:
+        # (llama-cpp-python's internal wrapper; its own tests and some user code read ``_ctx.ctx``)
+        return ContextView(self._session.handle())
 
     def n_embd(self) -> int:
         return self._model.n_embd
