@@ -97,6 +97,9 @@ def test_vocab_only_llama_keeps_a_context_that_runs_nothing(vocab_dir, tiny_mode
     held.close()
     assert model.freed
     held.close()  # (idempotent)
+    with lc.load_model(str(vocab_dir / "ggml-vocab-llama-spm.gguf"), vocab_only=True) as bare:
+        with pytest.raises(lc.ContextCreationError, match="n_ctx"):  # (no training context to stand for 0)
+            VocabContext(bare, lc.ContextParams(n_ctx=0))
     with lc.load_model(tiny_model_path) as weighted, pytest.raises(lc.InvalidArgumentError, match="has weights"):
         VocabContext(weighted)
 

@@ -12,6 +12,7 @@
 #include "mtmd.h"               // tools/mtmd: struct layouts only (the adapter does not link libmtmd)
 #include "mtmd-helper.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -27,7 +28,7 @@
 #endif
 
 // Bump when the meaning of an lcx_* function changes.
-#define LCX_ABI_VERSION 5
+#define LCX_ABI_VERSION 6
 
 // One device's share of a context's memory, in bytes (llama_get_memory_breakdown).
 // dev is NULL for host buffers: system RAM, pinned host memory included.
@@ -341,6 +342,74 @@ LCX_API bool lcx_sampler_apply(llama_sampler * smpl, llama_token_data_array * cu
         *error = dup_string("unknown error in llama_sampler_apply");
     }
     return false;
+}
+
+// llama_sampler_sample of a chain whose first sampler is top_k(k), with nothing before it that reads or
+// changes logits (the caller checks; k < n_vocab): the candidate array holds only the k largest logits of
+// row idx, found in one pass over the row, where llama_sampler_sample first writes all n_vocab entries
+// (12 bytes each: 3 MB per row of a 262k vocabulary) for top-k to cut. The chain then runs as there (its
+// top-k keeps all k and sorts them), so the draw has the same distribution; of logits tied at the k-th
+// place the lowest ids are kept (llama.cpp's partial sort keeps an arbitrary few). Returns the token, which
+// the chain has accepted, or -1 where the row has no logits or the chain selected nothing (there
+// llama_sampler_sample aborts the process) or threw.
+LCX_API int32_t lcx_sampler_sample_top_k(llama_sampler * smpl, llama_context * ctx, int32_t idx, int32_t k) {
+    try {
+        const float * logits = llama_get_logits_ith(ctx, idx);
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        if (logits == nullptr || k <= 0 || k > n_vocab) {
+            return -1;
+        }
+        // a heap whose front is the weakest candidate kept: the lowest logit, the highest id among equals
+        const auto stronger = [](const llama_token_data & a, const llama_token_data & b) {
+            return a.logit > b.logit || (a.logit == b.logit && a.id < b.id);
+        };
+        thread_local std::vector<llama_token_data> tls_cur;  // (one per sampling thread)
+        std::vector<llama_token_data> & cur = tls_cur;       // (its address looked up once)
+        cur.clear();
+        cur.reserve(k);
+        int32_t i = 0;
+        for (; i < k; ++i) {
+            cur.push_back({i, logits[i], 0.0f});
+            std::push_heap(cur.begin(), cur.end(), stronger);
+        }
+        float floor = cur.front().logit;
+        // Blocks of the row are first tested whole for any logit above the floor (a comparison the
+        // compiler vectorizes); only the rare block that has one is walked.
+        constexpr int32_t block = 64;
+        while (i < n_vocab) {
+            const int32_t end = std::min(n_vocab, i + block);
+            int above = 0;  // (an int: a bool accumulator is not vectorized)
+            if (end - i == block) {
+                for (int32_t j = 0; j < block; ++j) {
+                    above |= logits[i + j] > floor;
+                }
+            } else {
+                above = 1;
+            }
+            if (above) {
+                for (int32_t j = i; j < end; ++j) {
+                    const float v = logits[j];
+                    if (v > floor) {  // (one equal to the floor loses to the lower id already kept)
+                        std::pop_heap(cur.begin(), cur.end(), stronger);
+                        cur.back() = {j, v, 0.0f};
+                        std::push_heap(cur.begin(), cur.end(), stronger);
+                        floor = cur.front().logit;
+                    }
+                }
+            }
+            i = end;
+        }
+        llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
+        llama_sampler_apply(smpl, &cur_p);
+        if (cur_p.selected < 0 || cur_p.selected >= static_cast<int64_t>(cur_p.size)) {
+            return -1;
+        }
+        const llama_token token = cur_p.data[cur_p.selected].id;
+        llama_sampler_accept(smpl, token);
+        return token;
+    } catch (...) {
+        return -1;
+    }
 }
 
 // ---- src/llama-ext.h: MTP hidden states and model placement ------------------

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import ClosedError, IndexOutOfRangeError
+from ..errors import ClosedError, DecodeError, IndexOutOfRangeError
 
 __all__ = ["OutputOps"]
 
@@ -97,13 +97,28 @@ class OutputOps:
 
         return rows_view
 
-    def sample_fn(self, chain) -> Callable[[int], int]:
+    def sample_fn(self, chain, top_k: int = 0) -> Callable[[int], int]:
         """``idx -> token``: ``llama_sampler_sample`` of the native sampler ``chain`` on this context.
 
-        The caller guarantees that row ``idx`` has logits (llama.cpp asserts otherwise).
+        ``top_k`` > 0: the chain starts with top_k(top_k) and nothing before it reads the logits, so the
+        draw is made from the row's ``top_k`` largest logits alone (``lcx_sampler_sample_top_k``). The
+        caller guarantees that row ``idx`` has logits (llama.cpp asserts otherwise).
         """
         self._check()
         sample, ptr = self._lib.llama_sampler_sample, self._ptr
+        if top_k > 0:
+            sample_top_k = self._lib.lcx_sampler_sample_top_k
+
+            def fn_top_k(idx: int) -> int:
+                if not self._held:
+                    raise ClosedError("this ContextLease was released")
+                token = sample_top_k(chain, ptr, idx, top_k)
+                if token < 0:
+                    raise DecodeError(f"the sampler chain drew no token from row {idx} (its logits are missing "
+                                      "or not numbers)")
+                return token
+
+            return fn_top_k
 
         def fn(idx: int) -> int:
             if not self._held:

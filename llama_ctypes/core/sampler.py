@@ -453,10 +453,13 @@ class Sampler(NativeHandle):
         chain = lib.llama_sampler_chain_init(chain_params)
         seed = p.seed if p.seed is not None else random.getrandbits(32) % 0xFFFFFFFF
 
+        added: list[str] = []
+
         def add(smpl, what: str) -> None:
             if not smpl:  # the chain is freed by the handler below
                 raise InvalidArgumentError(f"llama.cpp rejected the {what} sampler settings")
             lib.llama_sampler_chain_add(chain, smpl)
+            added.append(what)
 
         try:
             if p.logit_bias:
@@ -507,6 +510,10 @@ class Sampler(NativeHandle):
             raise
         # The seed actually used, so a run can be reproduced even when none was given.
         self.seed = seed
+        #: k where the chain starts with top_k(k < n_vocab), nothing before it reading or changing logits (a
+        #: bias, penalties, DRY, top-n-sigma): a row is then drawn from its k largest logits alone, found in
+        #: one pass (lcx_sampler_sample_top_k), not from a candidate array of the whole vocabulary.
+        self._top_k_first = p.top_k if added[:1] == ["top_k"] and p.top_k < n_vocab else 0
         return chain
 
     def _grammar_sampler(self, vocab):
@@ -602,7 +609,7 @@ class Sampler(NativeHandle):
             raise ClosedError("Sampler is closed")
         if self.params.plain_greedy:
             return _argmax_fn(lease.logits_view_fn())
-        return lease.sample_fn(self._ptr)
+        return lease.sample_fn(self._ptr, top_k=self._top_k_first)
 
     def _constrained_fn(self, lease) -> Callable[[int, np.ndarray], int]:
         """Grammar sampling as llama.cpp's common sampler does it: sample first, check the grammar after.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import ClosedError, ContextCreationError, InvalidArgumentError
+from ..errors import ContextCreationError, InvalidArgumentError
 from .backend import clear_native_error, native_error
 from .handle import NativeHandle
 from .params import ContextParams
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 class VocabContext(NativeHandle):
     """A context over a ``vocab_only`` model: its sizes, and nothing to decode.
 
-    ``n_ctx`` (tokens) is the requested size, or the model's training context for 0. Keeps its
+    ``n_ctx`` (tokens) is the requested size as llama.cpp rounds it (up to a multiple of 256), or the
+    model's training context for 0 (a ContextCreationError where the vocabulary file names none). Keeps its
     Model alive; ``close()`` is idempotent. Tokenize with ``model.tokenize`` / ``ctx.model.vocab``.
     """
 
@@ -61,11 +62,6 @@ class VocabContext(NativeHandle):
             self._lib.llama_free(self._ptr)
             self._ptr = None
         self.model._release()
-
-    def check_open(self) -> None:
-        """Raise :class:`~llama_ctypes.ClosedError` once closed."""
-        if self._closed:
-            raise ClosedError("VocabContext is closed")
 
     def __repr__(self) -> str:
         return f"<VocabContext n_ctx={self.n_ctx} {'closed' if self._closed else 'open'}>"

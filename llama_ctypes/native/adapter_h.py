@@ -22,7 +22,7 @@ from .llama_h import (
 )
 
 # Must equal LCX_ABI_VERSION in the adapter.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 class lcx_device_memory(Structure):
@@ -61,6 +61,8 @@ PROTOTYPES = [
     ("lcx_sampler_accept", [llama_sampler_p, c_int32, POINTER(c_void_p)], c_bool),
     # bool lcx_sampler_apply(llama_sampler * smpl, llama_token_data_array * cur_p, char ** error);
     ("lcx_sampler_apply", [llama_sampler_p, POINTER(llama_token_data_array), POINTER(c_void_p)], c_bool),
+    # int32_t lcx_sampler_sample_top_k(llama_sampler * smpl, llama_context * ctx, int32_t idx, int32_t k);
+    ("lcx_sampler_sample_top_k", [llama_sampler_p, llama_context_p, c_int32, c_int32], c_int32),
     # void lcx_set_embeddings_nextn(llama_context * ctx, bool value, bool masked);
     ("lcx_set_embeddings_nextn", [llama_context_p, c_bool, c_bool], None),
     # void lcx_set_nextn_layer_offset(llama_context * ctx, int32_t offset);
