@@ -11,12 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from http_helpers import metric_samples
 from margins import assert_greedy_equivalent
 
 import llama_ctypes as lc
 from llama_ctypes.engines.server.prompt_cache import PromptCache
 from llama_ctypes.engines.server.prompt_cache_disk import SUFFIX, DiskPromptCache
 from llama_ctypes.errors import ArgumentTypeError, InvalidArgumentError
+from llama_ctypes.interfaces.http.metrics import Metrics
 
 SYSTEM = "You are a careful assistant who answers questions about geography and history in detail. " * 3
 
@@ -150,7 +152,17 @@ def test_a_new_server_starts_from_the_last_ones_states(tiny_model, tmp_path):
     with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, prompt_cache_dir=tmp_path) as srv:
         warm = _greedy(srv, follow)
         stats = srv.stats()
+        text = Metrics(lambda: {"tiny": srv.stats()}).render().decode()
     assert warm.timings.cached_tokens >= first.prompt_tokens - 1 and stats["cache_restored"] == 1
+    # /metrics shows both tiers as Server.stats() does
+    entries = metric_samples(text, "llama_ctypes_prompt_cache_entries")
+    size = metric_samples(text, "llama_ctypes_prompt_cache_bytes")
+    disk = (("model", "tiny"), ("tier", "disk"))
+    assert entries[disk] == stats["disk_cache_entries"] >= 1 and size[disk] == stats["disk_cache_bytes"] > 0
+    assert size[(("model", "tiny"), ("tier", "ram"))] == stats["ram_cache_bytes"]
+    assert metric_samples(text, "llama_ctypes_prompt_cache_restored_total")[(("model", "tiny"),)] == 1
+    assert metric_samples(text, "llama_ctypes_prompt_cache_disk_hits_total")[(("model", "tiny"),)] == \
+        stats["disk_cache_hits"] >= 1
     assert_greedy_equivalent(warm, cold, what="restored from disk")
     with lc.Server(model=tiny_model, n_parallel=2, n_ctx=1024, prompt_cache_dir=tmp_path, type_k="f32") as srv:
         other = _greedy(srv, follow)

@@ -49,6 +49,14 @@ class _ServerCollector(Collector):
                                        "(backend_sampling)", labels=["model"])
         fallbacks = CounterMetricFamily(f"{PREFIX}_in_graph_fallbacks", "Requests that asked for backend_sampling "
                                         "and sampled as usual, by reason", labels=["model", "reason"])
+        tier_entries = GaugeMetricFamily(f"{PREFIX}_prompt_cache_entries", "Prompt states kept by the prompt "
+                                         "cache's tiers (ram, disk)", labels=["model", "tier"])
+        tier_bytes = GaugeMetricFamily(f"{PREFIX}_prompt_cache_bytes", "Bytes held by the prompt cache's tiers "
+                                       "(ram, disk)", labels=["model", "tier"])
+        restored = CounterMetricFamily(f"{PREFIX}_prompt_cache_restored", "Prompt states restored from the prompt "
+                                       "cache's tiers into a slot", labels=["model"])
+        disk_hits = CounterMetricFamily(f"{PREFIX}_prompt_cache_disk_hits", "Prompt states read back from the "
+                                        "disk tier", labels=["model"])
         tick = CounterMetricFamily(f"{PREFIX}_tick_seconds", "Scheduler thread time by part of the tick (text and "
                                    "handoff are parts of update)", labels=["model", "phase"])
         try:
@@ -67,11 +75,17 @@ class _ServerCollector(Collector):
             drafted.add_metric([model], s.get("draft_tokens", 0))
             accepted.add_metric([model], s.get("draft_accepted", 0))
             in_graph.add_metric([model], s.get("in_graph_requests", 0))
+            for tier in ("ram", "disk"):
+                tier_entries.add_metric([model, tier], s.get(f"{tier}_cache_entries", 0))
+                tier_bytes.add_metric([model, tier], s.get(f"{tier}_cache_bytes", 0))
+            restored.add_metric([model], s.get("cache_restored", 0))
+            disk_hits.add_metric([model], s.get("disk_cache_hits", 0))
             for reason, n in s.get("in_graph_fallbacks", {}).items():
                 fallbacks.add_metric([model, reason], n)
             for phase, seconds in s.get("tick_seconds", {}).items():
                 tick.add_metric([model, phase], seconds)
-        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, in_graph, fallbacks, tick]
+        return [queue, active, total, hits, misses, cached, evaluated, drafted, accepted, in_graph, fallbacks,
+                tier_entries, tier_bytes, restored, disk_hits, tick]
 
 
 def _llama_server_block(stats: list[Mapping[str, Any]], t: "_Totals", window: list[float]) -> str:
