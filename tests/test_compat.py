@@ -104,6 +104,48 @@ def test_vocab_only_llama_keeps_a_context_that_runs_nothing(vocab_dir, tiny_mode
         VocabContext(weighted)
 
 
+def test_a_vocab_context_made_while_the_llama_closes_is_not_kept(vocab_dir, monkeypatch):
+    """close() in one thread while another makes the vocab_only context: the new context is closed at once
+    and that thread gets ClosedError (nothing open left behind the closed Llama)."""
+    import threading
+
+    from llama_ctypes.core.vocab_context import VocabContext
+    from llama_ctypes.interfaces.compat import _session
+
+    started, go, made = threading.Event(), threading.Event(), []
+
+    class Slow(VocabContext):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+            started.set()  # (made, not yet kept by the session)
+            go.wait(10)
+
+    monkeypatch.setattr(_session, "VocabContext", Slow)
+    llama = Llama(model_path=str(vocab_dir / "ggml-vocab-llama-spm.gguf"), vocab_only=True, n_ctx=256, verbose=False)
+    errors = []
+
+    def touch():
+        try:
+            llama._ctx
+        except lc.ClosedError as error:
+            errors.append(error)
+
+    t = threading.Thread(target=touch)
+    t.start()
+    assert started.wait(10)
+    llama.close()
+    go.set()
+    t.join(10)
+    assert len(errors) == 1 and len(made) == 1 and made[0].closed
+
+
+def test_context_options_are_checked_before_anything_is_sized_by_them(vocab_dir):
+    for bad in (-5, 2**32):
+        with pytest.raises(lc.InvalidArgumentError, match="n_ctx"):
+            Llama(model_path=str(vocab_dir / "ggml-vocab-llama-spm.gguf"), vocab_only=True, n_ctx=bad, verbose=False)
+
+
 def test_completion_shape_and_tokens_match_the_engine(llm, tiny_model):
     ref = _reference(tiny_model)
     out = llm(PROMPT, max_tokens=12, temperature=0, logprobs=3)

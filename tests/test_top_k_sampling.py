@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import llama_ctypes as lc
-from llama_ctypes.core.sampler import Sampler, SamplingParams
+from llama_ctypes.core.sampler import TOP_K_FIRST_MAX, Sampler, SamplingParams
 
 PROMPTS = ["The history of the city of Rome begins", "Once upon a time, in a small village,",
            "def fibonacci(n):", "Ingredients: flour, sugar, eggs and"]
@@ -55,6 +55,9 @@ def test_which_chains_take_the_top_k_path(tiny_model):
     assert first(temp=0.8, top_k=40, top_p=0.5, min_p=0.1, typical_p=0.9) == 40
     assert first(temp=0.8, top_k=0) == 0
     assert first(temp=0.8, top_k=n_vocab) == first(temp=0.8, top_k=n_vocab + 5) == 0
+    # (past TOP_K_FIRST_MAX, or 1/32 of the vocabulary, the heap costs more than the candidate array)
+    assert first(temp=0.8, top_k=min(TOP_K_FIRST_MAX, n_vocab // 32)) > 0
+    assert first(temp=0.8, top_k=min(TOP_K_FIRST_MAX, n_vocab // 32) + 1) == 0
     assert first(temp=0.8, top_k=40, logit_bias={3: 2.0}) == 0
     assert first(temp=0.8, top_k=40, penalty_repeat=1.1) == 0
     assert first(temp=0.8, top_k=40, dry_multiplier=0.8) == 0
@@ -72,3 +75,20 @@ def test_native_call_refuses_what_it_cannot_draw(tiny_model):
         for k in (0, -3, tiny_model.n_vocab + 1):
             assert lib.lcx_sampler_sample_top_k(sampler._ptr, lease._ptr, -1, k) == -1
         assert 0 <= lib.lcx_sampler_sample_top_k(sampler._ptr, lease._ptr, -1, 8) < tiny_model.n_vocab
+
+
+def test_a_row_with_a_nan_logit_is_refused(tiny_model):
+    """A NaN would break the heap's order (the row's largest logits silently left out): the draw raises
+    DecodeError, where any other row of the same decode still draws."""
+    with lc.Context.create(tiny_model, n_ctx=256, n_threads=1) as ctx, ctx.lease() as lease, \
+            Sampler(tiny_model, SamplingParams(temp=1.0, top_k=40, seed=3)) as sampler:
+        tokens = tiny_model.tokenize("Once upon a time")
+        for where in (3, 1000, tiny_model.n_vocab - 1):  # (among the first k, in a block, in the tail)
+            lease.prefill(tokens, reuse=False)
+            row = lease.logits_view_fn()(-1)
+            row[where] = np.nan
+            draw = lease.sample_fn(sampler._ptr, top_k=sampler._top_k_first)
+            with pytest.raises(lc.DecodeError, match="not numbers"):
+                draw(-1)
+            row[where] = -np.inf
+            assert 0 <= draw(-1) < tiny_model.n_vocab

@@ -13,6 +13,7 @@
 #include "mtmd-helper.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -367,21 +368,25 @@ LCX_API int32_t lcx_sampler_sample_top_k(llama_sampler * smpl, llama_context * c
         std::vector<llama_token_data> & cur = tls_cur;       // (its address looked up once)
         cur.clear();
         cur.reserve(k);
+        // A NaN logit is refused (-1): it would break the heap's order, and so which logits are kept.
         int32_t i = 0;
         for (; i < k; ++i) {
+            if (std::isnan(logits[i])) {
+                return -1;
+            }
             cur.push_back({i, logits[i], 0.0f});
             std::push_heap(cur.begin(), cur.end(), stronger);
         }
         float floor = cur.front().logit;
-        // Blocks of the row are first tested whole for any logit above the floor (a comparison the
-        // compiler vectorizes); only the rare block that has one is walked.
+        // Blocks of the row are first tested whole for any logit above the floor or NaN (one comparison,
+        // !(v <= floor), that the compiler vectorizes); only the rare block that has one is walked.
         constexpr int32_t block = 64;
         while (i < n_vocab) {
             const int32_t end = std::min(n_vocab, i + block);
             int above = 0;  // (an int: a bool accumulator is not vectorized)
             if (end - i == block) {
                 for (int32_t j = 0; j < block; ++j) {
-                    above |= logits[i + j] > floor;
+                    above |= !(logits[i + j] <= floor);
                 }
             } else {
                 above = 1;
@@ -394,6 +399,8 @@ LCX_API int32_t lcx_sampler_sample_top_k(llama_sampler * smpl, llama_context * c
                         cur.back() = {j, v, 0.0f};
                         std::push_heap(cur.begin(), cur.end(), stronger);
                         floor = cur.front().logit;
+                    } else if (std::isnan(v)) {
+                        return -1;
                     }
                 }
             }

@@ -143,10 +143,14 @@ class Session:
         with self._create_lock:
             if self._closed:
                 raise ClosedError("this Llama was closed")
-            if self._vocab_ctx is None:
+            vocab_ctx = self._vocab_ctx
+            if vocab_ctx is None:
                 (opts,) = split_options(self._ctx_opts, ContextParams, where="Llama: unknown")
-                self._vocab_ctx = VocabContext(self._model, ContextParams(**opts))
-            return self._vocab_ctx
+                vocab_ctx = self._vocab_ctx = VocabContext(self._model, ContextParams(**opts))
+                if self._closed:  # (close() ran in another thread while this one created it: never kept)
+                    self.close()
+                    raise ClosedError("this Llama was closed")
+            return vocab_ctx
 
     def _context(self) -> Context:
         with self._create_lock:

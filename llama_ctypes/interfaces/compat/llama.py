@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from ...core.model import Model, load_model
+from ...core.params import ContextParams, split_options
 from ...core.sampler import SamplingParams
 from ...core.target import GenerationTarget, LocalTarget
 from ...core.logprobs import MAX_TOP_LOGPROBS
@@ -243,6 +244,9 @@ class Llama(HookedCalls):
             opts.pop("yarn_beta_fast")
         if opts.get("yarn_beta_slow") == 1.0:
             opts.pop("yarn_beta_slow")
+        # (checked now, as the context will check them: the session sizes its token array by n_ctx first)
+        (fields,) = split_options(opts, ContextParams, where="Llama: unknown")
+        ContextParams(**fields)
         return opts
 
     def _sampling(self, *, temperature: float, top_p: float, min_p: float, typical_p: float, top_k: int,
