@@ -243,7 +243,8 @@ def test_python_api_tool_calls_streamed_equal_non_streamed_on_model_and_server(g
     args = "".join(tc["function"].get("arguments", "") for c in chunks
                    for tc in c["choices"][0]["delta"].get("tool_calls", []))
     ref, ref_top = http_tops(choice["logprobs"]["content"])
-    streamed, _ = http_tops([t for c in chunks for t in ((c["choices"][0].get("logprobs") or {}).get("content") or [])])
+    pieces = [t for c in chunks for t in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+    streamed, _ = http_tops(pieces)
     if assert_same_greedy(streamed, ref, ref_top, what="streamed tool call") == len(ref) == len(streamed):
         assert json.loads(args) == json.loads(call["function"]["arguments"])
         assert chunks[-1]["usage"]["completion_tokens"] == done["usage"]["completion_tokens"]

@@ -79,11 +79,11 @@ def test_native_call_refuses_what_it_cannot_draw(tiny_model):
 
 def test_a_row_with_a_nan_logit_is_refused(tiny_model):
     """A NaN would break the heap's order (the row's largest logits silently left out): the draw raises
-    DecodeError, where any other row of the same decode still draws."""
+    DecodeError, and the same row draws again once the NaN is gone."""
     with lc.Context.create(tiny_model, n_ctx=256, n_threads=1) as ctx, ctx.lease() as lease, \
             Sampler(tiny_model, SamplingParams(temp=1.0, top_k=40, seed=3)) as sampler:
         tokens = tiny_model.tokenize("Once upon a time")
-        for where in (3, 1000, tiny_model.n_vocab - 1):  # (among the first k, in a block, in the tail)
+        for where in (3, 1000, tiny_model.n_vocab - 1):  # (among the first k, past them, the last id)
             lease.prefill(tokens, reuse=False)
             row = lease.logits_view_fn()(-1)
             row[where] = np.nan

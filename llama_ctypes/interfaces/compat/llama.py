@@ -40,7 +40,8 @@ from . import _fim
 from ._draft import CallableDraft, draft_length
 from ._hooked import HookedCalls
 from ._shapes import collect, finish_reason, completion_logprobs, response_schema, restamp, token_usage
-from ._session import ContextView, LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session, StoppingCriteriaList
+from ._session import (ContextView, LlamaState, LogitsProcessorList, MinTokensLogitsProcessor, Session,
+                       StoppingCriteriaList)
 from .llama_chat_format import Llava15ChatHandler
 from .llama_grammar import LlamaGrammar
 from .llama_tokenizer import LlamaModelHandle, LlamaTokenizer, llama_model_get_vocab, llama_token_to_piece
